@@ -1,0 +1,40 @@
+"""Helpers shared by the op files: the CPU row-tiling scheme and Triton interpreter detection.
+
+CPU libraries (MKL, oneDNN, torch's own reductions) pick their algorithm from the problem shape, so a row's
+bits change with the number of rows. Calling them only on fixed-shape tiles of ``ROW_TILE`` rows, zero-padding
+the last tile, removes the shape from the decision: every row sees the same call whatever its batch.
+"""
+
+import os
+from collections.abc import Callable
+
+import torch
+
+# Measured on the 2-core CPU machines (K=576, N=1536 and 49152): 16 rows costs about as much as one row at
+# decode sizes, where the weight read dominates, and stays within 2x of one big call at M=512.
+ROW_TILE = 16
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def map_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """Apply ``fn`` to fixed ``[tile, ...]`` blocks of the rows of ``x`` and concatenate the results.
+
+    ``fn`` must map ``[tile, *rest]`` to ``[tile, *out_rest]`` row by row. The last block is zero-padded to
+    ``tile`` rows, so ``fn`` only ever sees one shape and one memory layout.
+    """
+    # x: [M, *rest]
+    x = x.contiguous()
+    m = x.shape[0]
+    full = m - m % tile
+    parts = [fn(x[i : i + tile]) for i in range(0, full, tile)]
+    if m > full:
+        pad = x.new_zeros((tile, *x.shape[1:]))
+        pad[: m - full] = x[full:]
+        parts.append(fn(pad)[: m - full])
+    if not parts:
+        return fn(x.new_zeros((tile, *x.shape[1:])))[:0]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -1,0 +1,227 @@
+"""Batch-invariant matrix multiplication: ``mm``, ``addmm``, ``bmm``, ``linear``.
+
+The contract: every output element is accumulated over K in one sequential loop from k = 0 upward, in fp32,
+so its bits depend only on its own row and column and on K. No split-K, stream-K or atomics.
+
+CUDA runs a persistent-tile Triton kernel. The tile shape comes from a fixed table keyed by (dtype, N, K) and an
+M bucket: on the H200 the tile shape did not change the bits (DESIGN.md), and bench/ops.py re-checks every M.
+The CPU runs the vendor BLAS on fixed-shape row tiles (see ``_common.map_row_tiles``); bf16/fp16 are upcast to
+fp32 there and rounded once at the end.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lockstep.ops._common import interpreting, map_row_tiles
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _mm_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr,
+    M, N, K,
+    stride_ab, stride_am, stride_ak,
+    stride_bb, stride_bk, stride_bn,
+    stride_cb, stride_cm, stride_cn,
+    alpha, beta,
+    HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Persistent: program p computes tiles p, p + NUM_PROGRAMS, ... of batch entry program_id(1). Which program
+    # owns a tile never changes how the tile is computed.
+    batch = tl.program_id(1)
+    a_ptr += batch * stride_ab
+    b_ptr += batch * stride_bb
+    c_ptr += batch * stride_cb
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    tiles_per_group = GROUP_M * num_n
+    for tile in range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS):
+        # Grouped order: consecutive tiles share B columns, which keeps them in L2.
+        group = tile // tiles_per_group
+        first_m = group * GROUP_M
+        group_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % tiles_per_group) % group_m
+        pid_n = (tile % tiles_per_group) // group_m
+
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        a_tile = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_tile = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        mask_m = offs_m[:, None] < M
+        mask_n = offs_n[None, :] < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, K, BK):
+            if EVEN_K:
+                a = tl.load(a_tile, mask=mask_m, other=0.0)
+                b = tl.load(b_tile, mask=mask_n, other=0.0)
+            else:
+                # Zero-padding the tail of K adds exact zeros: the sum's bits do not change.
+                a = tl.load(a_tile, mask=mask_m & (offs_k[None, :] < K - k), other=0.0)
+                b = tl.load(b_tile, mask=mask_n & (offs_k[:, None] < K - k), other=0.0)
+            if UPCAST:  # the interpreter's bf16/fp16 dot is wrong; run it in fp32 there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_tile += BK * stride_ak
+            b_tile += BK * stride_bk
+
+        if SCALED:
+            acc = acc * alpha
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc += beta * bias[None, :]
+        c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m & mask_n)
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    bm: int
+    bn: int
+    bk: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
+    """The tile for one problem. Keyed by (dtype, N, K) and a bucket of M; the reduction order never depends on it."""
+    if dtype == torch.float32:
+        return MatmulConfig(bm=32 if m <= 32 else 64, bn=64, bk=32, num_warps=4, num_stages=3)
+    if m <= 16:
+        return MatmulConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4)
+    if m <= 32:
+        return MatmulConfig(bm=32, bn=64, bk=128, num_warps=4, num_stages=4)
+    if m <= 64:
+        return MatmulConfig(bm=64, bn=64, bk=128, num_warps=4, num_stages=4)
+    if m <= 256:
+        return MatmulConfig(bm=64, bn=128, bk=64, num_warps=4, num_stages=4)
+    return MatmulConfig(bm=128, bn=256, bk=64, num_warps=8, num_stages=3)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_programs(device: torch.device, tiles: int) -> int:
+    if device.type != "cuda":
+        return max(1, min(tiles, 4))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(tiles, _NUM_SMS[index]))
+
+
+def _bmm_triton(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    # a: [B, M, K], b: [B, K, N] (any strides), bias: [N] -> c: [B, M, N]
+    batch, m, k = a.shape
+    n = b.shape[2]
+    c = torch.empty((batch, m, n), device=a.device, dtype=a.dtype)
+    if m == 0 or n == 0 or batch == 0:
+        return c
+    cfg = config or matmul_config(m, n, k, a.dtype)
+    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    programs = _num_programs(a.device, tiles)
+    _mm_kernel[(programs, batch)](
+        a, b, bias if bias is not None else c, c,
+        m, n, k,
+        a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        c.stride(0), c.stride(1), c.stride(2),
+        alpha, beta,
+        HAS_BIAS=bias is not None, SCALED=alpha != 1.0, EVEN_K=k % cfg.bk == 0,
+        UPCAST=interpreting() and a.dtype != torch.float32,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        NUM_PROGRAMS=programs,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return c
+
+
+def _mm_cpu(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, alpha: float, beta: float) -> torch.Tensor:
+    # a: [M, K], b: [K, N], bias: [N] -> [M, N]
+    out_dtype = a.dtype
+    a32, b32 = a.float(), b.float()
+    n = b.shape[1]
+
+    def tile_mm(rows: torch.Tensor) -> torch.Tensor:
+        # aten.mm.out, not torch.mm: inside batch_invariant_mode torch.mm would come back here.
+        return torch.ops.aten.mm.out(rows, b32, out=rows.new_empty((rows.shape[0], n)))
+
+    c = map_row_tiles(tile_mm, a32)
+    if alpha != 1.0:
+        c = c * alpha
+    if bias is not None:
+        c = c + beta * bias.float()
+    return c.to(out_dtype)
+
+
+def _check(a: torch.Tensor, b: torch.Tensor, batched: bool) -> None:
+    rank = 3 if batched else 2
+    if a.dim() != rank or b.dim() != rank:
+        raise ValueError(f"expected {rank}-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[-1] != b.shape[-2] or (batched and a.shape[0] != b.shape[0]):
+        raise ValueError(f"shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
+    if a.dtype != b.dtype or a.dtype not in _FLOATS:
+        raise TypeError(f"expected matching float32/bfloat16/float16 operands, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"operands are on different devices: {a.device} and {b.device}")
+
+
+def _addmm(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    _check(a, b, batched=False)
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[1]):
+        raise ValueError(f"bias must have shape [{b.shape[1]}], got {tuple(bias.shape)}")
+    if a.is_cuda:
+        return _bmm_triton(a[None], b[None], bias, alpha, beta)[0]
+    return _mm_cpu(a, b, bias, alpha, beta)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for 2-D ``a: [M, K]``, ``b: [K, N]``, batch-invariant."""
+    return _addmm(None, a, b, 1.0, 1.0)
+
+
+def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor:
+    """``beta * bias + alpha * (a @ b)``, computed in fp32 and rounded once.
+
+    ``bias`` may be ``[N]`` (fused into the kernel) or anything broadcastable to ``[M, N]`` (added after).
+    """
+    if bias.dim() == 1 and bias.shape[0] == b.shape[-1]:
+        return _addmm(bias, a, b, alpha, beta)
+    prod = _addmm(None, a, b, alpha, 1.0)
+    return (beta * bias.float() + prod.float()).to(prod.dtype) if beta != 0 else prod
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for 3-D ``a: [B, M, K]``, ``b: [B, K, N]``; each batch entry is reduced like ``mm``."""
+    _check(a, b, batched=True)
+    if a.is_cuda:
+        return _bmm_triton(a, b)
+    out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+    for i in range(a.shape[0]):
+        out[i] = _mm_cpu(a[i], b[i], None, 1.0, 1.0)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``: ``x: [..., K]``, ``weight: [N, K]``, ``bias: [N]`` -> ``[..., N]``."""
+    # x: [*lead, K] -> [num_rows, K]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    out = _addmm(bias, x2, weight.t(), 1.0, 1.0)
+    return out.reshape(*lead, weight.shape[0])
