@@ -1,0 +1,78 @@
+"""The engine's configuration: one dataclass, validated when it is built."""
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        none = " or None" if optional else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{none}, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know before the first request.
+
+    ``num_kv_blocks=None`` and ``max_model_len=None`` mean "decide later": the engine sizes the KV cache from free
+    memory and reads the context length from the model, then builds the scheduler from
+    ``dataclasses.replace(config, num_kv_blocks=..., max_model_len=...)``.
+
+    Every sequence in the running set is given its decode token before any prefill is scheduled, so
+    ``max_num_batched_tokens >= max_num_seqs`` is required: a step always has room for all running decodes.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = None  # None: CUDA when available, else CPU
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a path or model id string, got {self.model!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device is not None and (
+            not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda")
+        ):
+            raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs one token of each step's budget"
+            )
+        _check_int("max_model_len", self.max_model_len, 2, optional=True)
+        _check_int("block_size", self.block_size, 1)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size!r}")
+        _check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
+        mem = self.gpu_memory_utilization
+        if not isinstance(mem, (int, float)) or isinstance(mem, bool) or not 0 < mem <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {mem!r}")
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_bool("enforce_eager", self.enforce_eager)
+        if self.max_model_len is not None and self.num_kv_blocks is not None:
+            capacity = self.num_kv_blocks * self.block_size
+            # The longest sequence holds KV for max_model_len - 1 tokens (its last token is never fed back).
+            if capacity < self.max_model_len - 1:
+                raise ValueError(
+                    f"num_kv_blocks * block_size = {self.num_kv_blocks} * {self.block_size} = {capacity} KV "
+                    f"slots cannot hold one sequence of max_model_len={self.max_model_len} tokens"
+                )

@@ -1,0 +1,286 @@
+"""Continuous batching: which tokens of which sequences each step computes.
+
+One step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
+
+1. Every running sequence that is about to decode gets a KV slot for its next token. When none is free, the
+   most recently arrived running sequence is preempted by recompute: its blocks are freed, its computed state
+   dropped (its output tokens are kept) and it goes back to the front of the waiting queue, to be prefilled
+   again over prompt + outputs on readmission.
+2. The batch: running decodes (one token each), then running sequences part-way through a chunked prefill,
+   then waiting sequences admitted first-in first-out while blocks, sequence slots and token budget allow. A
+   prompt longer than the budget left is chunked; the rest follows in later steps.
+
+Everything is kept in lists and deques, and every choice is a function of the calls made so far, so the same
+calls give the same batches. The batch layout never decides the result's bits; the kernels see to that.
+"""
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from lockstep.config import EngineConfig
+from lockstep.engine.block_manager import BlockManager
+from lockstep.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """Compute tokens ``[start, start + num_new_tokens)`` of ``seq`` this step.
+
+    ``sample`` is True when the chunk reaches the end of the sequence's tokens, so its last position's logits
+    give the next token; a chunk that ends mid-prompt samples nothing. Valid until ``Scheduler.postprocess``.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int
+    sample: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.end]
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work, in order. ``preempted`` lists the sequences this step sent back to waiting."""
+
+    entries: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(1 for e in self.entries if e.sample)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and the BlockManager.
+
+    The engine loop: ``add`` requests, then repeat ``batch = schedule()``, run the model on it, and
+    ``postprocess(batch, sampled_token_ids)``. ``abort`` or ``finish`` between steps. Not thread-safe.
+    """
+
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
+        if config.num_kv_blocks is None:
+            raise ValueError("Scheduler needs config.num_kv_blocks; size the KV cache first")
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival: decode order, and preemption takes the tail
+        self._requests: dict[str, Sequence] = {}  # lookup only, never iterated
+        self._next_arrival = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._requests.get(request_id)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request. Raises ValueError for one that could never run to completion."""
+        rid = seq.request_id
+        if seq.status is not SequenceStatus.WAITING or seq.arrival >= 0 or seq.num_output_tokens:
+            raise ValueError(f"request {rid!r} was already scheduled once; build a new Sequence")
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        if seq.block_size != self.config.block_size:
+            raise ValueError(f"request {rid!r}: block_size {seq.block_size} != config {self.config.block_size}")
+        if seq.num_prompt_tokens == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        max_len = self.config.max_model_len
+        if max_len is not None and seq.num_prompt_tokens >= max_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {seq.num_prompt_tokens} tokens leaves no room to generate "
+                f"within max_model_len={max_len}"
+            )
+        # The longest context this request can reach; its last token is never fed back, so needs no KV.
+        final_len = seq.num_prompt_tokens + seq.params.max_tokens
+        if max_len is not None:
+            final_len = min(final_len, max_len)
+        bm = self.block_manager
+        if bm.blocks_needed(final_len - 1) > bm.num_blocks:
+            raise ValueError(
+                f"request {rid!r}: {seq.num_prompt_tokens} prompt tokens + max_tokens={seq.params.max_tokens} "
+                f"needs {bm.blocks_needed(final_len - 1)} KV blocks of {bm.block_size}, the cache has "
+                f"{bm.num_blocks}"
+            )
+        seq.arrival = self._next_arrival
+        self._next_arrival += 1
+        self._requests[rid] = seq
+        self.waiting.append(seq)
+
+    def finish(self, request_id: str, reason: FinishReason) -> Sequence | None:
+        """Finish a request now (abort, or a stop string the engine found); frees its blocks. None if unknown."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        self._release(seq, reason)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def _release(self, seq: Sequence, reason: FinishReason) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._requests[seq.request_id]
+
+    # -- one step ----------------------------------------------------------------------------------------------
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work. Call ``postprocess`` with its results before the next ``schedule``."""
+        batch = ScheduledBatch()
+        bm = self.block_manager
+
+        # 1. KV slots for the running decodes, oldest first; preempt from the newest end when out of blocks.
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if seq.num_pending_tokens == 1:
+                while not bm.can_append(seq) and self.running[-1] is not seq:
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    batch.preempted.append(victim)
+                if not bm.can_append(seq):
+                    # seq is the newest running sequence and nothing else can give way.
+                    self.running.pop()
+                    self._preempt(seq)
+                    batch.preempted.append(seq)
+                    break
+                bm.append_slot(seq)
+            i += 1
+
+        # 2. The batch: decodes, then running prefill chunks, then admissions.
+        budget = self.config.max_num_batched_tokens
+        for seq in self.running:
+            if seq.num_pending_tokens == 1 and budget > 0:
+                batch.entries.append(ScheduledSeq(seq, 1, seq.num_computed_tokens, True))
+                budget -= 1
+        for seq in self.running:
+            if seq.num_pending_tokens > 1 and budget > 0:
+                budget -= self._schedule_chunk(batch, seq, budget)
+
+        # No admissions in a step that preempted: the freed blocks would only go round again.
+        if not batch.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                if not bm.can_allocate(seq):
+                    break  # strict FIFO: nobody overtakes the head of the queue
+                self.waiting.popleft()
+                bm.allocate(seq)
+                seq.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, seq, key=lambda s: s.arrival)
+                budget -= self._schedule_chunk(batch, seq, budget)
+        return batch
+
+    @staticmethod
+    def _schedule_chunk(batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_pending_tokens, budget)
+        batch.entries.append(ScheduledSeq(seq, n, seq.num_computed_tokens, n == seq.num_pending_tokens))
+        return n
+
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> list[Sequence]:
+        """Apply a step's results and return the sequences it finished, in batch order.
+
+        ``token_ids`` (and ``logprobs`` when given) hold one entry per ``sample`` entry of the batch, in batch
+        order. Sequences aborted since ``schedule`` are skipped. Stop strings are the engine's to detect (it
+        detokenizes); it then calls ``finish(request_id, FinishReason.STOP)``.
+        """
+        num_samples = batch.num_samples
+        if len(token_ids) != num_samples:
+            raise ValueError(f"postprocess: {len(token_ids)} token ids for {num_samples} sampling entries")
+        if logprobs is not None and len(logprobs) != num_samples:
+            raise ValueError(f"postprocess: {len(logprobs)} logprobs for {num_samples} sampling entries")
+        finished: list[Sequence] = []
+        k = 0
+        for entry in batch.entries:
+            seq = entry.seq
+            if entry.sample:
+                token_id = token_ids[k]
+                token_logprobs = logprobs[k] if logprobs is not None else None
+                k += 1
+            if seq.is_finished:
+                continue
+            if entry.start != seq.num_computed_tokens:
+                raise RuntimeError(
+                    f"postprocess: {seq.request_id!r} was scheduled from position {entry.start} but has "
+                    f"{seq.num_computed_tokens} computed tokens (schedule called twice without postprocess?)"
+                )
+            self.block_manager.mark_computed(seq, entry.num_new_tokens)
+            if not entry.sample:
+                continue
+            seq.append_token(token_id, token_logprobs)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self.running.remove(seq)
+                self._release(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if self.config.max_model_len is not None and seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the queues or the block manager are inconsistent (for tests and debugging)."""
+        for seq in self.waiting:
+            if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+                raise AssertionError(f"Scheduler integrity: waiting {seq!r} holds state")
+        for seq in self.running:
+            if seq.status is not SequenceStatus.RUNNING or seq.num_pending_tokens < 1:
+                raise AssertionError(f"Scheduler integrity: running {seq!r} is not runnable")
+        arrivals = [s.arrival for s in self.running]
+        if arrivals != sorted(arrivals):
+            raise AssertionError(f"Scheduler integrity: running not in arrival order: {arrivals}")
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError(f"Scheduler integrity: {len(self.running)} running > max_num_seqs")
+        if len(self._requests) != self.num_unfinished:
+            raise AssertionError(
+                f"Scheduler integrity: {len(self._requests)} known requests, {self.num_unfinished} queued"
+            )
+        self.block_manager.check_integrity(self.running)

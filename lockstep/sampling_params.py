@@ -1,0 +1,72 @@
+"""Per-request sampling parameters, shaped like vLLM's ``SamplingParams``."""
+
+import math
+from dataclasses import dataclass
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; ``max_tokens=True`` is a bug, not 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token of one request, and when to stop.
+
+    ``temperature == 0`` is greedy (ties go to the lowest token id). With ``temperature > 0`` the noise is a pure
+    function of ``(seed, position, token id)``, so a seeded request gives the same tokens in any batch.
+
+    ``top_k`` of ``-1`` or ``0`` turns top-k off; ``0`` is normalised to ``-1``. ``stop`` may be one string or a
+    list and is normalised to a list. ``logprobs`` is the number of top logprobs to return per generated token
+    (``0``: only the sampled token's own logprob; ``None``: none).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (-1 or 0 disables it), got {self.top_k!r}")
+        if self.top_k == 0:
+            self.top_k = -1
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = stop
+
+        stop_token_ids = list(self.stop_token_ids or [])
+        for t in stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = stop_token_ids
+
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the argmax is taken (``temperature == 0``); top_p, top_k and seed are then irrelevant."""
+        return self.temperature == 0
