@@ -27,12 +27,12 @@ def _mm_kernel(
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn,
-    alpha, beta,
+    alpha, beta, num_programs,
     HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    # Persistent: program p computes tiles p, p + NUM_PROGRAMS, ... of batch entry program_id(1). Which program
+    # Persistent: program p computes tiles p, p + num_programs, ... of batch entry program_id(1). Which program
     # owns a tile never changes how the tile is computed.
     batch = tl.program_id(1)
     a_ptr += batch * stride_ab
@@ -41,21 +41,19 @@ def _mm_kernel(
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     tiles_per_group = GROUP_M * num_n
-    for tile in range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS):
+    for tile in range(tl.program_id(0), num_m * num_n, num_programs):
         # Grouped order: consecutive tiles share B columns, which keeps them in L2.
         group = tile // tiles_per_group
         first_m = group * GROUP_M
         group_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % tiles_per_group) % group_m
-        pid_n = (tile % tiles_per_group) // group_m
-
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_m = (first_m + (tile % tiles_per_group) % group_m) * BM + tl.arange(0, BM)
+        offs_n = ((tile % tiles_per_group) // group_m) * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)
         a_tile = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_tile = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
         mask_m = offs_m[:, None] < M
         mask_n = offs_n[None, :] < N
+        # The one reduction: k = 0 upward, BK at a time, into one fp32 accumulator.
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, K, BK):
             if EVEN_K:
@@ -92,18 +90,30 @@ class MatmulConfig:
 
 
 def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
-    """The tile for one problem. Keyed by (dtype, N, K) and a bucket of M; the reduction order never depends on it."""
+    """The tile for one problem, from (dtype, N) and a bucket of M; the reduction order never depends on it.
+
+    Chosen by bench/ops.py --sweep on the H200 (Qwen3-8B shapes, bf16); every candidate gave the same bits.
+    Small M is bandwidth-bound: enough tiles to cover the SMs, a deep pipeline over long K slices.
+    """
+    C = MatmulConfig
     if dtype == torch.float32:
-        return MatmulConfig(bm=32 if m <= 32 else 64, bn=64, bk=32, num_warps=4, num_stages=3)
+        return C(bm=32 if m <= 32 else 64, bn=64, bk=32, num_warps=4, num_stages=3)
+    wide = n > 8192
     if m <= 16:
-        return MatmulConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4)
+        return C(16, 16 if n <= 2048 else 32 if not wide else 64, 256, num_stages=5)
     if m <= 32:
-        return MatmulConfig(bm=32, bn=64, bk=128, num_warps=4, num_stages=4)
+        return C(32, 64, 128, num_stages=4) if wide else C(16 if n <= 2048 else 32, 32, 256, num_stages=4)
     if m <= 64:
-        return MatmulConfig(bm=64, bn=64, bk=128, num_warps=4, num_stages=4)
+        return C(64, 64, 128, num_stages=4) if wide else C(64, 32, 256, num_stages=4)
+    if wide:
+        return C(128, 256, 64, num_warps=8, num_stages=3)
+    if m <= 128:
+        return C(64, 64, 128, num_stages=4)
     if m <= 256:
-        return MatmulConfig(bm=64, bn=128, bk=64, num_warps=4, num_stages=4)
-    return MatmulConfig(bm=128, bn=256, bk=64, num_warps=8, num_stages=3)
+        return C(64, 128, 64, num_stages=4)
+    if m <= 512 or (n <= 2048 and m <= 2048):
+        return C(128, 128, 64, num_warps=8, num_stages=4)
+    return C(128, 256, 64, num_warps=8, num_stages=3)
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -133,19 +143,17 @@ def _bmm_triton(
     if m == 0 or n == 0 or batch == 0:
         return c
     cfg = config or matmul_config(m, n, k, a.dtype)
-    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    programs = _num_programs(a.device, tiles)
+    programs = _num_programs(a.device, triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn))
     _mm_kernel[(programs, batch)](
         a, b, bias if bias is not None else c, c,
         m, n, k,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
-        alpha, beta,
+        alpha, beta, programs,
         HAS_BIAS=bias is not None, SCALED=alpha != 1.0, EVEN_K=k % cfg.bk == 0,
         UPCAST=interpreting() and a.dtype != torch.float32,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        NUM_PROGRAMS=programs,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -196,7 +204,9 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _addmm(None, a, b, 1.0, 1.0)
 
 
-def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor:
+def addmm(
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1.0, alpha: float = 1.0
+) -> torch.Tensor:
     """``beta * bias + alpha * (a @ b)``, computed in fp32 and rounded once.
 
     ``bias`` may be ``[N]`` (fused into the kernel) or anything broadcastable to ``[M, N]`` (added after).

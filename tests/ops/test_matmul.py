@@ -1,0 +1,131 @@
+import pytest
+import torch
+
+from lockstep import ops
+from lockstep.ops.matmul import MatmulConfig, _bmm_triton, matmul_config
+
+SIZES = [1, 3, 17, 127, 1000]
+INVARIANCE_MS = [1, 2, 3, 7, 17, 64, 127, 128, 129, 1000]
+# Relative error bounds against fp64 (METHOD.md: fp32 far under 1e-3; bf16 operands 1e-3..1e-2).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", SIZES)
+def test_linear_matches_fp64(m, dtype):
+    k, n = 131, 77
+    x, w, b = randn(m, k, dtype=dtype, seed=1), randn(n, k, dtype=dtype, seed=2), randn(n, dtype=dtype, seed=3)
+    ref = x.double() @ w.double().t() + b.double()
+    out = ops.linear(x, w, b)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    assert rel_err(ops.linear(x, w), x.double() @ w.double().t()) < TOLERANCE[dtype]
+
+
+def test_mm_addmm_bmm_and_3d_linear_match_fp64():
+    a, b = randn(17, 33, seed=1), randn(33, 5, seed=2)
+    assert rel_err(ops.mm(a, b), a.double() @ b.double()) < 1e-6
+    full_bias = randn(17, 5, seed=3)
+    ref = 0.5 * full_bias.double() + 2.0 * (a.double() @ b.double())
+    assert rel_err(ops.addmm(full_bias, a, b, beta=0.5, alpha=2.0), ref) < 1e-6
+    ba, bb = randn(3, 17, 33, seed=4), randn(3, 33, 5, seed=5)
+    assert rel_err(ops.bmm(ba, bb), ba.double() @ bb.double()) < 1e-6
+    x, w = randn(2, 7, 33, seed=6), randn(5, 33, seed=7)
+    assert rel_err(ops.linear(x, w), x.double() @ w.double().t()) < 1e-6
+
+
+def test_bad_shapes_and_dtypes_raise():
+    with pytest.raises(ValueError, match="cannot be multiplied"):
+        ops.mm(torch.ones(3, 4), torch.ones(5, 6))
+    with pytest.raises(TypeError, match="float32/bfloat16/float16"):
+        ops.mm(torch.ones(3, 4), torch.ones(4, 6, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2-D"):
+        ops.mm(torch.ones(3), torch.ones(3, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_are_batch_invariant(dtype):
+    k, n = 576, 300
+    x, w, b = randn(1000, k, dtype=dtype, seed=1), randn(n, k, dtype=dtype, seed=2), randn(n, dtype=dtype, seed=3)
+    full = ops.linear(x, w, b)
+    for m in INVARIANCE_MS:
+        assert torch.equal(ops.linear(x[:m], w, b), full[:m]), f"rows differ at m={m}"
+    # One row at other positions, with other neighbours.
+    row = x[5]
+    for m, pos in [(1, 0), (2, 1), (16, 15), (17, 16), (40, 3), (129, 128)]:
+        batch = randn(m, k, dtype=dtype, seed=100 + m)
+        batch[pos] = row
+        assert torch.equal(ops.linear(batch, w, b)[pos], full[5]), f"row moved to {pos} of {m} differs"
+
+
+def test_bmm_entries_are_batch_invariant():
+    a, b = randn(9, 33, 70, seed=1), randn(9, 70, 21, seed=2)
+    full = ops.bmm(a, b)
+    for m in [1, 2, 5]:
+        assert torch.equal(ops.bmm(a[:m], b[:m]), full[:m])
+        assert torch.equal(ops.bmm(a[:, :m], b), full[:, :m])
+
+
+def test_negative_control_torch_cpu_mm_varies_with_m():
+    # Proof that the invariance harness can see a difference: MKL picks another kernel at M=1 than at M>=16
+    # (DESIGN.md: 3 distinct row-0 results over M=1..129).
+    x, w = randn(64, 576, seed=1), randn(1536, 576, seed=2)
+    full = x @ w.t()
+    assert any(not torch.equal((x[:m] @ w.t())[0], full[0]) for m in [1, 2, 3, 7, 17])
+
+
+# The Triton kernel, run by the interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1).
+
+# One BK: the interpreter's dot sums a whole BK slice at once (numpy), so BK changes its bits; on the H200 the
+# MMA accumulates in fixed k-steps and BK did not (DESIGN.md), which bench/ops.py re-checks at every M.
+TRITON_CONFIGS = [MatmulConfig(16, 32, 32), MatmulConfig(32, 64, 32, group_m=2), MatmulConfig(64, 16, 32)]
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 70])
+def test_triton_matches_fp64(m):
+    k, n = 45, 37  # odd K exercises the masked tail
+    a, b, bias = randn(1, m, k, seed=1), randn(1, k, n, seed=2), randn(n, seed=3)
+    out = _bmm_triton(a, b, bias, alpha=0.5, beta=2.0, config=MatmulConfig(16, 32, 16))
+    ref = 0.5 * (a.double() @ b.double()) + 2.0 * bias.double()
+    assert rel_err(out, ref) < 1e-6
+
+
+def test_triton_bf16_upcast_matches_fp64():
+    a, b = randn(2, 20, 64, dtype=torch.bfloat16, seed=1), randn(2, 64, 48, dtype=torch.bfloat16, seed=2)
+    out = _bmm_triton(a, b, config=MatmulConfig(16, 16, 32))
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, a.double() @ b.double()) < 1e-2
+
+
+def test_triton_rows_are_invariant_across_m_and_tile_configs():
+    # Rows depend neither on M nor on the tile's BM/BN (the config table varies the tile with M).
+    k, n = 96, 40
+    a, b = randn(1, 80, k, seed=1), randn(1, k, n, seed=2)
+    full = _bmm_triton(a, b, config=TRITON_CONFIGS[0])
+    for cfg in TRITON_CONFIGS:
+        for m in [1, 2, 3, 17, 33, 80]:
+            assert torch.equal(_bmm_triton(a[:, :m], b, config=cfg), full[:, :m]), (cfg, m)
+    row = a[0, 7]
+    batch = randn(1, 19, k, seed=5)
+    batch[0, 11] = row
+    assert torch.equal(_bmm_triton(batch, b, config=TRITON_CONFIGS[1])[0, 11], full[0, 7])
+
+
+def test_triton_handles_transposed_weight_strides():
+    w = randn(40, 96, seed=3)  # [N, K], used as w.t() like F.linear
+    a = randn(1, 9, 96, seed=4)
+    out = _bmm_triton(a, w.t()[None], config=TRITON_CONFIGS[0])
+    assert rel_err(out, a.double() @ w.double().t()) < 1e-6
+
+
+def test_config_table_depends_only_on_m_bucket_n_k_dtype():
+    for m in [1, 7, 16]:
+        assert matmul_config(m, 4096, 4096, torch.bfloat16) == matmul_config(1, 4096, 4096, torch.bfloat16)
