@@ -1,0 +1,134 @@
+import math
+import random
+
+import pytest
+import torch
+
+from lockstep.layers.sampler import (
+    Sampler,
+    argmax_lowest,
+    gumbel_noise,
+    mix64,
+    row_key,
+    sample_row,
+    uniform_noise,
+)
+from lockstep.sampling_params import SamplingParams
+
+VOCABS = (1, 3, 17, 127, 1000)
+
+
+def logits_batch(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_hash_matches_scalar_reference() -> None:
+    # The vectorised int64 hash (wrapping multiplies, masked shifts) equals splitmix64 on Python ints.
+    for seed, pos in [(0, 0), (1, 5), (2**62 + 12345, 999), (-7, 3)]:
+        key = row_key(seed, pos)
+        u = uniform_noise(seed, pos, 50)
+        for t in (0, 1, 17, 49):
+            h = mix64((t * 0x9E3779B97F4A7C15) ^ key)
+            assert u[t].item() == ((h >> 11) + 0.5) * 2.0**-53
+    u = uniform_noise(3, 4, 100_000)
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01  # roughly uniform
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_greedy_ties_go_to_lowest_id(vocab: int) -> None:
+    x = logits_batch(5, vocab)
+    x[:, vocab // 2 :] = x.max() + 1  # a tie across the upper half
+    assert argmax_lowest(x).tolist() == [vocab // 2] * 5
+    x[2, 0] = x.max() + 1
+    assert argmax_lowest(x).tolist()[2] == 0
+    ids, _ = Sampler()(x, [SamplingParams(temperature=0)] * 5, [None] * 5, [0] * 5)
+    assert ids == argmax_lowest(x).tolist()
+
+
+def test_seeded_noise_is_a_pure_function_of_seed_and_position() -> None:
+    vocab, rows = 127, 9
+    x = logits_batch(rows, vocab)
+    params = [
+        SamplingParams(temperature=0.9, top_k=40 if i % 3 == 0 else -1, top_p=0.8 if i % 2 else 1.0)
+        for i in range(rows)
+    ]
+    seeds = [100 + i for i in range(rows)]
+    positions = [7 * i for i in range(rows)]
+    ids, lps = Sampler()(x, params, seeds, positions)
+    # Any row order, any sub-batch, alone: the same token and the same logprob bits.
+    perm = list(range(rows))
+    random.Random(0).shuffle(perm)
+    pids, plps = Sampler()(x[perm], [params[i] for i in perm], [seeds[i] for i in perm], [positions[i] for i in perm])
+    for j, i in enumerate(perm):
+        assert pids[j] == ids[i] and plps[j] == lps[i]
+    for i in range(rows):
+        one_id, one_lp = Sampler()(x[i : i + 1].clone(), [params[i]], [seeds[i]], [positions[i]])
+        assert one_id == [ids[i]] and one_lp == [lps[i]]
+        assert sample_row(x[i].clone(), params[i], seeds[i], positions[i]) == ids[i]
+
+
+def test_different_seeds_and_positions_differ() -> None:
+    x = torch.zeros(1000)  # uniform: the sample is decided by the noise alone
+    p = SamplingParams(temperature=1.0)
+    by_seed = {sample_row(x, p, s, 0) for s in range(50)}
+    by_pos = {sample_row(x, p, 1, pos) for pos in range(50)}
+    assert len(by_seed) > 40 and len(by_pos) > 40
+    assert not torch.equal(gumbel_noise(1, 2, 64), gumbel_noise(1, 3, 64))
+    assert not torch.equal(gumbel_noise(1, 2, 64), gumbel_noise(2, 2, 64))
+
+
+def test_gumbel_max_matches_the_distribution() -> None:
+    # Frequencies over many (seed) draws follow softmax(x / T).
+    x = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    p = SamplingParams(temperature=0.7)
+    n = 4000
+    counts = torch.bincount(torch.tensor([sample_row(x, p, s, 3) for s in range(n)]), minlength=4).double()
+    expected = torch.softmax(x.double() / 0.7, 0) * n
+    assert ((counts - expected).abs() / expected.sqrt()).max() < 4.5
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_top_k_and_top_p_restrict_the_support(vocab: int) -> None:
+    x = logits_batch(1, vocab, seed=vocab)[0]
+    order = torch.argsort(x.double(), descending=True, stable=True).tolist()
+    k = max(1, vocab // 4)
+    samples = {sample_row(x, SamplingParams(temperature=2.0, top_k=k), s, 0) for s in range(300)}
+    assert samples <= set(order[:k])
+    if vocab >= 17:
+        assert len(samples) > 1
+    # top_p: the smallest head whose fp64 mass reaches p.
+    probs = torch.softmax(x.double() / 2.0, 0)
+    cum = torch.cumsum(probs[order], 0)
+    head = int((cum < 0.5).sum()) + 1
+    samples = {sample_row(x, SamplingParams(temperature=2.0, top_p=0.5), s, 0) for s in range(300)}
+    assert samples <= set(order[:head])
+    assert sample_row(x, SamplingParams(temperature=2.0, top_p=1e-9), 5, 0) == order[0]
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_logprobs_match_fp64_reference(vocab: int) -> None:
+    x = logits_batch(4, vocab, seed=1)
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=1.0, logprobs=0)] * 2
+    ids, lps = Sampler()(x, params, [None, 1, None, 2], [3, 4, 5, 6])
+    ref = torch.log_softmax(x.double(), -1)
+    for i in range(4):
+        assert math.isclose(lps[i].logprob, ref[i, ids[i]].item(), rel_tol=1e-5, abs_tol=1e-5)
+        n = params[i].logprobs
+        assert len(lps[i].top) == min(n, vocab)
+        want = torch.argsort(ref[i], descending=True, stable=True)[:n].tolist()
+        assert [t for t, _ in lps[i].top] == want
+        for t, lp in lps[i].top:
+            assert math.isclose(lp, ref[i, t].item(), rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_top_logprob_ties_go_to_lower_id() -> None:
+    x = torch.zeros(1, 10)
+    x[0, 7] = 1.0
+    _, lps = Sampler()(x, [SamplingParams(temperature=0, logprobs=4)], [None], [0])
+    assert [t for t, _ in lps[0].top] == [7, 0, 1, 2]
+
+
+def test_sampling_needs_a_seed() -> None:
+    with pytest.raises(ValueError, match="seed"):
+        sample_row(torch.zeros(5), SamplingParams(temperature=1.0), None, 0)
