@@ -130,7 +130,7 @@ class Sampler:
         token_ids = [0] * num_rows
         if greedy_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
-            for i, t in zip(greedy_rows, argmax_lowest(logits[rows]).tolist()):
+            for i, t in zip(greedy_rows, argmax_lowest(logits[rows]).tolist(), strict=True):
                 token_ids[i] = t
         for i, p in enumerate(params):
             if not p.greedy:
@@ -147,6 +147,6 @@ class Sampler:
         out: list[TokenLogprobs] = []
         for i, p in enumerate(params):
             n = p.logprobs or 0
-            top = tuple(zip(top_ids[i][:n], top_vals[i][:n])) if n else ()
+            top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
             out.append(TokenLogprobs(chosen[i], top))
         return token_ids, out
