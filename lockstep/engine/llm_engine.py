@@ -1,0 +1,198 @@
+"""The engine loop: requests in, one scheduled step at a time, ``RequestOutput`` out.
+
+``add_request`` validates a request and queues it; ``step`` schedules a batch, runs it through the model, applies
+the sampled tokens, detects stop strings (by detokenising) and reports every request that got a token or
+finished. The engine never looks at how the batch was formed: the kernels make that irrelevant to the bits.
+"""
+
+import random
+import secrets
+from dataclasses import dataclass, field
+
+from lockstep.config import EngineConfig
+from lockstep.engine.model_runner import ModelRunner
+from lockstep.engine.scheduler import Scheduler
+from lockstep.engine.sequence import FinishReason, Sequence
+from lockstep.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """One request's result so far (``finished``) or in full.
+
+    ``logprobs[i]`` is the logprob of ``token_ids[i]`` under the model's raw distribution (log_softmax of the
+    logits, before temperature and filtering, like vLLM's default). ``top_logprobs`` is None unless the request
+    asked for ``SamplingParams.logprobs``; then ``top_logprobs[i]`` maps the top-N token ids at step ``i`` to their
+    logprobs. ``seed`` is the seed the noise came from (drawn by the engine when the request gave none; None for
+    greedy requests without one). ``text`` excludes special tokens and is cut before a stop string.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    seed: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    seed: int | None
+    text: str = ""
+
+
+class LLMEngine:
+    """Owns the ``ModelRunner``, the ``Scheduler`` and the tokenizer.
+
+    ``config.model`` is a checkpoint folder (None: the embedded default model). ``seed`` seeds the draw of
+    per-request seeds for sampled requests that bring none (default: fresh ones from the OS).
+    """
+
+    def __init__(self, config: EngineConfig, *, batch_invariant: bool = True, seed: int | None = None) -> None:
+        if config.model is None:
+            from dataclasses import replace
+
+            from lockstep.models.embedded import default_model_path
+
+            config = replace(config, model=str(default_model_path()))
+        self.runner = ModelRunner(config, batch_invariant=batch_invariant)
+        self.config = self.runner.config
+        self.tokenizer = _load_tokenizer_or_none(config.model)
+        eos = tuple(self.runner.model.config.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        self.eos_token_ids = eos
+        self.scheduler = Scheduler(self.config, eos_token_ids=eos)
+        self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom(secrets.randbits(64))
+        self._requests: dict[str, _Request] = {}  # lookup only; batch order comes from the scheduler
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        prompt: str | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (naming the request and the problem) for one that cannot run;
+        nothing is queued then."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {request_id!r}: sampling params must be a SamplingParams, got {params!r}")
+        if params.max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {params.max_tokens}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and the model has none")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"request {request_id!r}: prompt token {t!r} at index {i} is not a token id in "
+                    f"[0, {self.vocab_size}) (the model's vocabulary size)"
+                )
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(ids)} tokens but the context length "
+                f"(max_model_len) is {self.max_model_len}; at most {self.max_model_len - 1} leave room to generate"
+            )
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed
+        if seed is None and not params.greedy:
+            seed = self._seed_rng.getrandbits(63)
+        seq = Sequence(request_id, ids, params, block_size=self.config.block_size)
+        self.scheduler.add(seq)
+        self._requests[request_id] = _Request(seq, prompt, seed)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its output so far, finished with reason "abort". None if it is unknown."""
+        if self.scheduler.abort(request_id) is None:
+            return None
+        return self._output(self._requests.pop(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output for every request that got a token, in batch order."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if batch.preempted or not self.scheduler.has_unfinished():
+                return []
+            raise RuntimeError("the scheduler made no progress with requests waiting (cache too small?)")
+        seeds = [self._requests[e.seq.request_id].seed for e in batch.entries if e.sample]
+        token_ids, logprobs = self.runner.run(batch, seeds)
+        self.scheduler.postprocess(batch, token_ids, logprobs)
+        outputs: list[RequestOutput] = []
+        for entry in batch.entries:
+            if not entry.sample:
+                continue
+            request = self._requests[entry.seq.request_id]
+            self._update_text(request)
+            outputs.append(self._output(request))
+            if request.seq.is_finished:
+                del self._requests[entry.seq.request_id]
+        return outputs
+
+    def _update_text(self, request: _Request) -> None:
+        seq = request.seq
+        if self.tokenizer is None:
+            return
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        stops = seq.params.stop
+        if stops and seq.finish_reason is not FinishReason.ABORT:
+            # The earliest stop string ends the text (and the request), like vLLM; it is not included.
+            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+            if hits:
+                text = text[: min(hits)]
+                if not seq.is_finished:
+                    self.scheduler.finish(seq.request_id, FinishReason.STOP)
+                else:
+                    seq.finish_reason = FinishReason.STOP
+        request.text = text
+
+    def _output(self, request: _Request) -> RequestOutput:
+        seq = request.seq
+        want_top = seq.params.logprobs is not None
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=request.text,
+            logprobs=[lp.logprob for lp in seq.output_logprobs],
+            top_logprobs=[dict(lp.top) for lp in seq.output_logprobs] if want_top else None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
+            seed=request.seed,
+        )
+
+
+def _load_tokenizer_or_none(folder: str):
+    from lockstep.models.loader import load_tokenizer
+
+    try:
+        return load_tokenizer(folder)
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,125 @@
+"""Runs the model on one scheduled batch: flattens it, runs one forward over the paged KV cache, samples.
+
+The runner owns the model and the KV caches. ``run(batch)`` turns the batch's entries, in order, into one
+flattened batch of tokens with its ``AttentionMetadata``, computes logits only for the last token of each entry
+that samples, and returns one token id and ``TokenLogprobs`` per such entry.
+"""
+
+import dataclasses
+
+import torch
+
+from lockstep.config import EngineConfig
+from lockstep.engine.scheduler import ScheduledBatch
+from lockstep.engine.sequence import TokenLogprobs
+from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.sampler import Sampler
+from lockstep.models.loader import load_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Without num_kv_blocks, the CPU cache gets this much memory (at least one full-length sequence's worth).
+CPU_KV_CACHE_BYTES = 512 << 20
+# On CUDA, memory kept back for activations of the largest step besides the weights and the cache.
+CUDA_ACTIVATION_RESERVE_BYTES = 2 << 30
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class ModelRunner:
+    """The model, its KV cache and the sampler, for one ``EngineConfig``.
+
+    ``config.model`` must be a checkpoint folder. After construction ``self.config`` has ``max_model_len`` and
+    ``num_kv_blocks`` filled in (from the model and from memory when they were None).
+    """
+
+    def __init__(self, config: EngineConfig, batch_invariant: bool = True) -> None:
+        if config.model is None:
+            raise ValueError("ModelRunner needs config.model, a checkpoint folder")
+        self.device = resolve_device(config.device)
+        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.model = load_model(
+            config.model,
+            dtype=dtype,
+            device=self.device,
+            batch_invariant=batch_invariant,
+            max_model_len=config.max_model_len,
+        )
+        limit = self.model.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit} positions")
+        max_model_len = self.model.max_model_len
+        if config.max_model_len is None and config.num_kv_blocks is not None:
+            # A cache given explicitly caps the context (a sequence's last token needs no KV slot).
+            max_model_len = min(max_model_len, config.num_kv_blocks * config.block_size + 1)
+        config = dataclasses.replace(config, max_model_len=max_model_len)
+        num_kv_blocks = config.num_kv_blocks or self._default_num_kv_blocks(config)
+        self.config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
+        self.block_size = config.block_size
+        self.kv_caches = self.model.allocate_kv_cache(num_kv_blocks, config.block_size)
+        self.sampler = Sampler()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def _default_num_kv_blocks(self, config: EngineConfig) -> int:
+        per_block = self.model.kv_cache_bytes_per_block(config.block_size)
+        one_seq = -(-config.max_model_len // config.block_size)
+        # Never more than every sequence slot at full length could use.
+        most = one_seq * config.max_num_seqs
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * config.gpu_memory_utilization) - CUDA_ACTIVATION_RESERVE_BYTES
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        return max(one_seq, min(most, budget // per_block))
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        sample_rows: list[int] = []
+        for e in batch.entries:
+            table = e.seq.block_table
+            input_ids += e.token_ids
+            positions += range(e.start, e.end)
+            slots += [table[p // bs] * bs + p % bs for p in range(e.start, e.end)]
+            seq_lens.append(e.end)
+            starts.append(starts[-1] + e.num_new_tokens)
+            if e.sample:
+                sample_rows.append(starts[-1] - 1)
+        width = max(-(-n // bs) for n in seq_lens)
+        tables = [e.seq.block_table[:width] + [0] * (width - min(width, len(e.seq.block_table))) for e in batch.entries]
+        dev = self.device
+
+        def as_tensor(xs: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.tensor(xs, dtype=dtype).to(dev, non_blocking=True)
+
+        attn = AttentionMetadata(
+            slot_mapping=as_tensor(slots, torch.int64),
+            block_tables=as_tensor(tables),
+            seq_lens=as_tensor(seq_lens),
+            query_start_loc=as_tensor(starts),
+            kv_caches=self.kv_caches,
+        )
+        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), attn, sample_rows
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, seeds: list[int | None]) -> tuple[list[int], list[TokenLogprobs]]:
+        """Run one step. ``seeds`` holds one seed per sampling entry (None for greedy), in batch order."""
+        if not batch:
+            return [], []
+        input_ids, positions, attn, sample_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, attn)  # [num_tokens, hidden_size]
+        if not sample_rows:
+            return [], []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        samplers = [e for e in batch.entries if e.sample]
+        return self.sampler(logits, [e.seq.params for e in samplers], seeds, [e.end for e in samplers])

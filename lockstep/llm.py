@@ -1,0 +1,165 @@
+"""The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, sampling_params)``."""
+
+from collections.abc import Sequence as SequenceABC
+
+from lockstep.config import EngineConfig
+from lockstep.engine.llm_engine import LLMEngine, RequestOutput
+from lockstep.sampling_params import SamplingParams
+
+__all__ = ["LLM", "RequestOutput"]
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+def _is_token_ids(x: object) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+class LLM:
+    """A model and an engine that batches requests without changing their answers.
+
+    ``model`` is a Hugging Face checkpoint folder, or None for the embedded SmolLM2-135M-Instruct.
+    ``batch_invariant=False`` runs torch's default kernels instead (faster; results then depend on the batch).
+    ``num_kv_blocks=None`` sizes the KV cache from free memory (CUDA) or a fixed budget (CPU). ``seed`` makes the
+    seeds drawn for sampled requests without one reproducible (each output reports the seed it used).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        batch_invariant: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=None if model is None else str(model),
+            dtype=dtype,
+            device=device,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.engine = LLMEngine(config, batch_invariant=batch_invariant, seed=seed)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _prompts(self, prompts: Prompt | list[str] | list[list[int]]) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, str) or _is_token_ids(prompts) and prompts:
+            prompts = [prompts]
+        if not isinstance(prompts, SequenceABC):
+            raise TypeError(f"prompts must be a string, a list of strings or a list of token-id lists, got {prompts!r}")
+        out: list[tuple[str | None, list[int]]] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("this model folder has no tokenizer: pass prompts as token-id lists")
+                out.append((p, list(self.tokenizer.encode(p))))
+            elif _is_token_ids(p):
+                out.append((None, list(p)))
+            else:
+                raise TypeError(f"prompt {i} must be a string or a list of token ids, got {p!r}")
+        return out
+
+    def generate(
+        self,
+        prompts: Prompt | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for ``prompts`` (text, or token ids); outputs come back in input order.
+
+        ``sampling_params`` is one ``SamplingParams`` for all prompts or a list with one per prompt. Every
+        request is validated before any runs: a bad one raises ValueError naming it, and nothing is queued.
+        """
+        return self._generate(self._prompts(prompts), sampling_params, use_tqdm)
+
+    def _generate(
+        self,
+        items: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
+        ids = []
+        try:
+            for (text, token_ids), p in zip(items, params, strict=True):
+                rid = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(rid, token_ids, p, prompt=text)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
+        rendered with the tokenizer's chat template and the generation prompt added."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model folder has no tokenizer")
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        texts = [self.apply_chat_template(conv, chat_template) for conv in messages]
+        # The template already holds the special tokens it wants (vLLM does the same).
+        items = [(t, list(self.tokenizer.encode(t, add_special_tokens=False))) for t in texts]
+        return self._generate(items, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[Message], chat_template: str | None = None) -> str:
+        if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+            raise TypeError(f"a conversation must be a list of message dicts, got {conversation!r}")
+        if chat_template is None and not self.tokenizer.chat_template:
+            raise ValueError("the tokenizer has no chat template; use generate() or pass chat_template")
+        return self.tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, add_generation_prompt=True, tokenize=False
+        )

@@ -1,0 +1,277 @@
+"""LLM.generate end to end, and the invariance matrix: a request's token ids and logprobs are the same bits
+alone, in any batch, under chunked prefill, after a prefix-cache hit, after preemption, and equal to what a
+fresh prefill of the same sequence computes."""
+
+import random
+import struct
+from pathlib import Path
+
+import pytest
+
+from lockstep.engine.llm_engine import RequestOutput
+from lockstep.llm import LLM
+from lockstep.sampling_params import SamplingParams
+
+TINY_VOCAB = 97  # tests/engine/conftest.py: save_tiny_llama
+
+BLOCK = 4
+# The requests the matrix follows: greedy, seeded temperature 0.8, and seeded with top-k/top-p.
+TARGET_PROMPTS = [
+    [5, 17, 42, 8, 63, 21, 3, 77, 9, 50, 11, 2, 34],  # 13 tokens: three full blocks and a partial one
+    [12, 40, 40, 7, 91, 33, 60, 1, 28],
+    [70, 3, 3, 3, 19, 44, 80, 6, 25, 14, 57, 38, 29, 90, 4, 66, 22],
+]
+TARGET_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=1234, max_tokens=10, logprobs=3, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=99, top_k=20, top_p=0.9, max_tokens=10, logprobs=3, ignore_eos=True),
+]
+
+
+def bits(out: RequestOutput) -> tuple:
+    """Everything the contract covers, with floats as their exact bit patterns."""
+    as_bits = lambda xs: tuple(struct.pack("<d", x) for x in xs)
+    tops = tuple(tuple((t, struct.pack("<d", v)) for t, v in d.items()) for d in out.top_logprobs or ())
+    return tuple(out.token_ids), as_bits(out.logprobs), tops, out.finish_reason
+
+
+def others(rng: random.Random, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """``n`` unrelated requests: random lengths, greedy or sampled, short or long."""
+    prompts, params = [], []
+    for _ in range(n):
+        prompts.append([rng.randrange(TINY_VOCAB) for _ in range(rng.randrange(1, 30))])
+        temperature = rng.choice([0, 0.5, 1.0])
+        params.append(
+            SamplingParams(temperature=temperature, seed=rng.randrange(1000), max_tokens=rng.randrange(1, 12))
+        )
+    return prompts, params
+
+
+def run_mixed(llm: LLM, num_others: int, seed: int) -> list[RequestOutput]:
+    """Run the targets among ``num_others`` other requests at random positions; return the targets' outputs."""
+    rng = random.Random(seed)
+    prompts, params = others(rng, num_others)
+    slots = sorted(rng.sample(range(num_others + len(TARGET_PROMPTS)), len(TARGET_PROMPTS)))
+    for slot, prompt, p in zip(slots, TARGET_PROMPTS, TARGET_PARAMS, strict=True):
+        prompts.insert(slot, prompt)
+        params.insert(slot, p)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [outs[s] for s in slots]
+
+
+def make_llm(folder: Path, **kwargs) -> LLM:
+    kwargs.setdefault("block_size", BLOCK)
+    kwargs.setdefault("num_kv_blocks", 512)
+    return LLM(str(folder), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> list[tuple]:
+    """Each target run alone, on a fresh engine."""
+    refs = []
+    for prompt, p in zip(TARGET_PROMPTS, TARGET_PARAMS, strict=True):
+        [out] = make_llm(tiny_model_dir).generate([prompt], p, use_tqdm=False)
+        assert len(out.token_ids) == p.max_tokens and len(out.top_logprobs[0]) == 3
+        refs.append(bits(out))
+    # The harness can see sampling: the two seeded targets did not just follow the greedy path.
+    assert len({r[0] for r in refs}) == 3
+    return refs
+
+
+# (engine settings, number of other requests, layout seed)
+MATRIX = {
+    "batch_of_3": ({}, 2, 0),
+    "batch_of_34": ({}, 31, 1),
+    "chunked_16": ({"max_num_batched_tokens": 16, "max_num_seqs": 16}, 8, 2),
+    "chunked_64": ({"max_num_batched_tokens": 64, "max_num_seqs": 64}, 12, 3),
+    "chunked_512": ({"max_num_batched_tokens": 512}, 16, 4),
+    "max_num_seqs_1": ({"max_num_seqs": 1}, 3, 5),
+    "max_num_seqs_3": ({"max_num_seqs": 3}, 8, 6),
+    "no_prefix_caching": ({"enable_prefix_caching": False}, 6, 7),
+}
+
+
+@pytest.mark.parametrize("case", list(MATRIX))
+def test_invariance_matrix(tiny_model_dir: Path, reference: list[tuple], case: str) -> None:
+    kwargs, num_others, seed = MATRIX[case]
+    outs = run_mixed(make_llm(tiny_model_dir, **kwargs), num_others, seed)
+    assert [bits(o) for o in outs] == reference
+
+
+def test_invariance_after_preemption(tiny_model_dir: Path, reference: list[tuple]) -> None:
+    llm = make_llm(tiny_model_dir, num_kv_blocks=12, max_num_batched_tokens=64, max_num_seqs=64)
+    preempted = []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        preempted.extend(s.request_id for s in batch.preempted)
+        return batch
+
+    llm.engine.scheduler.schedule = spy
+    outs = run_mixed(llm, 10, 8)
+    assert preempted, "the cache was big enough: nothing was preempted"
+    assert [bits(o) for o in outs] == reference
+
+
+def test_invariance_after_prefix_cache_hit(tiny_model_dir: Path, reference: list[tuple]) -> None:
+    llm = make_llm(tiny_model_dir)
+    # Warm the cache with the targets' prompts (and more), then run the targets again among others.
+    warm = [p + [1, 2, 3] for p in TARGET_PROMPTS]
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    cached = {}
+    add = llm.engine.scheduler.add
+
+    def spy_add(seq):
+        add(seq)
+        cached[seq.request_id] = seq
+
+    llm.engine.scheduler.add = spy_add
+    outs = run_mixed(llm, 5, 9)
+    for out in outs:
+        assert cached[out.request_id].num_cached_tokens >= BLOCK * 2, "no prefix-cache hit"
+    assert [bits(o) for o in outs] == reference
+
+
+def test_decode_logprobs_equal_a_fresh_prefill(tiny_model_dir: Path, reference: list[tuple]) -> None:
+    """Step i's token and logprobs, as decoded, equal what a prefill of prompt + completion[:i] computes (the
+    seeded targets resample the same token: the noise is a function of (seed, position))."""
+    llm = make_llm(tiny_model_dir, enable_prefix_caching=False)
+    prompts, params, expect = [], [], []
+    for prompt, p, ref in zip(TARGET_PROMPTS, TARGET_PARAMS, reference, strict=True):
+        tokens, lps, tops, _ = ref
+        for i in range(len(tokens)):
+            prompts.append(prompt + list(tokens[:i]))
+            params.append(SamplingParams(**{**vars(p), "max_tokens": 1}))
+            expect.append(((tokens[i],), (lps[i],), (tops[i],)))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [bits(o)[:3] for o in outs] == expect
+
+
+def test_negative_control_default_kernels_differ(tiny_model_dir: Path, reference: list[tuple]) -> None:
+    """The same harness on torch's default kernels sees the batch in the bits (proof the matrix could fail)."""
+    alone = []
+    for prompt, p in zip(TARGET_PROMPTS, TARGET_PARAMS, strict=True):
+        [out] = make_llm(tiny_model_dir, batch_invariant=False).generate([prompt], p, use_tqdm=False)
+        alone.append(bits(out))
+    differ = False
+    for case in ("batch_of_34", "chunked_16"):
+        kwargs, num_others, seed = MATRIX[case]
+        outs = run_mixed(make_llm(tiny_model_dir, batch_invariant=False, **kwargs), num_others, seed)
+        differ |= [bits(o) for o in outs] != alone
+    if not differ:
+        pytest.skip("torch's CPU kernels happened to be batch-invariant at these tiny shapes")
+
+
+# -- the API -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir: Path) -> LLM:
+    return make_llm(tiny_model_dir, seed=0)
+
+
+def test_generate_shapes_and_order(tiny_llm: LLM) -> None:
+    prompts = ["hello", "a longer prompt, with punctuation!", "x"]
+    outs = tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    for o, p in zip(outs, prompts, strict=True):
+        assert o.prompt_token_ids == tiny_llm.tokenizer.encode(p)
+        assert len(o.token_ids) == len(o.logprobs) == 5 and o.finish_reason == "length"
+        assert o.text == tiny_llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        assert o.top_logprobs is None and o.seed is None
+        assert all(lp <= 0 for lp in o.logprobs)
+    # One prompt as a string, as token ids; the same answer.
+    [a] = tiny_llm.generate("hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    [b] = tiny_llm.generate(outs[0].prompt_token_ids, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert bits(a) == bits(b) == bits(outs[0])
+
+
+def test_engine_draws_and_reports_a_seed(tiny_llm: LLM) -> None:
+    p = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    a, b = tiny_llm.generate([[1, 2, 3], [1, 2, 3]], p, use_tqdm=False)
+    assert a.seed is not None and b.seed is not None and a.seed != b.seed
+    [again] = tiny_llm.generate([[1, 2, 3]], SamplingParams(**{**vars(p), "seed": a.seed}), use_tqdm=False)
+    assert bits(again) == bits(a)
+
+
+def test_stop_strings_and_eos(tiny_llm: LLM) -> None:
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [free] = tiny_llm.generate("abc", p, use_tqdm=False)
+    assert len(free.text) >= 4
+    stop = free.text[2:4]
+    [stopped] = tiny_llm.generate("abc", SamplingParams(**{**vars(p), "stop": [stop]}), use_tqdm=False)
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.find(stop)]
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+    # A stop token id ends the request with reason "stop", the token kept in token_ids.
+    tok = free.token_ids[3]
+    [by_id] = tiny_llm.generate("abc", SamplingParams(**{**vars(p), "stop_token_ids": [tok]}), use_tqdm=False)
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
+
+
+def test_chat(tiny_llm: LLM) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    [one] = tiny_llm.chat(msgs, p, use_tqdm=False)
+    assert one.prompt == "user: hi\nassistant:"
+    two = tiny_llm.chat([msgs, [{"role": "user", "content": "yo"}]], p, use_tqdm=False)
+    assert bits(two[0]) == bits(one) and len(two) == 2
+
+
+def test_bad_inputs_raise_and_the_engine_keeps_working(tiny_llm: LLM) -> None:
+    ok = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    [before] = tiny_llm.generate([[1, 2, 3]], ok, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llm.generate([[1, 2], []], ok, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llm.generate([""], ok, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"300 tokens.*max_model_len\) is 256"):
+        tiny_llm.generate([[1, 2], [5] * 300], ok, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"token 97 at index 1 .*\[0, 97\)"):
+        tiny_llm.generate([[1, 97]], ok, use_tqdm=False)
+    with pytest.raises(ValueError, match="token -1"):
+        tiny_llm.generate([[-1]], ok, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        tiny_llm.generate([[1]], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        tiny_llm.generate([[1]], [ok, ok], use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt 0"):
+        tiny_llm.generate([3.5], ok, use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished_requests()
+    [after] = tiny_llm.generate([[1, 2, 3]], ok, use_tqdm=False)
+    assert bits(after) == bits(before)
+
+
+def test_engine_abort(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    engine.add_request("keep", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.add_request("drop", [4, 5, 6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    aborted = engine.abort("drop")
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) == 1
+    assert engine.abort("drop") is None
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["keep"] and len(finished[0].token_ids) == 4
+
+
+# -- the embedded model ----------------------------------------------------------------------------------------
+
+
+def test_embedded_model_batch_invariance(embedded_model_dir: Path) -> None:
+    llm = LLM(str(embedded_model_dir), block_size=16, num_kv_blocks=16)
+    p = SamplingParams(temperature=0, max_tokens=3)
+    [alone] = llm.generate("The capital of France is", p, use_tqdm=False)
+    assert "Paris" in alone.text
+    batch = llm.generate(
+        ["Hello", "The capital of France is", "1, 2,"],
+        [SamplingParams(temperature=0.7, seed=5, max_tokens=4), p, p],
+        use_tqdm=False,
+    )
+    assert bits(batch[1]) == bits(alone)
