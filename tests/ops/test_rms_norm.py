@@ -1,0 +1,164 @@
+import pytest
+import torch
+
+from lockstep import ops
+from lockstep.ops.reduce import RowConfig
+from lockstep.ops.rms_norm import _rms_norm_triton
+
+SIZES = [1, 3, 17, 127, 1000]
+LENGTHS = [1, 7, 576, 1000, 4099]
+INVARIANCE_MS = [1, 2, 3, 7, 17, 64, 127, 128, 129, 1000]
+MOVES = [(1, 0), (2, 1), (16, 15), (17, 16), (40, 3), (129, 128)]
+EPS = 1e-6
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    as_int = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(as_int), b.view(as_int))
+
+
+def check_prefixes(op, x, ms):
+    full = op(x)
+    for m in ms:
+        assert same_bits(op(x[:m]), full[:m]), f"rows differ at m={m}"
+
+
+def check_moved_row(op, x, moves):
+    full0 = op(x[:1])[0]
+    for m, pos in moves:
+        batch = randn(m, *x.shape[1:], dtype=x.dtype, seed=100 + m)
+        batch[pos] = x[0]
+        assert same_bits(op(batch)[pos], full0), f"row moved to {pos} of {m} differs"
+
+
+def reference(x, weight, residual=None):
+    """HF LlamaRMSNorm's rounding in fp64: normalize, round to x's dtype, times weight, round. -> (out, h, rstd)."""
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    rstd = torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + EPS)
+    y = (h.double() * rstd).to(x.dtype)
+    out = y if weight is None else (y.double() * weight.double()).to(x.dtype)
+    return out, h, rstd
+
+
+def check_close(out, ref, ulps):
+    # |out - ref| within `ulps` units of the output dtype's epsilon, relative to |ref| (plus a floor near zero).
+    eps = torch.finfo(out.dtype).eps if out.dtype != torch.float32 else 4e-7
+    bound = ulps * eps * (ref.double().abs() + 1e-3)
+    assert out.dtype == ref.dtype and ((out.double() - ref.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("m", SIZES)
+def test_cpu_matches_fp64_hf_rounding(m, n, dtype):
+    x, r, w = randn(m, n, dtype=dtype, seed=1), randn(m, n, dtype=dtype, seed=2), randn(n, dtype=dtype, seed=3)
+    ref_out, ref_h, ref_rstd = reference(x, w, r)
+    out, h = ops.rms_norm(x, w, EPS, r)
+    assert same_bits(h, ref_h)  # the residual add is one rounding, exact
+    # fp32 vs fp64 rstd can tip the first rounding; the weight product and the second rounding add to it.
+    check_close(out, ref_out, ulps=2)
+    check_close(ops.rms_norm(x, None, EPS), reference(x, None)[0], ulps=1)
+    _, rstd = ops.rms_norm_with_rstd(h, w, EPS)
+    assert rstd.dtype == torch.float32 and ((rstd.double() - ref_rstd).abs() / ref_rstd).max() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_with_rstd_matches_aten_fused_rms_norm_layout(dtype):
+    # rms_norm_with_rstd stands in for aten::_fused_rms_norm(x, [N], weight, eps) -> (out, rstd [..., 1] fp32).
+    x, w = randn(2, 5, 64, dtype=dtype, seed=1), randn(64, dtype=dtype, seed=2)
+    for weight, eps in [(w, EPS), (None, None)]:
+        out, rstd = ops.rms_norm_with_rstd(x, weight, eps)
+        t_out, t_rstd = torch.ops.aten._fused_rms_norm(x, [64], weight, eps)
+        assert out.shape == t_out.shape and out.dtype == t_out.dtype
+        assert rstd.shape == t_rstd.shape == (2, 5, 1) and rstd.dtype == t_rstd.dtype == torch.float32
+        torch.testing.assert_close(rstd, t_rstd, rtol=1e-6, atol=0)
+        # torch rounds once (x * rstd * weight in fp32), HF and lockstep round before the weight: 1 ulp apart.
+        torch.testing.assert_close(out.float(), t_out.float(), rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+
+
+def test_shapes_and_errors():
+    x, w = randn(2, 3, 8, seed=1), randn(8, seed=2)
+    assert ops.rms_norm(x, w, EPS).shape == (2, 3, 8)
+    assert ops.rms_norm(x[..., ::2], w[:4], EPS).shape == (2, 3, 4)  # strided rows
+    assert ops.rms_norm(torch.empty(0, 8), w, EPS).shape == (0, 8)
+    # An fp32 weight with bf16 x: the output keeps x's dtype.
+    assert ops.rms_norm(x.bfloat16(), w, EPS).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="weight must have shape"):
+        ops.rms_norm(x, randn(7), EPS)
+    with pytest.raises(ValueError, match="residual must match"):
+        ops.rms_norm(x, w, EPS, x.bfloat16())
+    with pytest.raises(TypeError, match="float32/bfloat16/float16"):
+        ops.rms_norm(x.double(), w, EPS)
+
+
+def fused(weight):
+    # [M, 2N] = [x | residual] -> [M, 2N] = [out | h], so one tensor carries both results through the checks.
+    def op(t):
+        n = t.shape[1] // 2
+        return torch.cat(ops.rms_norm(t[:, :n], weight, EPS, t[:, n:]), dim=1)
+
+    return op
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [576, 4099])
+def test_cpu_rows_are_batch_invariant(n, dtype):
+    x, w = randn(1000, n, dtype=dtype, seed=1), randn(n, dtype=dtype, seed=2)
+    op = lambda t: ops.rms_norm(t, w, EPS)
+    check_prefixes(op, x, INVARIANCE_MS)
+    check_moved_row(op, x, MOVES)
+    xr = randn(1000, 2 * n, dtype=dtype, seed=3)
+    check_prefixes(fused(w), xr, INVARIANCE_MS)
+    check_moved_row(fused(w), xr, MOVES)
+
+
+# The Triton kernel, run by the interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1).
+# Small blocks force the two-pass chunk loop; several rows per program exercise the 2-D layout.
+TRITON_CONFIGS = [None, RowConfig(block=256, rows=1, num_warps=4), RowConfig(block=64, rows=4, num_warps=4)]
+TRITON_CASES = [(1, 1, 0), (3, 7, 0), (3, 7, 2), (17, 576, 0), (17, 576, 2), (64, 1000, 0), (5, 4099, 0), (5, 4099, 1)]
+# The interpreter rounds fp32 -> bf16 by truncation (GPUs round to nearest even): allow a few ulps there.
+TRITON_ULPS = {torch.float32: 2, torch.bfloat16: 4, torch.float16: 2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, n, config", TRITON_CASES)
+def test_triton_matches_fp64(m, n, config, dtype):
+    x, r, w = randn(m, n, dtype=dtype, seed=1), randn(m, n, dtype=dtype, seed=2), randn(n, dtype=dtype, seed=3)
+    cfg, ulps = TRITON_CONFIGS[config], TRITON_ULPS[dtype]
+    out, h, rstd = _rms_norm_triton(x, w, EPS, r, config=cfg)
+    check_close(h, (x.double() + r.double()).to(dtype), ulps)
+    check_close(out, reference(h, w)[0], ulps)  # normalizing the h it computed
+    ref_rstd = torch.rsqrt(h.double().pow(2).mean(-1) + EPS)
+    assert ((rstd.double() - ref_rstd).abs() / ref_rstd).max() < 1e-5
+    check_close(_rms_norm_triton(x, None, EPS, config=cfg)[0], reference(x, None)[0], ulps)
+
+
+@pytest.mark.parametrize("cfg", TRITON_CONFIGS[1:])
+def test_triton_rows_are_batch_invariant(cfg):
+    n = 600
+    x, w = randn(40, 2 * n, seed=1), randn(n, seed=2)
+
+    def op(t):
+        out, h, _ = _rms_norm_triton(t[:, :n], w, EPS, t[:, n:], config=cfg)
+        return torch.cat([out, h], dim=1)
+
+    check_prefixes(op, x, [1, 2, 3, 7, 17])
+    check_moved_row(op, x, [(2, 1), (9, 6), (17, 16)])
+
+
+# Negative control: an RMSNorm whose sum of squares is chunked by M, like a kernel that picks its split from the
+# batch. The same harness that passes above must fail on it.
+def test_negative_control_batch_dependent_rms_norm_is_caught():
+    def split_by_m(t):
+        splits = 4 if t.shape[0] < 64 else 1
+        sq = t * t
+        ss = sq.reshape(t.shape[0], splits, -1).sum(-1).sum(-1)
+        return t * torch.rsqrt(ss / t.shape[1] + EPS)[:, None]
+
+    x = randn(128, 4096, seed=4)
+    with pytest.raises(AssertionError, match="rows differ"):
+        check_prefixes(split_by_m, x, [1, 2, 3, 17, 64, 128])
