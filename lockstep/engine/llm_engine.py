@@ -24,7 +24,8 @@ class RequestOutput:
     logits, before temperature and filtering, like vLLM's default). ``top_logprobs`` is None unless the request
     asked for ``SamplingParams.logprobs``; then ``top_logprobs[i]`` maps the top-N token ids at step ``i`` to their
     logprobs. ``seed`` is the seed the noise came from (drawn by the engine when the request gave none; None for
-    greedy requests without one). ``text`` excludes special tokens and is cut before a stop string.
+    greedy requests without one). ``text`` excludes special tokens and is cut before a stop string; it is
+    complete once the request has finished (unfinished outputs of requests without stop strings leave it empty).
     """
 
     request_id: str
@@ -158,7 +159,8 @@ class LLMEngine:
 
     def _update_text(self, request: _Request) -> None:
         seq = request.seq
-        if self.tokenizer is None:
+        # Detokenise only where the text is needed: stop-string checks, and the final output.
+        if self.tokenizer is None or not (seq.params.stop or seq.is_finished):
             return
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         stops = seq.params.stop
