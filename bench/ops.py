@@ -29,6 +29,7 @@ SHAPES = [(4096, 4096), (4096, 1024), (4096, 24576), (12288, 4096), (4096, 15193
 CHECK_MS = list(range(1, 513)) + [1000, 2048, 4096, 8192]
 TIME_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2048, 4096, 8192]
 L2_BYTES = 60 * 2**20
+TMA_ONLY = os.environ.get("SWEEP_LARGE_M") == "1"
 
 
 def bench(fn) -> float:
@@ -75,11 +76,10 @@ def sweep_candidates(m: int) -> list[MatmulConfig]:
         return [C(16, bn, 256, num_stages=5) for bn in (16, 32, 64)] + [C(16, 128, 256, num_stages=3)]
     if m <= 64:
         return [C(min(m, 64), bn, bk, num_stages=4) for bn, bk in ((32, 256), (64, 128), (128, 64))]
+    big = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
     if m <= 256:
-        return [C(64, 64, 128, num_stages=4), C(64, 128, 64, num_stages=4), C(128, 64, 64, num_stages=4),
-                C(128, 256, 64, num_warps=8, num_stages=3)]  # fmt: skip
-    return [C(128, 128, 64, num_warps=8, num_stages=4), C(128, 256, 64, num_warps=8, num_stages=3),
-            C(256, 128, 64, num_warps=8, num_stages=3)]  # fmt: skip
+        big = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)] + big[:2]
+    return [C(bm, bn, bk, 8, w, s, tma) for bm, bn, bk, w, s in big for tma in (False, True)]
 
 
 def sweep_matmul(k: int, n: int, dtype) -> list[dict]:
@@ -87,7 +87,7 @@ def sweep_matmul(k: int, n: int, dtype) -> list[dict]:
     x_all = torch.randn(8192, k, device="cuda", dtype=dtype)
     ref = ops.linear(x_all, ws[0])
     rows = []
-    for m in [1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192]:
+    for m in [128, 256, 512, 2048, 8192] if TMA_ONLY else [1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192]:
         x = x_all[:m]
         for cfg in sweep_candidates(m):
             try:

@@ -1,7 +1,23 @@
 """lockstep: LLM inference whose answer to a request does not depend on how the server batches it."""
 
 from lockstep import ops
+from lockstep.check import InvarianceReport, check_batch_invariance
+from lockstep.ops.mode import (
+    batch_invariant_mode,
+    disable_batch_invariant_mode,
+    enable_batch_invariant_mode,
+    is_batch_invariant_mode_enabled,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "__version__"]
+__all__ = [
+    "InvarianceReport",
+    "__version__",
+    "batch_invariant_mode",
+    "check_batch_invariance",
+    "disable_batch_invariant_mode",
+    "enable_batch_invariant_mode",
+    "is_batch_invariant_mode_enabled",
+    "ops",
+]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.ops._common import interpreting, map_row_tiles
 
@@ -79,6 +80,42 @@ def _mm_kernel(
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m & mask_n)
 
 
+@triton.jit
+def _mm_tma_kernel(
+    a_desc, b_desc, c_desc, bias_ptr,
+    M, N, K, alpha, beta, num_programs,
+    HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, B_IS_NK: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # The same tiles and the same k = 0 upward loop as _mm_kernel, with operands brought in by the tensor
+    # memory accelerator (Hopper): out-of-bounds rows and the K tail arrive as zeros.
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    tiles_per_group = GROUP_M * num_n
+    for tile in range(tl.program_id(0), num_m * num_n, num_programs):
+        group = tile // tiles_per_group
+        first_m = group * GROUP_M
+        group_m = min(num_m - first_m, GROUP_M)
+        off_m = (first_m + (tile % tiles_per_group) % group_m) * BM
+        off_n = ((tile % tiles_per_group) // group_m) * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, K, BK):
+            a = a_desc.load([off_m, k])
+            b = b_desc.load([off_n, k]).T if B_IS_NK else b_desc.load([k, off_n])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SCALED:
+            acc = acc * alpha
+        if HAS_BIAS:
+            offs_n = off_n + tl.arange(0, BN)
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc += beta * bias[None, :]
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
 @dataclass(frozen=True)
 class MatmulConfig:
     bm: int
@@ -87,6 +124,7 @@ class MatmulConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False  # load operands with the tensor memory accelerator (Hopper, aligned 2-D operands)
 
 
 def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
@@ -128,6 +166,31 @@ def _num_programs(device: torch.device, tiles: int) -> int:
     return max(1, min(tiles, _NUM_SMS[index]))
 
 
+def _tma_descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: MatmulConfig):
+    """Tensor descriptors for a 1-batch problem, or None when the layout does not allow them.
+
+    TMA needs a unit-stride last dimension and 16-byte aligned rows and base addresses. B is described as
+    [N, K] when it is a transposed row-major weight (F.linear's case), else as [K, N].
+    """
+    a2, b2, c2 = a[0], b[0], c[0]
+    size = a.element_size()
+
+    def aligned(t: torch.Tensor) -> bool:
+        return t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+
+    b_is_nk = b2.stride(0) == 1 and b2.stride(1) != 1
+    b_major = b2.t() if b_is_nk else b2
+    if not (aligned(a2) and aligned(b_major) and aligned(c2)):
+        return None
+    b_block = [cfg.bn, cfg.bk] if b_is_nk else [cfg.bk, cfg.bn]
+    return (
+        TensorDescriptor.from_tensor(a2, [cfg.bm, cfg.bk]),
+        TensorDescriptor.from_tensor(b_major, b_block),
+        TensorDescriptor.from_tensor(c2, [cfg.bm, cfg.bn]),
+        b_is_nk,
+    )
+
+
 def _bmm_triton(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -144,18 +207,28 @@ def _bmm_triton(
         return c
     cfg = config or matmul_config(m, n, k, a.dtype)
     programs = _num_programs(a.device, triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn))
+    common = dict(
+        HAS_BIAS=bias is not None, SCALED=alpha != 1.0,
+        UPCAST=interpreting() and a.dtype != torch.float32,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    descriptors = _tma_descriptors(a, b, c, cfg) if cfg.tma and batch == 1 else None
+    if descriptors is not None:
+        a_desc, b_desc, c_desc, b_is_nk = descriptors
+        _mm_tma_kernel[(programs,)](
+            a_desc, b_desc, c_desc, bias if bias is not None else c,
+            m, n, k, alpha, beta, programs, B_IS_NK=b_is_nk, **common,
+        )  # fmt: skip
+        return c
     _mm_kernel[(programs, batch)](
         a, b, bias if bias is not None else c, c,
         m, n, k,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
-        alpha, beta, programs,
-        HAS_BIAS=bias is not None, SCALED=alpha != 1.0, EVEN_K=k % cfg.bk == 0,
-        UPCAST=interpreting() and a.dtype != torch.float32,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        alpha, beta, programs, EVEN_K=k % cfg.bk == 0, **common,
     )  # fmt: skip
     return c
 
