@@ -1,5 +1,6 @@
 """Batch-invariant ops: each output row's bits depend only on that row's inputs, never on the batch around it."""
 
+from lockstep.ops.attention import paged_attention, write_kv
 from lockstep.ops.matmul import addmm, bmm, linear, mm
 from lockstep.ops.reduce import mean, sum
 from lockstep.ops.rms_norm import rms_norm, rms_norm_with_rstd
@@ -12,8 +13,10 @@ __all__ = [
     "log_softmax",
     "mean",
     "mm",
+    "paged_attention",
     "rms_norm",
     "rms_norm_with_rstd",
     "softmax",
     "sum",
+    "write_kv",
 ]

@@ -1,0 +1,277 @@
+"""Correctness, bitwise invariance and decode speed of lockstep's paged attention (Triton) on a GPU.
+
+    python bench/attention_check.py            # H200: 32 q / 8 kv heads, head_dim 128, bf16, page 16
+    python bench/attention_check.py --smoke    # tiny shapes; without a GPU it runs through the Triton interpreter
+
+Values: prefill and decode against an fp32 reference (torch SDPA on the gathered, upcast K/V).
+Invariance: every output row of a target sequence (crossing several splits) must have the same bits from a
+one-shot prefill, chunked prefills, decode steps inside batches of 1..64 sequences with contexts up to 32k,
+a prefill inside a mixed batch, a prefix hit, other physical blocks, and every launch shape (BLOCK_M, warps,
+split programs + merge kernel vs in-register merge). This is where the kernel's claim that the MMA row count
+does not change a row's bits gets checked. Exits 1 if anything fails.
+Speed: decode (one query per sequence) against F.scaled_dot_product_attention on contiguous K/V, and a causal
+prefill, timed in CUDA graphs.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+from lockstep.ops.attention import SPLIT, TILE, _paged_attention_triton, write_kv  # noqa: E402
+
+FAILURES: list[str] = []
+
+
+class Cache:
+    """A paged cache; sequences are written through write_kv into blocks taken in a shuffled order."""
+
+    def __init__(self, num_blocks, page, hkv, d, dtype, device, seed):
+        self.page = page
+        self.k = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype, device=device)
+        self.v = torch.full_like(self.k, float("nan"))
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables: dict[str, list[int]] = {}
+
+    def write(self, name, kv, start, end, shared=()):
+        table = self.tables.setdefault(name, list(shared))
+        while len(table) * self.page < end:
+            table.append(self.free.pop())
+        pos = torch.arange(start, end)
+        slots = (torch.tensor(table)[pos // self.page] * self.page + pos % self.page).to(self.k.device)
+        write_kv(kv[0][start:end], kv[1][start:end], self.k, self.v, slots)
+
+    def batch(self, items, queries):
+        """items: (name, start, end); queries: name -> q [len, hq, d]. Returns the kernel's arguments."""
+        device = self.k.device
+        width = max(len(self.tables[n]) for n, _, _ in items)
+        tables = torch.full((len(items), width), -1, dtype=torch.int32)
+        for i, (n, _, _) in enumerate(items):
+            tables[i, : len(self.tables[n])] = torch.tensor(self.tables[n])
+        q = torch.cat([queries[n][s:e] for n, s, e in items])
+        counts = torch.tensor([0] + [e - s for _, s, e in items])
+        return dict(
+            q=q,
+            k_cache=self.k,
+            v_cache=self.v,
+            block_tables=tables.to(device),
+            seq_lens=torch.tensor([e for _, _, e in items], dtype=torch.int32, device=device),
+            query_start_loc=counts.cumsum(0).to(torch.int32).to(device),
+        )
+
+    def attend(self, items, queries, scale, **launch):
+        out = _paged_attention_triton(**self.batch(items, queries), scale=scale, **launch)
+        counts = [e - s for _, s, e in items]
+        return list(out.split(counts))
+
+
+def report(name, ok, detail=""):
+    print(f"  {'ok  ' if ok else 'FAIL'}  {name}  {detail}")
+    if not ok:
+        FAILURES.append(name)
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def n_diff(a, b):
+    return int((a.view(torch.int16) != b.view(torch.int16)).sum())
+
+
+def reference(q, k, v, start, scale):
+    """fp32 causal attention of queries at positions start.. over contiguous k, v: [len, h, d]."""
+    group = q.shape[1] // k.shape[1]
+    qq = q.float().transpose(0, 1)[None]
+    kk = k.float().repeat_interleave(group, 1).transpose(0, 1)[None]
+    vv = v.float().repeat_interleave(group, 1).transpose(0, 1)[None]
+    pos = torch.arange(start, start + q.shape[0], device=q.device)
+    mask = torch.arange(k.shape[0], device=q.device)[None, :] <= pos[:, None]
+    return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)[0].transpose(0, 1)
+
+
+def check_values(cfg, device, gen):
+    print("values against fp32 reference")
+    hq, hkv, d, dtype, page, scale = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"], cfg["scale"]
+    lengths, q_lens = cfg["value_lengths"], cfg["value_qlens"]
+    cache = Cache(sum(-(-n // page) for n in lengths) + 8, page, hkv, d, dtype, device, seed=1)
+    queries, kvs = {}, {}
+    for i, n in enumerate(lengths):
+        kvs[i] = [torch.randn(n, hkv, d, generator=gen).to(device, dtype) for _ in range(2)]
+        queries[f"s{i}"] = torch.randn(n, hq, d, generator=gen).to(device, dtype)
+        cache.write(f"s{i}", kvs[i], 0, n)
+    items = [(f"s{i}", n - ql, n) for i, (n, ql) in enumerate(zip(lengths, q_lens, strict=True))]
+    for launch in cfg["launches"]:
+        outs = cache.attend(items, queries, scale, **launch)
+        worst = 0.0
+        for i, ((name, s, e), out) in enumerate(zip(items, outs, strict=True)):
+            ref = reference(queries[name][s:e], kvs[i][0][:e], kvs[i][1][:e], s, scale)
+            worst = max(worst, (out.float() - ref).abs().max().item())
+        report(f"max |err| {launch}", worst < cfg["atol"], f"{worst:.2e} (lengths {lengths}, q_lens {q_lens})")
+
+
+def check_invariance(cfg, device, gen):
+    hq, hkv, d, dtype, page, scale = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"], cfg["scale"]
+    n = cfg["target"]
+    print(f"bitwise invariance: target of {n} positions ({-(-n // cfg['split'])} splits of {cfg['split']})")
+    split = dict(split=cfg["split"])
+    others = cfg["neighbours"]
+    blocks = (2 * n + sum(others) + len(others) * page) // page + 16
+    cache = Cache(blocks, page, hkv, d, dtype, device, seed=2)
+    kv = [torch.randn(n, hkv, d, generator=gen).to(device, dtype) for _ in range(2)]
+    queries = {"t": torch.randn(n, hq, d, generator=gen).to(device, dtype)}
+    cache.write("t", kv, 0, n)
+    for i, m in enumerate(others):
+        okv = [torch.randn(m, hkv, d, generator=gen).to(device, dtype) for _ in range(2)]
+        queries[f"o{i}"] = torch.randn(m, hq, d, generator=gen).to(device, dtype)
+        cache.write(f"o{i}", okv, 0, m)
+
+    ref = cache.attend([("t", 0, n)], queries, scale, **split)[0]
+
+    def compare(name, out, rows=slice(None)):
+        report(name, same_bits(out, ref[rows]), "" if same_bits(out, ref[rows]) else f"{n_diff(out, ref[rows])} differ")
+
+    for launch in cfg["launches"]:
+        compare(f"one-shot prefill, launch {launch}", cache.attend([("t", 0, n)], queries, scale, **split, **launch)[0])
+
+    for chunk in cfg["chunks"]:
+        fresh = Cache(n // page + 4, page, hkv, d, dtype, device, seed=chunk)
+        outs = []
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            fresh.write("t", kv, s, e)
+            outs += fresh.attend([("t", s, e)], queries, scale, **split)
+        compare(f"chunked prefill, chunks of {chunk}", torch.cat(outs))
+
+    positions = sorted({0, 1, TILE - 1, TILE, cfg["split"] - 1, cfg["split"], cfg["split"] + 1, n - 1}
+                       | set(torch.randint(0, n, (cfg["decode_samples"],), generator=gen).tolist()))  # fmt: skip
+    for batch_size in cfg["decode_batches"]:
+        for launch in [{}] + cfg["decode_launches"]:
+            outs = []
+            for j, p in enumerate(positions):
+                # neighbours decode at random points of their contexts; the target sits at a rotating slot
+                items = []
+                for i in range(batch_size - 1):
+                    o = (j + i) % len(others)
+                    x = int(torch.randint(0, others[o], (1,), generator=gen))
+                    items.append((f"o{o}", x, x + 1))
+                slot = j % batch_size
+                items.insert(slot, ("t", p, p + 1))
+                outs.append(cache.attend(items, queries, scale, **split, **launch)[slot])
+            compare(f"decode in batches of {batch_size}, launch {launch or 'default'}", torch.cat(outs), positions)
+
+    mixed = [("o0", 0, min(others[0], 300)), ("t", 0, n)] + [(f"o{i}", m - 1, m) for i, m in enumerate(others)]
+    compare("prefill inside a mixed prefill/decode batch", cache.attend(mixed, queries, scale, **split)[1])
+
+    hit = (n // 2) // page * page
+    cache.write("hit", kv, hit, n, shared=cache.tables["t"][: hit // page])
+    queries["hit"] = queries["t"]
+    suffix = cache.attend([("o1", others[1] - 5, others[1]), ("hit", hit, n)], queries, scale, **split)[1]
+    compare("prefix hit (shared blocks, suffix only)", suffix, slice(hit, n))
+
+    moved = Cache(n // page + 50, page, hkv, d, dtype, device, seed=99)
+    moved.write("t", kv, 0, n)
+    compare("other physical blocks", moved.attend([("t", 0, n)], queries, scale, **split)[0])
+
+    # Negative control: a different split size must change bits (the harness can see a difference).
+    other = cache.attend([("t", 0, n)], queries, scale, split=cfg["split"] * 2)[0]
+    report("negative control: split size x2 changes bits", not same_bits(other, ref), f"{n_diff(other, ref)} differ")
+
+
+def bench_speed(cfg, device):
+    from triton.testing import do_bench_cudagraph
+
+    def us(fn):
+        return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+
+    hq, hkv, d, dtype, page = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"]
+    scale = cfg["scale"]
+    print("\ndecode: us per call (TB/s reading K+V)")
+    print(f"  {'B':>3} {'ctx':>6} | {'lockstep':>16} {'(in-register)':>16} {'(split progs)':>16} | {'SDPA':>16}")
+    for ctx in cfg["speed_ctx"]:
+        for b in cfg["speed_batches"]:
+            nblk = b * ctx // page
+            k_cache = torch.randn(nblk, page, hkv, d, device=device, dtype=dtype)
+            v_cache = torch.randn_like(k_cache)
+            tables = torch.randperm(nblk, device=device).view(b, ctx // page).int()
+            q = torch.randn(b, hq, d, device=device, dtype=dtype)
+            args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                        seq_lens=torch.full((b,), ctx, device=device, dtype=torch.int32),
+                        query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32))  # fmt: skip
+            gbytes = 2 * b * ctx * hkv * d * k_cache.element_size() / 1e9
+            times = [us(lambda la=la: _paged_attention_triton(**args, scale=scale, **la))
+                     for la in ({}, {"split_programs": False}, {"split_programs": True})]  # fmt: skip
+            kc = k_cache[tables.long()].view(b, ctx, hkv, d).transpose(1, 2)  # [B, H_kv, ctx, D]
+            vc = v_cache[tables.long()].view(b, ctx, hkv, d).transpose(1, 2)
+            qs = q[:, :, None]
+            try:
+                sdpa = us(lambda: F.scaled_dot_product_attention(qs, kc, vc, scale=scale, enable_gqa=True))
+            except (RuntimeError, TypeError):
+                kr, vr = kc.repeat_interleave(hq // hkv, 1), vc.repeat_interleave(hq // hkv, 1)
+                sdpa = us(lambda: F.scaled_dot_product_attention(qs, kr, vr, scale=scale))
+            cells = [f"{t:8.1f} ({gbytes / t * 1e3:4.2f})" for t in times + [sdpa]]
+            print(f"  {b:3d} {ctx:6d} | {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} | {cells[3]:>16}")
+            del k_cache, v_cache, kc, vc
+
+    print("\ncausal prefill, one sequence: us (TFLOP/s)")
+    for n in cfg["speed_prefill"]:
+        k_cache = torch.randn(n // page, page, hkv, d, device=device, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(n, hq, d, device=device, dtype=dtype)
+        args = dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                    block_tables=torch.arange(n // page, device=device, dtype=torch.int32)[None],
+                    seq_lens=torch.tensor([n], device=device, dtype=torch.int32),
+                    query_start_loc=torch.tensor([0, n], device=device, dtype=torch.int32))  # fmt: skip
+        flops = 4 * n * n * hq * d / 2
+        row = []
+        for block_m in (64, 128):
+            t = us(lambda bm=block_m: _paged_attention_triton(**args, scale=scale, block_m=bm))
+            row.append(f"BLOCK_M {block_m}: {t:9.1f} ({flops / t / 1e6:5.1f})")
+        qs = q.transpose(0, 1)[None]
+        kc = k_cache.view(n, hkv, d).transpose(0, 1)[None]
+        vc = v_cache.view(n, hkv, d).transpose(0, 1)[None]
+        t = us(lambda: F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, scale=scale, enable_gqa=True))
+        print(f"  n={n:6d}  lockstep " + "  ".join(row) + f"  | SDPA {t:9.1f} ({flops / t / 1e6:5.1f})")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU via the interpreter)")
+    parser.add_argument("--no-speed", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    launches = [dict(split_programs=sp, block_m=bm, num_warps=nw)
+                for sp in (False, True) for bm, nw in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))]  # fmt: skip
+    if args.smoke:
+        cfg = dict(hq=4, hkv=2, d=32, dtype=torch.bfloat16, page=16, scale=32**-0.5, split=128,
+                   value_lengths=[1, 17, 150], value_qlens=[1, 5, 150], atol=3e-2,
+                   launches=[launches[0], launches[5]], target=200, neighbours=[300, 40, 130], chunks=[64],
+                   decode_batches=[1, 3], decode_launches=[dict(split_programs=True)], decode_samples=2)  # fmt: skip
+    else:
+        cfg = dict(hq=32, hkv=8, d=128, dtype=torch.bfloat16, page=16, scale=128**-0.5, split=SPLIT,
+                   value_lengths=[1, 17, 1000, 4097, 32768], value_qlens=[1, 17, 1000, 300, 1], atol=2e-2,
+                   launches=launches, target=5000, neighbours=[32768, 1000, 4096, 17, 20000, 513, 8192, 3],
+                   chunks=[512, 1000, 37], decode_batches=[1, 7, 64],
+                   decode_launches=[dict(split_programs=False), dict(split_programs=True, block_m=64)],
+                   decode_samples=40, speed_ctx=[4096, 32768], speed_batches=[1, 8, 64],
+                   speed_prefill=[4096, 16384])  # fmt: skip
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)'}, "
+          f"torch {torch.__version__}, heads {cfg['hq']}/{cfg['hkv']}, head_dim {cfg['d']}, {cfg['dtype']}, "
+          f"TILE {TILE}, split {cfg['split']}")  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    check_values(cfg, device, gen)
+    check_invariance(cfg, device, gen)
+    if device == "cuda" and not args.smoke and not args.no_speed:
+        bench_speed(cfg, device)
+    print(f"\n{'ALL CHECKS PASSED' if not FAILURES else f'{len(FAILURES)} FAILED: ' + '; '.join(FAILURES)}")
+    sys.exit(1 if FAILURES else 0)
+
+
+if __name__ == "__main__":
+    main()

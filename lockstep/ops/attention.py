@@ -1,0 +1,565 @@
+"""Batch-invariant paged attention: ``write_kv`` and ``paged_attention``.
+
+The contract: a query token at position p gets the same bits whether it arrives in a one-shot prefill, in any
+chunk of a chunked prefill, as a decode step, after a prefix-cache hit, and whatever shares its batch. So the
+KV reduction of one query row is a function of p and fixed constants only:
+- KV is reduced in tiles of ``TILE`` positions aligned to position 0 (tile t covers [t*TILE, (t+1)*TILE)),
+  in increasing order, with an online softmax in fp32 (running max m, denominator den, numerator acc);
+- the tiles are grouped into splits of ``SPLIT`` positions (a fixed split size, never a fixed split count);
+  each split's (m, den, acc) starts from scratch, and the splits are merged in increasing order;
+- rows that see no position of a tile or split (a causal row in a query tile whose later rows reach further)
+  get -inf scores there. The merge skips an empty split exactly; an empty tile adds P = 0 columns, which can
+  only flip the sign of an exact zero, so the output turns -0.0 into +0.0 at the end. The same holds for
+  the masked columns of the diagonal tile, whose V differs by path (future tokens in a prefill, zeros past
+  the end of the sequence in a decode step). (A V of inf/NaN at a later position of the same prefill would
+  still poison 0 * V; a model that produces those has bigger problems.)
+
+CUDA runs one Triton kernel over the varlen batch. A program owns (a tile of query tokens of one sequence,
+one KV head with its group of query heads) and either walks all the splits of its rows, merging each into a
+running state in registers, or (when there are too few programs to fill the GPU, e.g. small-batch decode)
+computes one split and writes the partial, which a second kernel merges in split order. Both paths call the
+same ``_attend_split`` / ``_merge`` / ``_finalize`` code, and an fp32 partial round-trips memory exactly.
+The CPU runs the same tile/split structure with batched matmuls of one fixed per-entry shape.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lockstep.ops._common import interpreting
+
+# KV positions per reduction tile. 64 is FlashAttention's usual BLOCK_N for head_dim 64-128 on Hopper, and
+# on the CPU it keeps the per-step matmuls big enough to amortise the Python loop.
+TILE = 64
+# KV positions per split. Decode at small batch needs splits for parallelism (batch 1, 4k context, 8 KV heads:
+# 64 programs at 512, 8 at 4096); each split costs one merge step, and the split-parallel path stores one fp32
+# partial per (token, split, head). 512 keeps both cheap.
+SPLIT = 512
+# Query tokens per CPU work entry. Entries of several sequences are batched into one bmm of fixed per-entry
+# shape [ROWS * group, head_dim] x [head_dim, TILE]; small enough that a decode row wastes little.
+_CPU_ROWS = 4
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------- write_kv
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    page_size, num_heads,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, H_PAD)
+    dims = tl.arange(0, D_PAD)
+    mask = (heads[:, None] < num_heads) & (dims[None, :] < HEAD_DIM)
+    src = token.to(tl.int64) * stride_kt + heads[:, None] * stride_kh + dims[None, :]
+    dst = (slot // page_size) * stride_cb + (slot % page_size) * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+    k = tl.load(k_ptr + src, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    src = token.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + dims[None, :]
+    v = tl.load(v_ptr + src, mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k_cache.shape[1], num_heads,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(num_heads), D_PAD=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's keys and values into the paged cache.
+
+    ``k, v: [num_tokens, num_kv_heads, head_dim]``; ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+    head_dim]`` (contiguous); ``slot_mapping: [num_tokens]``, slot = block_id * block_size + offset, -1 = skip.
+    """
+    if k.shape != v.shape or k.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"bad shapes: k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)}")
+    if k_cache.shape[2:] != k.shape[1:] or slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"k {tuple(k.shape)}, cache {tuple(k_cache.shape)}, slots {tuple(slot_mapping.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    if k.is_cuda:
+        _write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+        return
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+# ------------------------------------------------------------------------------------ attention (Triton)
+# What the H200 must re-check (bench/attention_check.py): the bits of one query row do not depend on
+# BLOCK_M (how many query rows share a tl.dot), on num_warps, or on which of the two launch paths ran. By
+# construction every per-row reduction here is a tl.dot (QK over head_dim; P@V and the denominator P@1 over
+# the KV tile) or exact (max, where, elementwise): the row sum is a dot with a ones matrix rather than
+# tl.sum, because tl.sum's order follows the register layout, which follows BLOCK_M. DESIGN.md measured that
+# tl.dot's bits do not follow the tile shape on the H200 (Triton 3.6); that must hold for this kernel too.
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, search_steps, target, BLOCK_Q: tl.constexpr):
+    # The last sequence s with start(s) <= target, where start(s) = query_start_loc[s] counts tokens
+    # (BLOCK_Q == 0) or query tiles (start(s) = query_start_loc[s] // BLOCK_Q + s: every sequence owns
+    # cdiv(q_len, BLOCK_Q) tiles, plus at most one spare). Binary search; search_steps >= log2(num_seqs) + 1.
+    lo = tl.program_id(0) * 0
+    hi = lo + num_seqs
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid)
+        if BLOCK_Q > 0:
+            start = start // BLOCK_Q + mid
+        right = start <= target
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _attend_split(
+    q, pos, split, last_tile, qk_scale,
+    k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
+    TILES_PER_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # One split's online softmax for BLOCK_M query rows: q [BLOCK_M, D_PAD], pos [BLOCK_M] (-1: padding).
+    # Returns m [BLOCK_M] (log2 units), den [BLOCK_M], acc [BLOCK_M, D_PAD], all fp32 and from scratch.
+    dims = tl.arange(0, D_PAD)
+    dim_ok = dims < HEAD_DIM
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M, 16], tl.float32)  # 16 equal columns: the denominator accumulates via tl.dot
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    first = split * TILES_PER_SPLIT
+    for t in range(first, tl.minimum(first + TILES_PER_SPLIT, last_tile + 1)):
+        offs = t * TILE + tl.arange(0, TILE)
+        kv_ok = offs < seq_len  # never read past the sequence: unused cache slots may hold NaN
+        block = tl.load(block_table + offs // page_size, mask=kv_ok, other=0).to(tl.int64)
+        slot = (offs % page_size).to(tl.int64)
+        k_t = tl.load(
+            k_base + (block * stride_kb + slot * stride_ks)[None, :] + dims[:, None],
+            mask=kv_ok[None, :] & dim_ok[:, None],
+            other=0.0,
+        )  # [D_PAD, TILE]
+        v = tl.load(
+            v_base + (block * stride_vb + slot * stride_vs)[:, None] + dims[None, :],
+            mask=kv_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )  # [TILE, D_PAD]
+        if UPCAST:  # the interpreter's bf16/fp16 dot is wrong; run it in fp32 there
+            k_t = k_t.to(tl.float32)
+        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+        s = tl.where(offs[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m == m_new, 1.0, tl.exp2(m - base))
+        p = tl.exp2(s - base[:, None]).to(v.dtype)  # rounded to V's dtype for the dots, like FlashAttention
+        ones = tl.full([TILE, 16], 1.0, v.dtype)
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+            ones = ones.to(tl.float32)
+        den = tl.dot(p, ones, den * alpha[:, None], input_precision=PRECISION)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+        m = m_new
+    return m, tl.max(den, 1), acc
+
+
+@triton.jit
+def _merge(m_run, den_run, acc_run, m, den, acc):
+    # Fold one split's partial into the running state. From the empty state (m_run = -inf, den_run = 0,
+    # acc_run = 0) the result is the partial itself; a partial that saw nothing (m = -inf) changes nothing.
+    m_new = tl.maximum(m_run, m)
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.where(m_run == m_new, 1.0, tl.exp2(m_run - base))
+    beta = tl.where(m == m_new, 1.0, tl.exp2(m - base))
+    seen = m > float("-inf")
+    den_out = tl.where(seen, den_run * alpha + den * beta, den_run)
+    acc_out = tl.where(seen[:, None], acc_run * alpha[:, None] + acc * beta[:, None], acc_run)
+    return tl.where(seen, m_new, m_run), den_out, acc_out
+
+
+@triton.jit
+def _finalize(den, acc):
+    out = acc / tl.where(den == 0.0, 1.0, den)[:, None]  # den = 0 only on padding rows
+    return tl.where(out == 0.0, 0.0, out)  # -0.0 -> +0.0 (see the module docstring)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, part_ml_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_seqs, search_steps, page_size, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_mh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    SPLIT_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # Program (query tile, kv head[, split]). Rows are (token, head of the group) pairs, token-major:
+    # row r is token r // GROUP of the tile and query head kv_head * GROUP + r % GROUP.
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, num_seqs, search_steps, tile, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    tok0 = q_begin + (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if tok0 >= q_end:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    tok = tok0 + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_end)
+    pos = tl.where(row_ok, seq_len - q_end + tok, -1)  # the j-th new token sits at seq_len - q_len + j
+    last_tile = (seq_len - q_end + tl.minimum(tok0 + BLOCK_Q, q_end) - 1) // TILE
+    dims = tl.arange(0, D_PAD)
+    io_mask = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
+    q = tl.load(
+        q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    if SPLIT_PROGRAMS:
+        split = tl.program_id(2)
+        if split * TILES_PER_SPLIT > last_tile:
+            return
+        m, den, acc = _attend_split(
+            q, pos, split, last_tile, qk_scale,
+            k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+            BLOCK_M, HEAD_DIM, D_PAD, TILE, TILES_PER_SPLIT, UPCAST, PRECISION,
+        )  # fmt: skip
+        ml = tok.to(tl.int64) * stride_mt + split * stride_ms + head * stride_mh
+        tl.store(part_ml_ptr + ml, m, mask=row_ok)
+        tl.store(part_ml_ptr + ml + 1, den, mask=row_ok)
+        part = tok.to(tl.int64)[:, None] * stride_pt + split * stride_ps + head[:, None] * stride_ph
+        tl.store(part_ptr + part + dims[None, :], acc, mask=io_mask)
+    else:
+        m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        den_run = tl.zeros([BLOCK_M], tl.float32)
+        acc_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        for split in range(0, last_tile // TILES_PER_SPLIT + 1):
+            m, den, acc = _attend_split(
+                q, pos, split, last_tile, qk_scale,
+                k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+                BLOCK_M, HEAD_DIM, D_PAD, TILE, TILES_PER_SPLIT, UPCAST, PRECISION,
+            )  # fmt: skip
+            m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m, den, acc)
+        out = _finalize(den_run, acc_run)
+        o = o_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(o, out.to(o_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, part_ml_ptr, o_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_seqs, search_steps,
+    stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_mh, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr,
+):  # fmt: skip
+    # Program per token, all its query heads: merge splits 0 .. pos // SPLIT_SIZE in order.
+    tok = tl.program_id(0)
+    seq = _find_seq(query_start_loc_ptr, num_seqs, search_steps, tok, 0)
+    pos = tl.load(seq_lens_ptr + seq) - tl.load(query_start_loc_ptr + seq + 1) + tok
+    heads = tl.arange(0, H_PAD)
+    dims = tl.arange(0, D_PAD)
+    head_ok = heads < NUM_HEADS
+    mask = head_ok[:, None] & (dims[None, :] < HEAD_DIM)
+    m_run = tl.full([H_PAD], float("-inf"), tl.float32)
+    den_run = tl.zeros([H_PAD], tl.float32)
+    acc_run = tl.zeros([H_PAD, D_PAD], tl.float32)
+    for split in range(0, pos // SPLIT_SIZE + 1):
+        ml = part_ml_ptr + tok.to(tl.int64) * stride_mt + split * stride_ms + heads * stride_mh
+        m = tl.load(ml, mask=head_ok, other=float("-inf"))
+        den = tl.load(ml + 1, mask=head_ok, other=0.0)
+        part = part_ptr + tok.to(tl.int64) * stride_pt + split * stride_ps
+        acc = tl.load(part + heads[:, None] * stride_ph + dims[None, :], mask=mask, other=0.0)
+        m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m, den, acc)
+    out = _finalize(den_run, acc_run)
+    o = o_ptr + tok.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def _paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    split: int = SPLIT,
+    block_m: int | None = None,
+    split_programs: bool | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    # The keyword arguments pick launch shapes, never the math: every choice gives the same bits (tests and
+    # bench/attention_check.py compare them). Everything is decided from shapes, with no host sync.
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, page_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    decode = num_tokens <= num_seqs  # one query per sequence (or fewer): short tiles
+    if block_m is None:
+        block_m = 16 if decode else 64
+    block_m = max(block_m, triton.next_power_of_2(group), 16)
+    block_q = block_m // group
+    num_tiles = num_tokens // block_q + num_seqs
+    max_splits = triton.cdiv(block_tables.shape[1] * page_size, split)
+    part_bytes = num_tokens * max_splits * num_q_heads * (head_dim + 2) * 4
+    if split_programs is None:
+        split_programs = max_splits > 1 and num_tiles * num_kv_heads < 2 * _num_sms(q.device) and part_bytes <= 1 << 28
+    if split_programs:
+        part = torch.empty((num_tokens, max_splits, num_q_heads, head_dim), device=q.device, dtype=torch.float32)
+        part_ml = torch.empty((num_tokens, max_splits, num_q_heads, 2), device=q.device, dtype=torch.float32)
+    else:
+        part = part_ml = torch.empty((1, 1, 1, 2), device=q.device, dtype=torch.float32)
+    search_steps = max(1, num_seqs.bit_length())
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    _paged_attention_kernel[(num_tiles, num_kv_heads, max_splits if split_programs else 1)](
+        q, k_cache, v_cache, out, part, part_ml,
+        block_tables, seq_lens, query_start_loc,
+        num_seqs, search_steps, page_size, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2),
+        part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, D_PAD=d_pad,
+        TILE=TILE, TILES_PER_SPLIT=split // TILE, SPLIT_PROGRAMS=split_programs,
+        UPCAST=interpreting() and q.dtype != torch.float32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=2,
+    )  # fmt: skip
+    if split_programs:
+        _merge_splits_kernel[(num_tokens,)](
+            part, part_ml, out, seq_lens, query_start_loc,
+            num_seqs, search_steps,
+            part.stride(0), part.stride(1), part.stride(2),
+            part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_q_heads, H_PAD=triton.next_power_of_2(num_q_heads), HEAD_DIM=head_dim,
+            D_PAD=d_pad, SPLIT_SIZE=split,
+        )  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------------------- attention (CPU)
+# The same structure: TILE-position tiles in order, an online softmax per SPLIT, splits merged in order. Work
+# is cut into entries of _CPU_ROWS consecutive query tokens of one sequence; step t processes tile t of every
+# entry that reaches it, as one bmm over (entry, kv head) of per-entry shape [ROWS * group, D] x [D, TILE].
+# The CPU BLAS picks its algorithm from the call's shape, but the per-entry result of aten.bmm does not depend
+# on the number of entries or an entry's slot in the batch (tests check this alongside the whole path), and the
+# other ops are elementwise, exact (max) or per-row sums over a fixed TILE. torch.exp, not exp2: CPU exp2
+# rounds a tensor's scalar tail differently from its vector body. Unlike the GPU, P stays fp32 for P@V (the
+# CPU computes in fp32 anyway), so CPU and GPU bits differ, as DESIGN.md allows.
+
+
+def _merge_cpu(run, part, rows):
+    # run, part: (m [E, H, R], den [E, H, R], acc [E, H, R, D]); fold part[:rows] into run[:rows] in place.
+    m_run, den_run, acc_run = (x[:rows] for x in run)
+    m, den, acc = (x[:rows] for x in part)
+    m_new = torch.maximum(m_run, m)
+    base = torch.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = torch.where(m_run == m_new, 1.0, torch.exp(m_run - base))
+    beta = torch.where(m == m_new, 1.0, torch.exp(m - base))
+    seen = m > float("-inf")
+    den_run.copy_(torch.where(seen, den_run * alpha + den * beta, den_run))
+    acc_run.copy_(torch.where(seen[..., None], acc_run * alpha[..., None] + acc * beta[..., None], acc_run))
+    m_run.copy_(torch.where(seen, m_new, m_run))
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # aten.bmm.out, not torch.bmm: inside batch_invariant_mode torch.bmm would come back to lockstep.
+    return torch.ops.aten.bmm.out(a, b, out=a.new_empty((a.shape[0], a.shape[1], b.shape[2])))
+
+
+def _paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    split: int = SPLIT,
+    rows_per_entry: int = _CPU_ROWS,
+) -> torch.Tensor:
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    n_rows = rows_per_entry * group  # matmul rows per (entry, kv head)
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+
+    # Entries: tokens [E, ROWS] (-1 = padding), their positions, and the sequence they belong to.
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    toks, poss, seqs = [], [], []
+    for i in range(len(lens)):
+        q_len = starts[i + 1] - starts[i]
+        if q_len == 0:
+            continue
+        padded = -(-q_len // rows_per_entry) * rows_per_entry
+        j = torch.arange(padded)
+        toks.append(torch.where(j < q_len, starts[i] + j, -1).view(-1, rows_per_entry))
+        poss.append(torch.where(j < q_len, lens[i] - q_len + j, -1).view(-1, rows_per_entry))
+        seqs.append(torch.full((padded // rows_per_entry,), i))
+    tok, pos, seq = torch.cat(toks), torch.cat(poss), torch.cat(seqs)
+    n_tiles = pos.amax(1) // TILE + 1
+    # Longest first, so the entries that reach tile t are a prefix [:active] (the order is only a slot in a bmm).
+    order = torch.argsort(n_tiles, descending=True, stable=True)
+    tok, pos, seq, n_tiles = tok[order], pos[order], seq[order], n_tiles[order]
+    num_entries = tok.shape[0]
+    lens_t, tables_t = seq_lens.long(), block_tables.long()
+
+    # q rows per (entry, kv head): [E * H_kv, ROWS * group, D], pre-scaled, fp32.
+    q_rows = (q.float() * scale)[tok.clamp(min=0)] * (tok >= 0)[..., None, None]  # [E, ROWS, H_q, D]
+    q_rows = q_rows.view(num_entries, rows_per_entry, num_kv_heads, group, head_dim).transpose(1, 2)
+    q_rows = q_rows.reshape(num_entries * num_kv_heads, n_rows, head_dim)
+    row_pos = pos.repeat_interleave(group, dim=1)[:, None, :, None]  # [E, 1, ROWS * group, 1]
+
+    k_rows = k_cache.view(-1, head_dim)  # row slot * H_kv + kv head
+    v_rows = v_cache.view(-1, head_dim)
+    heads = torch.arange(num_kv_heads)[None, :, None]
+    state_shape = (num_entries, num_kv_heads, n_rows)
+    run = (torch.full(state_shape, float("-inf")), torch.zeros(state_shape), torch.zeros((*state_shape, head_dim)))
+    part = (torch.full(state_shape, float("-inf")), torch.zeros(state_shape), torch.zeros((*state_shape, head_dim)))
+    tiles_per_split = split // TILE
+    num_steps = int(n_tiles[0])
+    active_after = [int((n_tiles > t).sum()) for t in range(num_steps + 1)]
+    for t in range(num_steps):
+        active = active_after[t]
+        if t % tiles_per_split == 0 and t > 0:  # a new split: fold the finished one in, start from scratch
+            _merge_cpu(run, part, active)
+            part[0][:active] = float("-inf")
+            part[1][:active] = 0.0
+            part[2][:active] = 0.0
+        m, den, acc = (x[:active] for x in part)
+        offs = t * TILE + torch.arange(TILE)
+        # Gather tile t of each sequence once ([S, H_kv, TILE, D] rows of the cache), then copy it out to
+        # the entries that share it. Positions past a sequence's end read as zeros: unused cache slots may
+        # hold NaN, and their scores are masked below.
+        seqs_t = seq[:active]
+        unique_seqs, entry_seq = torch.unique(seqs_t, return_inverse=True)
+        shared = unique_seqs.shape[0] < active
+        src = unique_seqs if shared else seqs_t
+        kv_ok = offs < lens_t[src, None]  # [S, TILE]
+        blocks = tables_t[src].gather(1, (offs // page_size).clamp(max=tables_t.shape[1] - 1).expand(len(src), -1))
+        slots = torch.where(kv_ok, blocks * page_size + offs % page_size, 0)
+        rows = (slots[:, None, :] * num_kv_heads + heads).flatten()
+        k = k_rows.index_select(0, rows).float()
+        v = v_rows.index_select(0, rows).float()
+        past_end = (~kv_ok)[:, None, :].expand(-1, num_kv_heads, -1).flatten().nonzero().squeeze(1)
+        if past_end.numel():
+            v.index_fill_(0, past_end, 0.0)
+        if shared:
+            k = k.view(len(src), -1).index_select(0, entry_seq)
+            v = v.view(len(src), -1).index_select(0, entry_seq)
+        k = k.view(active * num_kv_heads, TILE, head_dim)
+        v = v.view(active * num_kv_heads, TILE, head_dim)
+
+        s = _bmm(q_rows[: active * num_kv_heads], k.transpose(1, 2)).view(active, num_kv_heads, n_rows, TILE)
+        s.masked_fill_(offs > row_pos[:active], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        base = torch.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = torch.where(m == m_new, 1.0, torch.exp(m - base))
+        p = s.sub_(base[..., None]).exp_()
+        den.mul_(alpha).add_(p.sum(-1))
+        pv = _bmm(p.view(active * num_kv_heads, n_rows, TILE), v).view(active, num_kv_heads, n_rows, head_dim)
+        acc.mul_(alpha[..., None]).add_(pv)
+        m.copy_(m_new)
+    _merge_cpu(run, part, num_entries)
+
+    _, den_run, acc_run = run
+    o = acc_run / torch.where(den_run == 0, 1.0, den_run)[..., None]  # den = 0 only on padding rows
+    o = o.masked_fill(o == 0, 0.0)  # -0.0 -> +0.0 (see the module docstring)
+    o = o.view(num_entries, num_kv_heads, rows_per_entry, group, head_dim).transpose(1, 2)
+    o = o.reshape(num_entries * rows_per_entry, num_q_heads, head_dim)
+    keep = tok.flatten() >= 0
+    out[tok.flatten()[keep]] = o[keep].to(q.dtype)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ wrapper
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a varlen batch of query tokens over the paged KV cache, batch-invariant.
+
+    ``q: [num_tokens, num_q_heads, head_dim]``, the new tokens of all sequences concatenated;
+    ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous; this step's K/V already
+    written by ``write_kv``); ``block_tables: [num_seqs, max_blocks_per_seq]`` int32; ``seq_lens: [num_seqs]``
+    context lengths including the new tokens; ``query_start_loc: [num_seqs + 1]`` int32 cumulative query
+    counts. The j-th of a sequence's q_len new tokens sits at position seq_len - q_len + j and attends to
+    positions 0 .. that position. num_q_heads must be a multiple of num_kv_heads (GQA: query head h reads
+    KV head h // group). Returns ``[num_tokens, num_q_heads, head_dim]`` in q's dtype.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"bad shapes: q {tuple(q.shape)}, caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (num_seqs,) or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"{num_seqs} block tables, seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)}"
+        )
+    if q.dtype not in _FLOATS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"expected matching float dtypes, got q {q.dtype}, caches {k_cache.dtype}, {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if q.is_cuda:
+        return _paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    return _paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

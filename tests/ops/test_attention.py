@@ -1,0 +1,288 @@
+"""Paged attention: values against an fp64 reference, and bitwise invariance of a query row to how it arrives
+(one-shot prefill, chunks, decode steps, prefix hit, batch neighbours, physical block ids), on the CPU path and
+on the Triton kernel under the interpreter (fp32, small)."""
+
+import functools
+
+import pytest
+import torch
+
+from lockstep.ops import paged_attention, write_kv
+from lockstep.ops.attention import (
+    _CPU_ROWS,
+    TILE,
+    _bmm,
+    _paged_attention_cpu,
+    _paged_attention_triton,
+    _write_kv_triton,
+)
+
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal bits, -0.0 != +0.0 and NaN == NaN of the same payload."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    ia, ib = a.view(_INT_VIEW[a.dtype]), b.view(_INT_VIEW[b.dtype])
+    if not torch.equal(ia, ib):
+        bad = (ia != ib).nonzero()
+        raise AssertionError(f"{len(bad)} elements differ in bits, first at {bad[0].tolist()}")
+
+
+class Seq:
+    """One sequence's q/k/v at every position, fixed by its seed."""
+
+    def __init__(self, length: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.q = torch.randn(length, hq, d, generator=g).to(dtype)
+        self.k = torch.randn(length, hkv, d, generator=g).to(dtype)
+        self.v = torch.randn(length, hkv, d, generator=g).to(dtype)
+
+
+class Paged:
+    """A paged KV cache with blocks handed out in a shuffled order; unused slots hold NaN."""
+
+    def __init__(self, hkv: int, d: int, dtype: torch.dtype, page: int = 16, num_blocks: int = 96, seed: int = 0):
+        self.page = page
+        self.k = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype)
+        self.v = torch.full_like(self.k, float("nan"))
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables: dict[str, list[int]] = {}
+
+    def write(self, name: str, seq: Seq, start: int, end: int, shared: list[int] = (), writer=write_kv) -> None:
+        table = self.tables.setdefault(name, list(shared))
+        while len(table) * self.page < end:
+            table.append(self.free.pop())
+        pos = torch.arange(start, end)
+        slots = torch.tensor(table)[pos // self.page] * self.page + pos % self.page
+        writer(seq.k[start:end], seq.v[start:end], self.k, self.v, slots)
+
+    def attend(self, fn, items: list[tuple[str, Seq, int, int]], scale: float = 0.17) -> list[torch.Tensor]:
+        """items: (name, seq, start, end) = the queries at positions [start, end) of a sequence whose cache
+        holds positions [0, end). Returns each item's output."""
+        width = max(len(self.tables[name]) for name, *_ in items) + 1
+        tables = torch.full((len(items), width), -1, dtype=torch.int32)
+        for i, (name, *_) in enumerate(items):
+            tables[i, : len(self.tables[name])] = torch.tensor(self.tables[name])
+        q = torch.cat([seq.q[start:end] for _, seq, start, end in items])
+        seq_lens = torch.tensor([end for *_, end in items], dtype=torch.int32)
+        counts = torch.tensor([0] + [end - start for *_, start, end in items])
+        query_start_loc = counts.cumsum(0).to(torch.int32)
+        out = fn(q, self.k, self.v, tables, seq_lens, query_start_loc, scale)
+        return list(out.split(counts[1:].tolist()))
+
+
+def reference(seq: Seq, start: int, end: int, scale: float = 0.17) -> torch.Tensor:
+    """fp64 causal attention of positions [start, end) over contiguous K/V [0, end)."""
+    q = seq.q[start:end].double()
+    group = q.shape[1] // seq.k.shape[1]
+    k = seq.k[:end].double().repeat_interleave(group, 1)
+    v = seq.v[:end].double().repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    s = s.masked_fill(torch.arange(end) > torch.arange(start, end)[:, None], float("-inf"))
+    p = (s - s.amax(-1, keepdim=True)).exp()
+    return torch.einsum("hqk,khd->qhd", p / p.sum(-1, keepdim=True), v)
+
+
+def cpu(split: int | None = None):
+    return functools.partial(_paged_attention_cpu, split=split) if split else paged_attention
+
+
+def triton_(split: int = 128, **launch):
+    return functools.partial(_paged_attention_triton, split=split, **launch)
+
+
+# ---------------------------------------------------------------------------------------------- values
+
+LENGTHS = [1, 3, 17, 127, 300]
+
+
+def _check_reference(fn, lengths, q_lens, hq, hkv, d, page, dtype, atol):
+    paged = Paged(hkv, d, dtype, page=page, num_blocks=sum(-(-n // page) for n in lengths) + 4)
+    seqs = [Seq(n, hq, hkv, d, dtype, seed=i) for i, n in enumerate(lengths)]
+    for i, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
+        paged.write(f"s{i}", seq, 0, n)
+    items = [(f"s{i}", seq, n - ql, n) for i, (seq, n, ql) in enumerate(zip(seqs, lengths, q_lens, strict=True))]
+    for out, (_, seq, start, end) in zip(paged.attend(fn, items), items, strict=True):
+        torch.testing.assert_close(out.double(), reference(seq, start, end), atol=atol, rtol=0)
+
+
+# split None: the public API (SPLIT); 128 puts 300 positions over 3 splits. Page 7 does not divide the tile.
+@pytest.mark.parametrize(
+    "d,hq,hkv,page,split",
+    [(64, 9, 3, 16, None), (64, 3, 3, 7, 128), (32, 9, 3, 7, None), (32, 3, 3, 16, 128), (64, 9, 3, 7, 128)],
+)
+def test_cpu_matches_fp64_reference(d, hq, hkv, page, split):
+    # prefill, a chunk after context, decode, prefill, decode
+    _check_reference(cpu(split), LENGTHS, [1, 3, 5, 127, 1], hq, hkv, d, page, torch.float32, 2e-6)
+    _check_reference(cpu(split), LENGTHS, [1, 1, 17, 16, 300], hq, hkv, d, page, torch.float32, 2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_half_precision_matches_fp64_reference(dtype):
+    _check_reference(cpu(128), LENGTHS, [1, 3, 5, 127, 300], 9, 3, 64, 16, dtype, 2e-2)
+
+
+@pytest.mark.parametrize("split_programs", [False, True])
+@pytest.mark.parametrize("hq,hkv,d,page", [(3, 1, 32, 16), (4, 2, 64, 5)])
+def test_triton_matches_fp64_reference(split_programs, hq, hkv, d, page):
+    fn = triton_(split_programs=split_programs)
+    _check_reference(fn, [1, 3, 17, 150], [1, 3, 5, 150], hq, hkv, d, page, torch.float32, 2e-6)
+
+
+def test_triton_bf16_matches_fp64_reference():
+    # P is rounded to bf16 before the P@V dot, as on the GPU (the interpreter upcasts the dot's operands).
+    _check_reference(triton_(), [3, 17, 150], [3, 1, 150], 4, 2, 32, 16, torch.bfloat16, 2e-2)
+
+
+def test_empty_batch_and_empty_sequence():
+    paged = Paged(1, 32, torch.float32)
+    seq = Seq(20, 2, 1, 32, torch.float32, seed=0)
+    paged.write("a", seq, 0, 20)
+    paged.write("b", seq, 0, 20)
+    for fn in (cpu(), triton_()):
+        out = paged.attend(fn, [("a", seq, 20, 20), ("b", seq, 10, 20)])
+        assert out[0].shape == (0, 2, 32)
+        torch.testing.assert_close(out[1].double(), reference(seq, 10, 20), atol=2e-6, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------ invariance
+
+
+def _paths(fn, hq, hkv, d, n, chunks, decode_positions=None, page=16):
+    """Every way the queries of one sequence of length n can arrive; returns {path: outputs [n, hq, d]} with
+    the cold one-shot prefill first. decode_positions=None decodes every position token by token."""
+    dtype = torch.float32
+    target = Seq(n, hq, hkv, d, dtype, seed=1)
+    others = [Seq(m, hq, hkv, d, dtype, seed=10 + i) for i, m in enumerate([130, 17, 64, 5])]
+    paged = Paged(hkv, d, dtype, page=page, num_blocks=4 * n // page + 64, seed=0)
+    for i, s in enumerate(others):
+        paged.write(f"o{i}", s, 0, s.q.shape[0])
+    paged.write("t", target, 0, n)
+    results = {"prefill": paged.attend(fn, [("t", target, 0, n)])[0]}
+
+    # Chunked prefill and decode: the cache is filled as the queries arrive (later slots still hold NaN).
+    for chunk in chunks:
+        fresh = Paged(hkv, d, dtype, page=page, num_blocks=n // page + 2, seed=chunk)
+        outs = []
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            fresh.write("t", target, start, end)
+            outs += fresh.attend(fn, [("t", target, start, end)])
+        results[f"chunks of {chunk}"] = torch.cat(outs)
+
+    # Decode steps of chosen positions, each inside a batch with prefill, chunk and decode neighbours.
+    positions = range(n) if decode_positions is None else decode_positions
+    outs = torch.full_like(results["prefill"], float("nan"))
+    for j, p in enumerate(positions):
+        neighbours = [("o0", others[0], 100, 130), ("o1", others[1], 16, 17), ("o2", others[2], 0, 64)]
+        items = neighbours[: j % 4] + [("t", target, p, p + 1)] + neighbours[j % 4 :]
+        outs[p] = paged.attend(fn, items)[j % 4][0]
+    results["decode in a batch"] = torch.where(torch.isnan(outs), results["prefill"], outs)
+
+    # The whole prefill between neighbours, and a prefix hit: a second sequence shares the first blocks
+    # (block-aligned) of the target's cache and only the rest is computed.
+    batch = [("o3", others[3], 2, 5), ("t", target, 0, n), ("o0", others[0], 0, 130)]
+    results["prefill in a batch"] = paged.attend(fn, batch)[1]
+    hit = (n // 2) // page * page
+    paged.write("hit", target, hit, n, shared=paged.tables["t"][: hit // page])
+    suffix = paged.attend(fn, [("o1", others[1], 0, 17), ("hit", target, hit, n)])[1]
+    results["prefix hit"] = torch.cat([results["prefill"][:hit], suffix])
+
+    # Different physical blocks, a different page size.
+    moved = Paged(hkv, d, dtype, page=page, num_blocks=n // page + 40, seed=123)
+    moved.write("t", target, 0, n)
+    results["shuffled blocks"] = moved.attend(fn, [("t", target, 0, n)])[0]
+    return results
+
+
+def _assert_all_equal(results):
+    (_, first), *rest = results.items()
+    for name, out in rest:
+        try:
+            assert_bitwise(out, first)
+        except AssertionError as e:
+            raise AssertionError(f"{name} != one-shot prefill: {e}") from None
+
+
+BOUNDARIES = [0, 1, 62, 63, 64, 127, 128, 129, 200, 255, 256, 299]
+
+
+def test_cpu_invariance():
+    # 300 positions over 3 splits of 128: every path crosses tile and split boundaries.
+    _assert_all_equal(_paths(cpu(128), 9, 3, 64, 300, chunks=[1, 5, 16], decode_positions=BOUNDARIES))
+
+
+def test_cpu_invariance_mha_small_head():
+    _assert_all_equal(_paths(cpu(128), 2, 2, 32, 300, chunks=[7], decode_positions=BOUNDARIES, page=5))
+
+
+def test_cpu_invariance_public_api():
+    # The default split (one split here), page size not dividing the tile.
+    _assert_all_equal(_paths(cpu(), 9, 3, 64, 140, chunks=[5], decode_positions=[0, 63, 64, 139], page=7))
+
+
+def test_triton_invariance():
+    fn = triton_(split=128, block_m=64)
+    results = _paths(fn, 3, 1, 32, 150, chunks=[16, 45], decode_positions=[0, 63, 64, 128, 149])
+    # Launch shapes must not matter either: split programs + merge kernel vs in-register merge, and the
+    # number of query rows per program (a weak check here: on the GPU this is the MMA shape; see the kernel).
+    target = Paged(1, 32, torch.float32)
+    seq = Seq(150, 3, 1, 32, torch.float32, seed=1)
+    target.write("t", seq, 0, 150)
+    for launch in [dict(split_programs=True, block_m=16), dict(split_programs=False, block_m=32)]:
+        results[str(launch)] = target.attend(triton_(split=128, **launch), [("t", seq, 0, 150)])[0]
+    _assert_all_equal(results)
+
+
+def test_cpu_bmm_entry_is_independent_of_the_batch():
+    # The CPU path relies on this: aten.bmm's result for one entry of its fixed per-entry shape does not depend
+    # on how many entries the call has or where the entry sits (true of MKL here; re-check on a new CPU BLAS).
+    g = torch.Generator().manual_seed(0)
+    rows = _CPU_ROWS * 3
+    a = torch.randn(40, rows, 64, generator=g)
+    b = torch.randn(40, TILE, 64, generator=g).transpose(1, 2)  # the layout the CPU path uses
+    whole = _bmm(a, b)
+    for lo, hi in [(0, 1), (7, 8), (3, 9), (0, 17), (21, 40)]:
+        assert_bitwise(_bmm(a[lo:hi], b[lo:hi]), whole[lo:hi])
+
+
+# ------------------------------------------------------------------------------------ negative control
+
+
+def test_negative_control_split_count_changes_bits():
+    # A kernel with a fixed number of splits (here 2) sizes its splits from the context, so a decode step sees
+    # different split boundaries than the prefill of the same sequence: the numbers agree, the bits do not.
+    n = 300
+    seq = Seq(n, 9, 3, 64, torch.float32, seed=1)
+    paged = Paged(3, 64, torch.float32)
+    paged.write("t", seq, 0, n)
+
+    def two_splits(context: int) -> int:
+        return -(-context // (2 * TILE)) * TILE
+
+    positions = [100, 150, 200, 250, 299]
+    prefill = paged.attend(cpu(two_splits(n)), [("t", seq, 0, n)])[0][positions]
+    decode = torch.cat([paged.attend(cpu(two_splits(p + 1)), [("t", seq, p, p + 1)])[0] for p in positions])
+    torch.testing.assert_close(decode, prefill, atol=1e-5, rtol=0)
+    with pytest.raises(AssertionError, match="differ in bits"):
+        assert_bitwise(decode, prefill)
+
+
+# -------------------------------------------------------------------------------------------- write_kv
+
+
+@pytest.mark.parametrize("writer", [write_kv, _write_kv_triton])
+def test_write_kv_places_tokens_and_skips_minus_one(writer):
+    k = torch.randn(5, 3, 32)
+    v = torch.randn(5, 3, 32)
+    k_cache = torch.zeros(4, 7, 3, 32)
+    v_cache = torch.zeros(4, 7, 3, 32)
+    slots = torch.tensor([3, 27, -1, 8, 14])
+    writer(k, v, k_cache, v_cache, slots)
+    kf, vf = k_cache.view(-1, 3, 32), v_cache.view(-1, 3, 32)
+    keep = torch.tensor([0, 1, 3, 4])
+    assert torch.equal(kf[slots[keep]], k[keep]) and torch.equal(vf[slots[keep]], v[keep])
+    untouched = torch.ones(28, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert not kf[untouched].any() and not vf[untouched].any()
