@@ -1,0 +1,318 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), SmolLM2 (tied
+embeddings), as one model over one flattened batch.
+
+A forward takes every scheduled token of every sequence at once, prefill chunks and decode steps mixed:
+``input_ids`` and ``positions`` are ``[num_tokens]``, and ``AttentionMetadata`` says which sequence each token
+belongs to and where its K/V live in the paged cache. It returns the final (normed) hidden states for every
+token; ``compute_logits`` applies the LM head to just the rows the caller wants.
+
+All arithmetic runs through the ``Kernels`` set picked at construction: ``INVARIANT`` (lockstep.ops, the bits of
+a token's output depend only on its own sequence) or ``DEFAULT`` (torch's kernels, for comparison).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lockstep.layers.attention import Attention, AttentionMetadata
+from lockstep.layers.embedding import LMHead, VocabEmbedding
+from lockstep.layers.kernels import Kernels, get_kernels
+from lockstep.layers.linear import Linear
+from lockstep.layers.norm import RMSNorm
+from lockstep.layers.rotary import ROPE_TYPES, RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoint matrices that this model stacks into one weight, in stacking order.
+_STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture, read from a Hugging Face ``config.json`` by ``from_hf``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None, or {"rope_type": "linear" | "llama3", ...} as in HF
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    dtype: torch.dtype = torch.float32  # the checkpoint's dtype: the default to run in
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; lockstep runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r}; lockstep supports {', '.join(ROPE_TYPES)}")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Parse a Hugging Face ``config.json`` dict (transformers 4 or 5 layout)."""
+        archs = hf.get("architectures") or []
+        if len(archs) != 1:
+            raise ValueError(f"config.json must name exactly one architecture, got {archs!r}")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; lockstep runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is implemented")
+
+        # transformers 5 writes rope_parameters; older files write rope_theta and rope_scaling ("type" or "rope_type").
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        if "type" in rope:
+            rope.setdefault("rope_type", rope.pop("type"))
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        if rope.get("partial_rotary_factor", 1.0) != 1.0 or hf.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+        scaling = rope if rope.get("rope_type", "default") != "default" else None
+
+        max_pos = int(hf.get("max_position_embeddings", 4096))
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+            raise ValueError(f"{arch} with use_sliding_window=true is not supported")
+        if hf.get("sliding_window") and arch == "MistralForCausalLM":
+            # Within the window, sliding-window attention is full attention: cap the length instead.
+            max_pos = min(max_pos, int(hf["sliding_window"]))
+
+        dtype_name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype_name!r} in config.json; expected one of {list(_DTYPES)}")
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+
+        num_heads = hf["num_attention_heads"]
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            # Qwen2 always has q/k/v bias and never an o_proj bias; the others follow attention_bias.
+            qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
+            o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            dtype=_DTYPES[dtype_name],
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, kernels: Kernels, dtype: torch.dtype, device):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv_proj = Linear(c.hidden_size, (q_size, kv_size, kv_size), c.qkv_bias, kernels, dtype, device)
+        self.o_proj = Linear(q_size, c.hidden_size, c.o_bias, kernels, dtype, device)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, kernels, dtype, device)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, kernels, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(layer_idx, c.num_heads, c.num_kv_heads, c.head_dim, kernels)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
+    ) -> torch.Tensor:
+        # hidden: [num_tokens, hidden_size]
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_parts, dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            # Qwen3: RMSNorm over each head's vector, before the rotation.
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
+        q, k = RotaryEmbedding.apply(q, k, *rope)
+        out = self.attn(q, k, v, attn)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: Kernels, dtype: torch.dtype, device):
+        super().__init__()
+        c = config
+        self.kernels = kernels
+        self.gate_up_proj = Linear(
+            c.hidden_size, (c.intermediate_size, c.intermediate_size), c.mlp_bias, kernels, dtype, device
+        )
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, kernels, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden_size] -> gate_up: [num_tokens, 2 * intermediate] -> [num_tokens, hidden_size]
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, kernels: Kernels, dtype: torch.dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_idx, kernels, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype, device)
+        self.mlp = LlamaMLP(config, kernels, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the add before it:
+        # after this layer, the stream is hidden + residual (HF's hidden_states), summed in the model dtype.
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: Kernels, dtype: torch.dtype, device, max_position: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, max_position, config.rope_theta, config.rope_scaling, dtype, device
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, kernels, dtype, device) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        rope = self.rotary_emb(positions)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, rope, attn)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over one flattened, paged batch.
+
+    Build it empty with ``LlamaForCausalLM(config, ...)`` and fill it with ``load_checkpoint`` (loader.py) or by
+    copying into ``checkpoint_tensors()``. Parameters are plain tensors (``requires_grad=False``) in ``dtype``.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        batch_invariant: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        max_model_len: int | None = None,
+    ):
+        """``max_model_len`` caps the positions the rotary table covers (default: the config's maximum)."""
+        super().__init__()
+        dtype = dtype or config.dtype
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; expected one of {list(_DTYPES.values())}")
+        max_position = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.config = config
+        self.kernels = get_kernels(batch_invariant)
+        self.dtype = dtype
+        self.max_model_len = max_position
+        self.model = LlamaModel(config, self.kernels, dtype, device, max_position)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.kernels, dtype, device, tied_to=tied)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """``input_ids, positions: [num_tokens]`` -> final normed hidden states ``[num_tokens, hidden_size]``.
+
+        Writes the tokens' K/V into ``attn.kv_caches`` at ``attn.slot_mapping`` as a side effect.
+        """
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"expected input_ids and positions of shape [num_tokens], got {tuple(input_ids.shape)} "
+                f"and {tuple(positions.shape)}"
+            )
+        if len(attn.kv_caches) != self.config.num_layers:
+            raise ValueError(f"expected {self.config.num_layers} (k_cache, v_cache) pairs, got {len(attn.kv_caches)}")
+        return self.model(input_ids, positions, attn)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden: [n, hidden_size]`` (rows picked from ``forward``'s output) -> fp32 logits ``[n, vocab_size]``."""
+        return self.lm_head(hidden)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        return (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one cache block takes across all layers, K and V."""
+        c = self.config
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One zeroed ``(k_cache, v_cache)`` pair per layer, for ``AttentionMetadata.kv_caches``."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.config.num_layers)
+        ]
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Map each Hugging Face checkpoint tensor name to the tensor (or slice of a stacked one) it fills.
+
+        With tied embeddings there is no ``lm_head.weight`` entry: the head reads ``model.embed_tokens.weight``.
+        """
+        slots: dict[str, torch.Tensor] = {}
+        for module_name, module in self.named_modules():
+            if module is self.lm_head and self.config.tie_word_embeddings:
+                continue
+            parent, _, leaf = module_name.rpartition(".")
+            for param_name, param in module.named_parameters(recurse=False):
+                if leaf in _STACKED:
+                    for part, hf_leaf in enumerate(_STACKED[leaf]):
+                        slots[f"{parent}.{hf_leaf}.{param_name}"] = param.data[module.part_slice(part)]
+                else:
+                    slots[f"{module_name}.{param_name}"] = param.data
+        return slots

@@ -1,0 +1,153 @@
+"""Load a Hugging Face checkpoint folder as it is: ``config.json``, ``*.safetensors`` (one file or shards with
+``model.safetensors.index.json``), and the tokenizer with its chat template.
+
+Every failure names the file, and the tensor where there is one: a missing folder or file raises
+``FileNotFoundError``; an unsupported architecture, unreadable JSON or safetensors, an unexpected, mis-shaped or
+missing tensor raises ``ValueError``. Pickled ``*.bin`` weights are never loaded.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lockstep.models.llama import LlamaForCausalLM, ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _folder(path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist or is not a directory")
+    return folder
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return data
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The model's ``ModelConfig`` from ``config.json``, with end-of-sequence ids from ``generation_config.json``
+    when the folder has one (instruct models often list extra stop tokens only there)."""
+    folder = _folder(path)
+    config_file = folder / "config.json"
+    hf = _read_json(config_file)
+    try:
+        config = ModelConfig.from_hf(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{config_file}: {detail}") from e
+    generation_file = folder / "generation_config.json"
+    if generation_file.is_file():
+        eos = _read_json(generation_file).get("eos_token_id")
+        if eos is not None:
+            config = dataclasses.replace(config, eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
+    return config
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in a fixed order."""
+    folder = _folder(path)
+    index_file = folder / INDEX_FILE
+    if index_file.is_file():
+        weight_map = _read_json(index_file).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_file} has no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"shard {file} listed in {index_file} not found")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in folder.glob("*.bin"))
+        hint = f" (found {', '.join(pickles)}: convert it to safetensors)" if pickles else ""
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}{hint}")
+    return files
+
+
+def _tensor_names(file: Path) -> list[str]:
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own SafetensorError, or OSError
+        raise ValueError(f"{file} is not a readable safetensors file: {e}") from e
+
+
+def _ignored(name: str, config: ModelConfig) -> bool:
+    # Old checkpoints store the rotary inverse frequencies; tied checkpoints sometimes store the head anyway.
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    batch_invariant: bool = True,
+    max_model_len: int | None = None,
+) -> LlamaForCausalLM:
+    """Build the model a checkpoint folder describes and load its weights, converted to ``dtype`` (default: the
+    checkpoint's ``dtype``/``torch_dtype``). ``batch_invariant=False`` runs on torch's default kernels instead."""
+    folder = _folder(path)
+    config = read_config(folder)
+    files = weight_files(folder)
+    names_by_file = {file: _tensor_names(file) for file in files}
+    all_names = {name for names in names_by_file.values() for name in names}
+    if not config.tie_word_embeddings and "lm_head.weight" not in all_names:
+        # A checkpoint without a head shares the embedding (what transformers does too).
+        config = dataclasses.replace(config, tie_word_embeddings=True)
+
+    model = LlamaForCausalLM(
+        config, batch_invariant=batch_invariant, dtype=dtype, device=device, max_model_len=max_model_len
+    )
+    slots = model.checkpoint_tensors()
+    loaded: set[str] = set()
+    for file, names in names_by_file.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names:
+                if _ignored(name, config):
+                    continue
+                dest = slots.get(name)
+                if dest is None:
+                    raise ValueError(f"{file}: unexpected tensor {name!r} for a {config.architecture}")
+                if name in loaded:
+                    raise ValueError(f"{file}: tensor {name!r} appears in more than one file")
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"{file}: cannot read tensor {name!r}: {e}") from e
+                if tensor.shape != dest.shape:
+                    raise ValueError(
+                        f"{file}: tensor {name!r} has shape {list(tensor.shape)}, "
+                        f"but config.json implies {list(dest.shape)}"
+                    )
+                dest.copy_(tensor)
+                loaded.add(name)
+    missing = sorted(set(slots) - loaded)
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{folder}: the checkpoint is missing tensor(s) {shown}")
+    return model
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer (``transformers.AutoTokenizer``), chat template included. Never downloads."""
+    folder = _folder(path)
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {folder} (looked for {', '.join(_TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

@@ -1,0 +1,192 @@
+"""The Llama-family model: parity with Hugging Face transformers, and bitwise batch invariance."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import PagedRunner, hf_logits, max_rel_err, save_tiny_hf
+
+from lockstep.layers.activation import silu_and_mul, torch_silu_and_mul
+from lockstep.layers.rotary import inverse_frequencies
+from lockstep.models.loader import load_model
+
+KERNELS = pytest.mark.parametrize("batch_invariant", [True, False], ids=["invariant", "default"])
+
+
+@pytest.fixture(scope="module")
+def smollm_hf_logits(embedded_model_dir, chat_prompt) -> torch.Tensor:
+    return hf_logits(embedded_model_dir, chat_prompt)
+
+
+@pytest.fixture(scope="module")
+def smollm(embedded_model_dir):
+    """The embedded SmolLM2 in fp32, once per kernel set."""
+    return {inv: load_model(embedded_model_dir, batch_invariant=inv) for inv in (True, False)}
+
+
+# --- parity with transformers --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm_prefill(smollm, chat_prompt) -> dict[bool, torch.Tensor]:
+    """Logits at every prompt position, the prompt prefilled alone in one step, per kernel set."""
+    return {inv: PagedRunner(model).prefill_logits("a", chat_prompt) for inv, model in smollm.items()}
+
+
+@KERNELS
+def test_smollm2_prefill_matches_transformers(smollm_prefill, smollm_hf_logits, batch_invariant):
+    ours = smollm_prefill[batch_invariant]
+    assert ours.dtype == torch.float32
+    assert max_rel_err(ours, smollm_hf_logits) <= 1e-4
+
+
+@KERNELS
+def test_smollm2_chunked_prefill_and_decode(smollm, smollm_prefill, smollm_hf_logits, chat_prompt, batch_invariant):
+    # Prefill in two chunks, then decode the last prompt token alone: each reads K/V back from the paged cache.
+    runner = PagedRunner(smollm[batch_invariant])
+    n = len(chat_prompt)
+    first = runner.forward([("a", chat_prompt[:13], 0)])[0]
+    second = runner.forward([("a", chat_prompt[13 : n - 1], 13)])[0]
+    last = runner.forward([("a", chat_prompt[n - 1 :], n - 1)])[0]
+    ours = smollm[batch_invariant].compute_logits(torch.cat([first, second, last]))
+    assert max_rel_err(ours, smollm_hf_logits) <= 1e-4
+    if batch_invariant:
+        # The contract: chunks and decode steps reproduce the one-shot prefill bit for bit.
+        full = smollm_prefill[True]
+        assert torch.equal(ours, full), f"{int((ours != full).sum())} logits differ"
+
+
+TINY_CASES = {
+    # Qwen2: q/k/v bias (and none on o_proj).
+    "qwen2": dict(arch="qwen2"),
+    # Qwen3: per-head q/k RMSNorm before RoPE, head_dim (32) != hidden / heads (16).
+    "qwen3": dict(arch="qwen3"),
+    # Llama 3.1 rope scaling, with a short original context so all three frequency bands occur; tied head.
+    "llama3-rope": dict(
+        arch="llama",
+        tie_word_embeddings=True,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "llama-linear-rope-bias": dict(
+        arch="llama", attention_bias=True, mlp_bias=True, rope_parameters=dict(rope_type="linear", factor=2.0)
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(TINY_CASES))
+def tiny(request, tmp_path_factory):
+    """(folder, token ids of two sequences, transformers' logits for each) for one tiny random checkpoint."""
+    folder = save_tiny_hf(tmp_path_factory.mktemp(request.param), **TINY_CASES[request.param])
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (23, 41)]
+    return folder, seqs, [hf_logits(folder, s) for s in seqs]
+
+
+@KERNELS
+def test_tiny_checkpoints_match_transformers_in_a_mixed_batch(tiny, batch_invariant):
+    folder, (a, b), (ref_a, ref_b) = tiny
+    model = load_model(folder, batch_invariant=batch_invariant)
+    runner = PagedRunner(model, block_size=4)
+    # Step 1: a prefills whole, b its first chunk. Step 2: a decodes, b prefills a middle chunk (a query that
+    # neither starts at 0 nor is a single token). Step 3: b finishes in a decode step.
+    h1a, h1b = runner.forward([("a", a[:-1], 0), ("b", b[:17], 0)])
+    h2a, h2b = runner.forward([("a", a[-1:], len(a) - 1), ("b", b[17:-1], 17)])
+    (h3b,) = runner.forward([("b", b[-1:], len(b) - 1)])
+    ours_a = model.compute_logits(torch.cat([h1a, h2a]))
+    ours_b = model.compute_logits(torch.cat([h1b, h2b, h3b]))
+    assert max_rel_err(ours_a, ref_a) <= 1e-4
+    assert max_rel_err(ours_b, ref_b) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@KERNELS
+def test_half_precision_runs_close_to_fp32(tiny, dtype, batch_invariant):
+    folder, (a, _), (ref_a, _) = tiny
+    model = load_model(folder, dtype=dtype, batch_invariant=batch_invariant)
+    assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == dtype
+    ours = PagedRunner(model).prefill_logits("a", a)
+    assert ours.dtype == torch.float32
+    assert max_rel_err(ours, ref_a) <= 3e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_tiny_checkpoints_are_batch_invariant(tiny, dtype):
+    folder, (a, b), _ = tiny
+    model = load_model(folder, dtype=dtype)
+    alone = model.compute_logits(PagedRunner(model).forward([("a", a, 0)])[0])
+    runner = PagedRunner(model, block_order=list(range(63, -1, -1)))
+    runner.forward([("b", b[:17], 0)])
+    _, hidden = runner.forward([("b", b[17:], 17), ("a", a, 0)])
+    batched = model.compute_logits(hidden)
+    assert torch.equal(alone, batched), f"{int((alone != batched).sum())} logits differ"
+
+
+def test_rope_frequencies_match_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    llama3 = dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+    for params in (llama3, dict(rope_type="linear", rope_theta=10000.0, factor=4.0)):
+        hf_config = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters=params)
+        expected, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config)
+        ours = inverse_frequencies(128, params["rope_theta"], params)
+        assert torch.equal(ours, expected)
+
+
+# --- batch invariance --------------------------------------------------------------------------------------------
+
+
+def _batched(model, prompt: list[int]) -> torch.Tensor:
+    """Logits of ``prompt`` prefilled in one batch behind two other sequences (one prefilling, one decoding),
+    with its cache blocks elsewhere in the pool than when it runs alone."""
+    other = [(t * 7 + 3) % 49152 for t in range(60)]
+    runner = PagedRunner(model, block_order=list(range(63, -1, -1)))
+    runner.forward([("d", other[:9], 0)])
+    _, _, hidden = runner.forward([("o", other, 0), ("d", other[9:10], 9), ("p", prompt, 0)])
+    return model.compute_logits(hidden)
+
+
+def test_logits_do_not_depend_on_the_batch(smollm, smollm_prefill, chat_prompt):
+    alone, batched = smollm_prefill[True], _batched(smollm[True], chat_prompt)
+    assert torch.equal(alone, batched), f"{int((alone != batched).sum())} logits differ"
+
+
+def test_default_kernels_do_depend_on_the_batch(smollm, smollm_prefill, chat_prompt):
+    # Negative control: the same harness sees torch's kernels change a sequence's bits with its neighbours.
+    assert not torch.equal(smollm_prefill[False], _batched(smollm[False], chat_prompt))
+
+
+# --- SiLU-and-mul on the CPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [1, 17, 80, 1000, 1536, 40000])
+def test_silu_and_mul_rows_do_not_depend_on_the_batch(width):
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(67 if width < 5000 else 9, 2 * width, generator=gen) * 4
+    full = silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.allclose(full, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 40), slice(-1, None)):
+        assert torch.equal(silu_and_mul(x[rows]), full[rows])
+
+
+def test_torch_silu_changes_bits_with_position():
+    # Negative control: ATen's scalar tail and its SIMD body round silu differently, so one element's result
+    # depends on where in the tensor it sits. silu_and_mul above exists because of this.
+    x = torch.randn(1, 2 * 4099, generator=torch.Generator().manual_seed(0)) * 4
+    whole = torch_silu_and_mul(x)[0]
+    singles = torch.stack([torch_silu_and_mul(x[:, [i, 4099 + i]])[0, 0] for i in range(2000)])
+    assert not torch.equal(whole[:2000], singles)
