@@ -247,6 +247,20 @@ def test_cpu_bmm_entry_is_independent_of_the_batch():
         assert_bitwise(_bmm(a[lo:hi], b[lo:hi]), whole[lo:hi])
 
 
+def test_cpu_same_bits_inside_batch_invariant_mode():
+    # The model runs under batch_invariant_mode; the CPU path must not route through (or recurse into) its
+    # overrides, and must give the same bits either way.
+    from lockstep.ops.mode import batch_invariant_mode
+
+    seq = Seq(200, 9, 3, 64, torch.float32, seed=1)
+    paged = Paged(3, 64, torch.float32)
+    paged.write("t", seq, 0, 200)
+    outside = paged.attend(cpu(128), [("t", seq, 0, 200)])[0]
+    with batch_invariant_mode():
+        inside = paged.attend(cpu(128), [("t", seq, 0, 200)])[0]
+    assert_bitwise(inside, outside)
+
+
 # ------------------------------------------------------------------------------------ negative control
 
 
