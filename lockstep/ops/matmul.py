@@ -130,8 +130,9 @@ class MatmulConfig:
 def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     """The tile for one problem, from (dtype, N) and a bucket of M; the reduction order never depends on it.
 
-    Chosen by bench/ops.py --sweep on the H200 (Qwen3-8B shapes, bf16); every candidate gave the same bits.
-    Small M is bandwidth-bound: enough tiles to cover the SMs, a deep pipeline over long K slices.
+    Chosen by bench/ops.py --sweep on the H200 (Qwen3-8B shapes, bf16); every candidate, with and without TMA,
+    gave the same bits. Small M is bandwidth-bound: enough tiles to cover the SMs and a deep pipeline over long
+    K slices. Larger M is compute-bound: big tiles fed by the tensor memory accelerator.
     """
     C = MatmulConfig
     if dtype == torch.float32:
@@ -143,15 +144,16 @@ def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
         return C(32, 64, 128, num_stages=4) if wide else C(16 if n <= 2048 else 32, 32, 256, num_stages=4)
     if m <= 64:
         return C(64, 64, 128, num_stages=4) if wide else C(64, 32, 256, num_stages=4)
+    large = C(128, 256, 64, num_warps=8, num_stages=3, tma=True)
     if wide:
-        return C(128, 256, 64, num_warps=8, num_stages=3)
-    if m <= 128:
-        return C(64, 64, 128, num_stages=4)
+        return large
+    if m <= 128 or (m <= 256 and n <= 2048):
+        return C(64, 64, 128, num_stages=4, tma=True)
     if m <= 256:
-        return C(64, 128, 64, num_stages=4)
+        return C(64, 128, 64, num_stages=4, tma=True)
     if m <= 512 or (n <= 2048 and m <= 2048):
-        return C(128, 128, 64, num_warps=8, num_stages=4)
-    return C(128, 256, 64, num_warps=8, num_stages=3)
+        return C(128, 128, 64, num_warps=8, num_stages=4, tma=True)
+    return large
 
 
 _NUM_SMS: dict[int, int] = {}
