@@ -49,11 +49,7 @@ class Kernels:
         return self is INVARIANT
 
 
-def _invariant_write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
-
-
-def _invariant_attention(
+def _invariant_attention(  # adapts ops.paged_attention to the metadata object
     q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: "AttentionMetadata", scale: float
 ) -> Tensor:
     return ops.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale)
@@ -64,7 +60,7 @@ INVARIANT = Kernels(
     linear=ops.linear,
     rms_norm=ops.rms_norm,
     silu_and_mul=silu_and_mul,
-    write_kv=_invariant_write_kv,
+    write_kv=ops.write_kv,
     attention=_invariant_attention,
 )
 DEFAULT = Kernels(

@@ -142,14 +142,15 @@ def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.fixture(scope="session")
 def embedded_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded SmolLM2 folder, converted once per session into $LOCKSTEP_CACHE, or into a session temp
-    dir when LOCKSTEP_CACHE is unset (so a test run never writes into the user's cache)."""
+    """The embedded SmolLM2 folder, converted once per session into $LOCKSTEP_CACHE, or when that is unset into
+    the session's temp dir (never the user's cache). tests/engine and tests/test_cli.py use the same folder,
+    so a session converts once."""
     from lockstep.models import embedded
 
     if os.environ.get("LOCKSTEP_CACHE"):
         return embedded.default_model_path()
     mp = pytest.MonkeyPatch()
-    mp.setenv("LOCKSTEP_CACHE", str(tmp_path_factory.mktemp("lockstep-cache")))
+    mp.setenv("LOCKSTEP_CACHE", str(tmp_path_factory.getbasetemp() / "lockstep-cache"))
     try:
         return embedded.default_model_path()
     finally:
