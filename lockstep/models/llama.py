@@ -229,7 +229,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over one flattened, paged batch.
 
-    Build it empty with ``LlamaForCausalLM(config, ...)`` and fill it with ``load_checkpoint`` (loader.py) or by
+    Build it empty with ``LlamaForCausalLM(config, ...)`` and fill it with ``load_model`` (loader.py) or by
     copying into ``checkpoint_tensors()``. Parameters are plain tensors (``requires_grad=False``) in ``dtype``.
     """
 
