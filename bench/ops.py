@@ -107,6 +107,9 @@ def check_and_time_rows(dtype) -> list[dict]:
     """rms_norm / softmax / log_softmax: invariance over M, error vs fp64, bandwidth vs torch."""
     results = []
     for op, n in [
+        ("rms_norm", 128),  # q/k norm rows: several rows share one program
+        ("rms_norm", 576),
+        ("softmax", 576),
         ("rms_norm", 4096),
         ("rms_norm", 12288),
         ("softmax", 4096),
@@ -141,12 +144,26 @@ def check_and_time_rows(dtype) -> list[dict]:
     return results
 
 
+def markdown(result: dict) -> str:
+    """The tables for docs/perf.md."""
+    lines = ["| K x N | M | lockstep us | cuBLAS us | ratio | lockstep TFLOP/s |", "|---|---|---|---|---|---|"]
+    for r in result["timings"]:
+        lines.append(f"| {r['K']}x{r['N']} | {r['M']} | {r['ours_us']:.1f} | {r['cublas_us']:.1f} | {r['ratio']:.2f} "
+                     f"| {r['ours_tflops']:.0f} |")  # fmt: skip
+    lines += ["", "| op | N | M | lockstep us (TB/s) | torch us (TB/s) | M differing |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['op']} | {r['N']} | {r['M']} | {r['ours_us']:.1f} ({r['ours_tbps']:.2f}) "
+                     f"| {r['torch_us']:.1f} ({r['torch_tbps']:.2f}) | {len(r['ms_differing'])} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--sweep", action="store_true", help="time candidate tile configs")
     parser.add_argument("--sweep-only", action="store_true", help="only the config sweep")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    parser.add_argument("--rows-only", action="store_true", help="only rms_norm/softmax")
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -156,7 +173,7 @@ def main() -> None:
     print(meta)
     result = {"meta": meta, "checks": {}, "timings": [], "sweep": [], "rows": []}
     start = time.time()
-    for k, n in shapes:
+    for k, n in [] if args.rows_only else shapes:
         if args.sweep_only:
             result["sweep"] += sweep_matmul(k, n, dtype)
             continue
@@ -170,12 +187,14 @@ def main() -> None:
             result["sweep"] += sweep_matmul(k, n, dtype)
         result["timings"] += time_matmul(k, n, dtype)
         torch.cuda.empty_cache()
-    if hasattr(ops, "rms_norm") and not args.sweep_only:
+    if not args.sweep_only:
         result["rows"] = check_and_time_rows(dtype)
     with open(os.path.join(args.out, "ops.json"), "w") as f:
         json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "ops.md"), "w") as f:
+        f.write(markdown(result))
 
-    if args.sweep_only:
+    if args.sweep_only or args.rows_only:
         return
     print(f"\n== summary ({time.time() - start:.0f} s) ==")
     ratios = [r["ratio"] for r in result["timings"]]

@@ -2,17 +2,22 @@
 
 from lockstep import ops
 from lockstep.check import InvarianceReport, check_batch_invariance
+from lockstep.llm import LLM, RequestOutput
 from lockstep.ops.mode import (
     batch_invariant_mode,
     disable_batch_invariant_mode,
     enable_batch_invariant_mode,
     is_batch_invariant_mode_enabled,
 )
+from lockstep.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
     "InvarianceReport",
+    "RequestOutput",
+    "SamplingParams",
     "__version__",
     "batch_invariant_mode",
     "check_batch_invariance",

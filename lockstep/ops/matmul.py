@@ -147,7 +147,7 @@ def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     large = C(128, 256, 64, num_warps=8, num_stages=3, tma=True)
     if wide:
         return large
-    if m <= 128 or (m <= 256 and n <= 2048):
+    if m <= 128 or (m <= 512 and n <= 2048):
         return C(64, 64, 128, num_stages=4, tma=True)
     if m <= 256:
         return C(64, 128, 64, num_stages=4, tma=True)
