@@ -1,40 +1,13 @@
 import pytest
 import torch
+from invariance import INVARIANCE_MS, MOVES, SIZES, check_moved_row, check_prefixes, randn, same_bits
 
 from lockstep import ops
 from lockstep.ops.reduce import RowConfig, _row_sum_triton, fold_rows, row_config
 
-SIZES = [1, 3, 17, 127, 1000]
 LENGTHS = [1, 7, 576, 1000, 4099]
-INVARIANCE_MS = [1, 2, 3, 7, 17, 64, 127, 128, 129, 1000]
-# (batch size, position) for a row moved among other rows.
-MOVES = [(1, 0), (2, 1), (16, 15), (17, 16), (40, 3), (129, 128)]
 # Relative error bounds against fp64, on sums of terms of both signs: normalized by the sum of |x|.
 TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
-
-
-def randn(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    as_int = {4: torch.int32, 2: torch.int16}[a.element_size()]
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(as_int), b.view(as_int))
-
-
-def check_prefixes(op, x, ms):
-    full = op(x)
-    for m in ms:
-        assert same_bits(op(x[:m]), full[:m]), f"rows differ at m={m}"
-
-
-def check_moved_row(op, x, moves):
-    # Row 0 of x placed at other positions among other neighbours must keep its bits.
-    full0 = op(x[:1])[0]
-    for m, pos in moves:
-        batch = randn(m, *x.shape[1:], dtype=x.dtype, seed=100 + m)
-        batch[pos] = x[0]
-        assert same_bits(op(batch)[pos], full0), f"row moved to {pos} of {m} differs"
 
 
 def check_sum_and_mean(x, s, mu):
