@@ -1,10 +1,12 @@
 """The whole engine on a GPU: the invariance matrix and throughput, batch_invariant=True vs False.
 
     python bench/engine.py          # H200 default: Qwen3-8B shape cut to 4 layers, SmolLM2-135M shape; < 4 min
-    python bench/engine.py --layers 36 --max-batch 256 --long 32768 --num-requests 256 --input-len 1024 \
-        --output-len 1024 --budget 560      # full depth, the standard throughput workload
     python bench/engine.py --smoke  # tiny shapes on the CPU (no GPU needed), < 1 min; add --device cuda for a
                                     # quick GPU sanity run of the same tiny shapes
+    # Scaled up (each < 10 min): the full-depth matrix, then the standard throughput workload.
+    python bench/engine.py --layers 36 --max-batch 256 --long 32768 --no-throughput --budget 480
+    python bench/engine.py --layers 36 --models qwen3 --no-matrix --num-requests 256 --input-len 1024 \
+        --output-len 1024 --budget 480
 
 Random-weight checkpoints with real model shapes are written with transformers' ``save_pretrained`` (bf16) into a
 temp dir, with a word-level tokenizer covering the vocabulary; prompts are token-id lists.
@@ -467,21 +469,22 @@ def print_table(report: dict) -> None:
             f"  {name}: {info['num_hidden_layers']}/{info['full_layers']} layers, {info['params'] / 1e9:.2f}B params"
             + (" (depth cut: --layers N)" if info["num_hidden_layers"] < info["full_layers"] else "")
         )
-    print("invariance matrix vs. each target alone: 'same' = all bits equal, else targets differing/targets,")
-    print("  tN = N targets with different token ids, lpN = N steps with different logprob/top-5 bits:")
-    print(f"  {'case':26s}" + "".join(f"{h:>{w}s}" for h in heads))
-    for name in names:
-        cells = []
+    if sections:
+        print("invariance matrix vs. each target alone: 'same' = all bits equal, else targets differing/targets,")
+        print("  tN = N targets with different token ids, lpN = N steps with different logprob/top-5 bits:")
+        print(f"  {'case':26s}" + "".join(f"{h:>{w}s}" for h in heads))
+        for name in names:
+            cells = []
+            for m, mode in sections:
+                row = next((r for r in report["matrix"][m][mode]["cases"] if r["case"] == name), None)
+                cells.append("-" if row is None else cell(row))
+            print(f"  {name:26s}" + "".join(f"{c:>{w}s}" for c in cells))
+        totals = []
         for m, mode in sections:
-            row = next((r for r in report["matrix"][m][mode]["cases"] if r["case"] == name), None)
-            cells.append("-" if row is None else cell(row))
-        print(f"  {name:26s}" + "".join(f"{c:>{w}s}" for c in cells))
-    totals = []
-    for m, mode in sections:
-        rows = [r for r in report["matrix"][m][mode]["cases"] if "skipped" not in r]
-        bad = sum(r["seqs_differing"] > 0 for r in rows)
-        totals.append(f"{bad}/{len(rows)} differ")
-    print(f"  {'cases with a difference':26s}" + "".join(f"{c:>{w}s}" for c in totals))
+            rows = [r for r in report["matrix"][m][mode]["cases"] if "skipped" not in r]
+            bad = sum(r["seqs_differing"] > 0 for r in rows)
+            totals.append(f"{bad}/{len(rows)} differ")
+        print(f"  {'cases with a difference':26s}" + "".join(f"{c:>{w}s}" for c in totals))
     if report["throughput"]:
         p = report["plan"]
         print(
@@ -518,6 +521,8 @@ def print_table(report: dict) -> None:
 
 
 def verdict(report: dict) -> str:
+    if not report["matrix"]:
+        return "invariance matrix not run"
     on = off = skipped = ran_on = ran_off = 0
     for modes in report["matrix"].values():
         for mode, res in modes.items():
@@ -614,6 +619,7 @@ def main() -> None:
     ap.add_argument("--modes", default="invariant,default", help="comma list of invariant, default")
     ap.add_argument("--tp-models", default="qwen3", help="models to time (comma list; default qwen3)")
     ap.add_argument("--no-throughput", action="store_true")
+    ap.add_argument("--no-matrix", action="store_true", help="throughput only")
     ap.add_argument("--budget", type=float, default=None, help="seconds for all the work (default 200; smoke 45)")
     ap.add_argument("--device", default=None, help="default: cuda if available (else cpu)")
     ap.add_argument("--dtype", default="bfloat16")
@@ -696,6 +702,8 @@ def main() -> None:
             now = time.perf_counter()
             section_end = now + max(0.0, end - now) * weights[i] / sum(weights[i:])
             with_tp = not args.no_throughput and name.split("-")[0] in args.tp_models.split(",")
+            if args.no_matrix and not with_tp:
+                continue
             long_len = min(plan.long_len, shape["max_position_embeddings"] - plan.long_out - 2 * BLOCK)
             max_model_len = min(
                 shape["max_position_embeddings"],
@@ -727,11 +735,12 @@ def main() -> None:
                 seed=0,
             )
             print(f"    loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-            matrix_end = now + (section_end - now) * 2 / 3 if with_tp else section_end
-            res = run_matrix(llm, plan, shape["vocab_size"], long_len, matrix_end)
-            res.update(kv_blocks=blocks, max_model_len=max_model_len, long_len=long_len)
-            report["matrix"].setdefault(name, {})[mode] = res
-            save()
+            if not args.no_matrix:
+                matrix_end = now + (section_end - now) * 2 / 3 if with_tp else section_end
+                res = run_matrix(llm, plan, shape["vocab_size"], long_len, matrix_end)
+                res.update(kv_blocks=blocks, max_model_len=max_model_len, long_len=long_len)
+                report["matrix"].setdefault(name, {})[mode] = res
+                save()
             if with_tp:
                 if time.perf_counter() < section_end:
                     tp = run_throughput(llm, plan, shape["vocab_size"], args.tp_temperature, section_end)
