@@ -22,6 +22,15 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped order: consecutive tiles share B columns, which keeps them in L2."""
+    tiles_per_group = GROUP_M * num_n
+    first_m = (tile // tiles_per_group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    return first_m + (tile % tiles_per_group) % group_m, (tile % tiles_per_group) // group_m
+
+
+@triton.jit
 def _mm_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr,
     M, N, K,
@@ -41,14 +50,10 @@ def _mm_kernel(
     c_ptr += batch * stride_cb
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    tiles_per_group = GROUP_M * num_n
     for tile in range(tl.program_id(0), num_m * num_n, num_programs):
-        # Grouped order: consecutive tiles share B columns, which keeps them in L2.
-        group = tile // tiles_per_group
-        first_m = group * GROUP_M
-        group_m = min(num_m - first_m, GROUP_M)
-        offs_m = (first_m + (tile % tiles_per_group) % group_m) * BM + tl.arange(0, BM)
-        offs_n = ((tile % tiles_per_group) // group_m) * BN + tl.arange(0, BN)
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)
         a_tile = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_tile = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
@@ -92,13 +97,10 @@ def _mm_tma_kernel(
     # memory accelerator (Hopper): out-of-bounds rows and the K tail arrive as zeros.
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    tiles_per_group = GROUP_M * num_n
     for tile in range(tl.program_id(0), num_m * num_n, num_programs):
-        group = tile // tiles_per_group
-        first_m = group * GROUP_M
-        group_m = min(num_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % tiles_per_group) % group_m) * BM
-        off_n = ((tile % tiles_per_group) // group_m) * BN
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, K, BK):
             a = a_desc.load([off_m, k])
