@@ -11,6 +11,16 @@ split programs + merge kernel vs in-register merge). This is where the kernel's 
 does not change a row's bits gets checked. Exits 1 if anything fails.
 Speed: decode (one query per sequence) against F.scaled_dot_product_attention on contiguous K/V, and a causal
 prefill, timed in CUDA graphs.
+
+Measure next (decode was 0.7 TB/s at batch 1 / 4k context against SDPA's 1.8, 2.9 against 4.5 at batch 64):
+- the num_stages columns: 3 (the new decode default) and 4 against 2, now that the split's block ids are loaded
+  before the tile loop and K/V get num_stages - 1 buffers (before, one buffer at any num_stages);
+- batch 1 / 4k runs 64 programs (8 splits x 8 KV heads) on 132 SMs: SPLIT 256 would fill the GPU, at twice
+  the partials and merge steps (a numerics constant: it changes the bits, not the invariance);
+- the merge kernel alone (one program per token walks all its splits: 64 at 32k), e.g. with nsys;
+- the in-register path at BLOCK_M 16 (decode past the partial cap): ptxas gives it ~200 registers now (was 157),
+  2 programs per SM instead of 3, but 2 K/V buffers each;
+- SDPA runs contiguous K/V; at page 16 a K/V tile gathers 4 pages: try page 64/128 to price the paging.
 """
 
 import argparse
@@ -188,12 +198,24 @@ def bench_speed(cfg, device):
     from triton.testing import do_bench_cudagraph
 
     def us(fn):
+        # do_bench_cudagraph runs fn on a fresh side stream, which does not wait for the default stream. Without
+        # this sync the first call read block tables, seq_lens and query_start_loc that the default stream had
+        # not written yet (still behind 8 GB of torch.randn at batch 64 / 32k): garbage block ids, then an
+        # illegal memory access. That is how this script crashed; the kernel's offsets are int64.
+        torch.cuda.synchronize()
         return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
 
     hq, hkv, d, dtype, page = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"]
     scale = cfg["scale"]
+    decode_launches = {
+        "lockstep": {},
+        "(in-register)": {"split_programs": False},
+        "(split, st 2)": {"split_programs": True, "num_stages": 2},
+        "(split, st 3)": {"split_programs": True, "num_stages": 3},
+        "(split, st 4)": {"split_programs": True, "num_stages": 4},
+    }
     print("\ndecode: us per call (TB/s reading K+V)")
-    print(f"  {'B':>3} {'ctx':>6} | {'lockstep':>16} {'(in-register)':>16} {'(split progs)':>16} | {'SDPA':>16}")
+    print(f"  {'B':>3} {'ctx':>6} | " + " ".join(f"{n:>16}" for n in decode_launches) + f" | {'SDPA':>16}")
     for ctx in cfg["speed_ctx"]:
         for b in cfg["speed_batches"]:
             nblk = b * ctx // page
@@ -206,7 +228,7 @@ def bench_speed(cfg, device):
                         query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32))  # fmt: skip
             gbytes = 2 * b * ctx * hkv * d * k_cache.element_size() / 1e9
             times = [us(lambda la=la: _paged_attention_triton(**args, scale=scale, **la))
-                     for la in ({}, {"split_programs": False}, {"split_programs": True})]  # fmt: skip
+                     for la in decode_launches.values()]  # fmt: skip
             kc = k_cache[tables.long()].view(b, ctx, hkv, d).transpose(1, 2)  # [B, H_kv, ctx, D]
             vc = v_cache[tables.long()].view(b, ctx, hkv, d).transpose(1, 2)
             qs = q[:, :, None]
@@ -216,8 +238,8 @@ def bench_speed(cfg, device):
                 kr, vr = kc.repeat_interleave(hq // hkv, 1), vc.repeat_interleave(hq // hkv, 1)
                 sdpa = us(lambda: F.scaled_dot_product_attention(qs, kr, vr, scale=scale))
             cells = [f"{t:8.1f} ({gbytes / t * 1e3:4.2f})" for t in times + [sdpa]]
-            print(f"  {b:3d} {ctx:6d} | {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} | {cells[3]:>16}")
-            del k_cache, v_cache, kc, vc
+            print(f"  {b:3d} {ctx:6d} | " + " ".join(f"{c:>16}" for c in cells[:-1]) + f" | {cells[-1]:>16}")
+            del k_cache, v_cache, kc, vc, args
 
     print("\ncausal prefill, one sequence: us (TFLOP/s)")
     for n in cfg["speed_prefill"]:
@@ -230,9 +252,11 @@ def bench_speed(cfg, device):
                     query_start_loc=torch.tensor([0, n], device=device, dtype=torch.int32))  # fmt: skip
         flops = 4 * n * n * hq * d / 2
         row = []
-        for block_m in (64, 128):
-            t = us(lambda bm=block_m: _paged_attention_triton(**args, scale=scale, block_m=bm))
-            row.append(f"BLOCK_M {block_m}: {t:9.1f} ({flops / t / 1e6:5.1f})")
+        for block_m, stages in ((64, 2), (64, 3), (128, 2), (128, 3)):
+            t = us(
+                lambda bm=block_m, st=stages: _paged_attention_triton(**args, scale=scale, block_m=bm, num_stages=st)
+            )
+            row.append(f"BLOCK_M {block_m} st {stages}: {t:9.1f} ({flops / t / 1e6:5.1f})")
         qs = q.transpose(0, 1)[None]
         kc = k_cache.view(n, hkv, d).transpose(0, 1)[None]
         vc = v_cache.view(n, hkv, d).transpose(0, 1)[None]
@@ -248,6 +272,8 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     launches = [dict(split_programs=sp, block_m=bm, num_warps=nw)
                 for sp in (False, True) for bm, nw in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))]  # fmt: skip
+    launches += [dict(split_programs=sp, block_m=bm, num_stages=st) for sp, bm, st in
+                 ((True, 16, 2), (True, 16, 4), (False, 16, 3), (False, 64, 3), (False, 128, 3))]  # fmt: skip
     if args.smoke:
         cfg = dict(hq=4, hkv=2, d=32, dtype=torch.bfloat16, page=16, scale=32**-0.5, split=128,
                    value_lengths=[1, 17, 150], value_qlens=[1, 5, 150], atol=3e-2,
@@ -258,7 +284,9 @@ def main():
                    value_lengths=[1, 17, 1000, 4097, 32768], value_qlens=[1, 17, 1000, 300, 1], atol=2e-2,
                    launches=launches, target=5000, neighbours=[32768, 1000, 4096, 17, 20000, 513, 8192, 3],
                    chunks=[512, 1000, 37], decode_batches=[1, 7, 64],
-                   decode_launches=[dict(split_programs=False), dict(split_programs=True, block_m=64)],
+                   decode_launches=[dict(split_programs=False), dict(split_programs=True, block_m=64),
+                                    dict(split_programs=True, num_stages=2), dict(split_programs=True, num_stages=4),
+                                    dict(split_programs=False, num_stages=2)],
                    decode_samples=40, speed_ctx=[4096, 32768], speed_batches=[1, 8, 64],
                    speed_prefill=[4096, 16384])  # fmt: skip
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)'}, "

@@ -16,8 +16,8 @@ KV reduction of one query row is a function of p and fixed constants only:
 
 CUDA runs one Triton kernel over the varlen batch. A program owns (a tile of query tokens of one sequence,
 one KV head with its group of query heads) and either walks all the splits of its rows, merging each into a
-running state in registers, or (when there are too few programs to fill the GPU, e.g. small-batch decode)
-computes one split and writes the partial, which a second kernel merges in split order. Both paths call the
+running state in registers, or (decode, and prefills with too few programs to fill the GPU) computes one
+split and writes the partial, which a second kernel merges in split order. Both paths call the
 same ``_attend_split`` / ``_merge`` / ``_finalize`` code, and an fp32 partial round-trips memory exactly.
 The CPU runs the same tile/split structure with batched matmuls of one fixed per-entry shape.
 """
@@ -110,10 +110,11 @@ def write_kv(
 
 # ------------------------------------------------------------------------------------ attention (Triton)
 # What the H200 must re-check (bench/attention_check.py): the bits of one query row do not depend on
-# BLOCK_M (how many query rows share a tl.dot), on num_warps, or on which of the two launch paths ran. By
-# construction every per-row reduction here is a tl.dot (QK over head_dim; P@V and the denominator P@1 over
-# the KV tile) or exact (max, where, elementwise): the row sum is a dot with a ones matrix rather than
-# tl.sum, because tl.sum's order follows the register layout, which follows BLOCK_M. DESIGN.md measured that
+# BLOCK_M (how many query rows share a tl.dot), on num_warps or num_stages, or on which of the two launch
+# paths ran. By construction every per-row reduction here is a tl.dot (QK over head_dim; P@V and the
+# denominator P@1 over the KV tile) or exact (max, where, elementwise): the row sum is a dot with a ones
+# matrix rather than tl.sum, because tl.sum's order follows the register layout, which follows BLOCK_M (the
+# one tl.sum, picking a tile's block ids, adds integers of which all but one are 0). DESIGN.md measured that
 # tl.dot's bits do not follow the tile shape on the H200 (Triton 3.6); that must hold for this kernel too.
 
 
@@ -150,10 +151,19 @@ def _attend_split(
     den = tl.zeros([BLOCK_M, 16], tl.float32)  # 16 equal columns: the denominator accumulates via tl.dot
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     first = split * TILES_PER_SPLIT
+    # The split's block ids, loaded once: [TILES_PER_SPLIT, TILE], row i = tile first + i. With the K/V
+    # addresses depending on a block-table load inside the tile loop, Triton's pipeliner kept one K/V buffer
+    # whatever num_stages said, and each tile waited for its table load and then its K/V load, nothing
+    # overlapping. Taken from registers (an exact integer select-sum), K/V get num_stages - 1 buffers.
+    # Addresses only: the float arithmetic, and so the bits, are the same.
+    rel = tl.arange(0, TILES_PER_SPLIT)[:, None]
+    split_offs = (first + rel) * TILE + tl.arange(0, TILE)[None, :]
+    blocks = tl.load(block_table + split_offs // page_size, mask=split_offs < seq_len, other=0)
     for t in range(first, tl.minimum(first + TILES_PER_SPLIT, last_tile + 1)):
         offs = t * TILE + tl.arange(0, TILE)
         kv_ok = offs < seq_len  # never read past the sequence: unused cache slots may hold NaN
-        block = tl.load(block_table + offs // page_size, mask=kv_ok, other=0).to(tl.int64)
+        # int64 before any product: block * stride_kb passes 2^31 once a cache holds more than 2^31 elements
+        block = tl.sum(tl.where(rel == t - first, blocks, 0), axis=0).to(tl.int64)
         slot = (offs % page_size).to(tl.int64)
         k_t = tl.load(
             k_base + (block * stride_kb + slot * stride_ks)[None, :] + dims[:, None],
@@ -306,6 +316,9 @@ def _merge_splits_kernel(
     tl.store(o, out.to(o_ptr.dtype.element_ty), mask=mask)
 
 
+# Memory for the split-program path's partials, fp32 (acc, m, den) per (token, split, query head); above it the
+# in-register path runs (a long prefill's partials would take gigabytes).
+_PART_CAP_BYTES = 1 << 28
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -316,6 +329,17 @@ def _num_sms(device: torch.device) -> int:
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _NUM_SMS[index]
+
+
+def _use_split_programs(decode: bool, max_splits: int, programs: int, part_bytes: int, num_sms: int) -> bool:
+    """The default launch path (either gives the same bits). On the H200 split programs (one per split, then
+    the merge kernel) were never slower than the in-register walk in decode, and 1.25x faster at batch 64,
+    4k context, where the in-register grid already had 640 programs: 8 splits of 8 tiles each balance better
+    than one walk of 64, and the partials add ~2% to the K/V traffic. So decode takes them whenever the
+    partials fit; prefill (partials per query token) only when its grid cannot fill the GPU."""
+    if max_splits <= 1 or part_bytes > _PART_CAP_BYTES:
+        return False
+    return decode or programs < 2 * num_sms
 
 
 def _paged_attention_triton(
@@ -331,9 +355,12 @@ def _paged_attention_triton(
     block_m: int | None = None,
     split_programs: bool | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     # The keyword arguments pick launch shapes, never the math: every choice gives the same bits (tests and
     # bench/attention_check.py compare them). Everything is decided from shapes, with no host sync.
+    if split % TILE or (split // TILE) & (split // TILE - 1):
+        raise ValueError(f"split must be TILE ({TILE}) times a power of two, got {split}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
@@ -350,7 +377,14 @@ def _paged_attention_triton(
     max_splits = triton.cdiv(block_tables.shape[1] * page_size, split)
     part_bytes = num_tokens * max_splits * num_q_heads * (head_dim + 2) * 4
     if split_programs is None:
-        split_programs = max_splits > 1 and num_tiles * num_kv_heads < 2 * _num_sms(q.device) and part_bytes <= 1 << 28
+        split_programs = _use_split_programs(
+            decode, max_splits, num_tiles * num_kv_heads, part_bytes, _num_sms(q.device)
+        )
+    if num_stages is None:
+        # Decode streams K/V: 3 stages = 2 K/V buffers in flight (72 KB of shared memory at head_dim 128),
+        # and still 3 programs per SM, the cap that registers (~150 a thread, ptxas sm_90) set at 2 stages.
+        # Not yet timed; prefill keeps 2. bench/attention_check.py sweeps both.
+        num_stages = 3 if decode else 2
     if split_programs:
         part = torch.empty((num_tokens, max_splits, num_q_heads, head_dim), device=q.device, dtype=torch.float32)
         part_ml = torch.empty((num_tokens, max_splits, num_q_heads, 2), device=q.device, dtype=torch.float32)
@@ -371,7 +405,7 @@ def _paged_attention_triton(
         TILE=TILE, TILES_PER_SPLIT=split // TILE, SPLIT_PROGRAMS=split_programs,
         UPCAST=interpreting() and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=2,
+        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages,
     )  # fmt: skip
     if split_programs:
         _merge_splits_kernel[(num_tokens,)](

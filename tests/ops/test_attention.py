@@ -10,10 +10,12 @@ import torch
 from lockstep.ops import paged_attention, write_kv
 from lockstep.ops.attention import (
     _CPU_ROWS,
+    _PART_CAP_BYTES,
     TILE,
     _bmm,
     _paged_attention_cpu,
     _paged_attention_triton,
+    _use_split_programs,
     _write_kv_triton,
 )
 
@@ -230,7 +232,8 @@ def test_triton_invariance():
     target = Paged(1, 32, torch.float32)
     seq = Seq(150, 3, 1, 32, torch.float32, seed=1)
     target.write("t", seq, 0, 150)
-    for launch in [dict(split_programs=True, block_m=16), dict(split_programs=False, block_m=32)]:
+    launches = [dict(split_programs=True, block_m=16, num_stages=4), dict(split_programs=False, block_m=32)]
+    for launch in launches:
         results[str(launch)] = target.attend(triton_(split=128, **launch), [("t", seq, 0, 150)])[0]
     _assert_all_equal(results)
 
@@ -259,6 +262,70 @@ def test_cpu_same_bits_inside_batch_invariant_mode():
     with batch_invariant_mode():
         inside = paged.attend(cpu(128), [("t", seq, 0, 200)])[0]
     assert_bitwise(inside, outside)
+
+
+# --------------------------------------------------------------------------------- large caches, launch
+
+
+def test_block_ids_past_2_31_cache_elements():
+    # A cache of more than 2^31 elements (64 sequences x 32k positions x 8 KV heads x head_dim 128 is exactly
+    # 2^31) needs int64 offsets: block * stride_kb wraps in int32. torch.empty only reserves address space, and
+    # only the pages written get memory; a guard of 2^31 elements in front of the cache is where a wrapped
+    # offset would land, so that bug reads zeros and fails here instead of crashing. K and V share the one big
+    # cache (K = V) to halve the reservation. Top block ids must give the bits of the same data in a small cache.
+    page, hkv, d, hq, n = 16, 1, 16, 2, 150
+    per_block = page * hkv * d
+    num_blocks = (1 << 31) // per_block + 8
+    try:
+        buffer = torch.empty((1 << 31) + num_blocks * per_block, dtype=torch.float16)
+    except RuntimeError as e:
+        pytest.skip(f"cannot reserve 8 GiB of address space: {e}")
+    big = buffer[1 << 31 :].view(num_blocks, page, hkv, d)
+    small = torch.full((10, page, hkv, d), float("nan"), dtype=torch.float16)
+    seq = Seq(n, hq, hkv, d, torch.float16, seed=3)
+    top = [num_blocks - 1, num_blocks - 7, 5, num_blocks - 2, num_blocks - 3, 0, num_blocks - 8, 2, 9, 1]
+    pos = torch.arange(n)
+    outs = {}
+    for name, cache, table, writer in [
+        ("small", small, list(range(10)), write_kv),
+        ("big", big, top, _write_kv_triton),
+    ]:
+        slots = (torch.tensor(table)[pos // page] * page + pos % page).to(torch.int32)  # int32 like block ids
+        writer(seq.k, seq.k, cache, cache, slots)
+        assert torch.equal(cache.view(-1, hkv, d)[slots], seq.k)
+        args = (seq.q, cache, cache, torch.tensor([table], dtype=torch.int32))
+        args += (torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), 0.17)
+        for launch in [dict(split_programs=True), dict(split_programs=False)]:
+            outs[name, str(launch)] = _paged_attention_triton(*args, split=128, **launch)
+        outs[name, "cpu"] = paged_attention(*args)
+    for (name, path), out in outs.items():
+        if name == "big":
+            assert_bitwise(out, outs["small", path])
+
+
+def test_default_launch_path():
+    # H200 decode shapes (32 q / 8 kv heads, head_dim 128, split 512, 132 SMs): split programs whenever the
+    # partials fit, the in-register walk above the cap; prefill splits only when its grid cannot fill the GPU.
+    def choose(num_tokens, context, decode, programs):
+        max_splits = -(-context // 512)
+        part_bytes = num_tokens * max_splits * 32 * 130 * 4
+        return _use_split_programs(decode, max_splits, programs, part_bytes, num_sms=132)
+
+    for batch, context in [(1, 4096), (8, 4096), (64, 4096), (64, 32768), (200, 32768)]:
+        assert choose(batch, context, True, programs=(batch // 4 + batch) * 8), (batch, context)
+    assert not choose(256, 32768, True, programs=320 * 8)  # 272 MB of partials
+    assert 256 * 64 * 32 * 130 * 4 > _PART_CAP_BYTES
+    assert not choose(1, 512, True, programs=8)  # one split: nothing to merge
+    assert not choose(4096, 4096, False, programs=257 * 8)  # a long prefill fills the GPU by itself
+    assert choose(100, 4096, False, programs=8 * 8)  # a short chunk after a long context does not
+
+
+def test_split_must_be_tile_times_a_power_of_two():
+    paged = Paged(1, 16, torch.float32)
+    seq = Seq(10, 2, 1, 16, torch.float32, seed=0)
+    paged.write("t", seq, 0, 10)
+    with pytest.raises(ValueError, match="power of two"):
+        paged.attend(triton_(split=3 * TILE), [("t", seq, 0, 10)])
 
 
 # ------------------------------------------------------------------------------------ negative control
