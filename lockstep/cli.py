@@ -1,5 +1,6 @@
-"""The ``lockstep`` command. ``lockstep generate "prompt"`` prints a completion; each subcommand is one
-``add_<name>_parser`` + ``run_<name>`` pair registered in ``main`` (``serve`` and ``audit`` go there later)."""
+"""The ``lockstep`` command: ``generate`` prints a completion, ``serve`` runs the OpenAI-compatible server,
+``audit`` measures how deterministic an endpoint is. Each subcommand is one ``add_<name>_parser`` +
+``run_<name>`` pair registered in ``build_parser``."""
 
 import argparse
 import sys
@@ -60,12 +61,145 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI API (completions, chat completions) over HTTP",
+        description="An OpenAI-compatible server whose answers do not depend on how requests are batched.",
+    )
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    p.add_argument("--no-batch-invariant", action="store_true", help="torch's default kernels (not invariant)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from lockstep.server.openai_api import create_state, serve
+
+    state = create_state(
+        args.model,
+        batch_invariant=not args.no_batch_invariant,
+        device=args.device,
+        dtype=args.dtype,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+    )
+    print(
+        f"lockstep: serving {state.model_name!r} on http://{args.host}:{args.port}/v1 "
+        f"(system_fingerprint {state.fingerprint})",
+        file=sys.stderr,
+        flush=True,
+    )
+    serve(state, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "audit",
+        help="measure how deterministic an OpenAI-compatible endpoint is",
+        description="Send one request N times at each concurrency level to any OpenAI-compatible endpoint "
+        "(lockstep, vLLM, SGLang, a hosted API) and report how many different completions come back, where they "
+        "first split, and how their logprobs differ. --local runs the experiment in-process, invariance on vs off.",
+    )
+    p.add_argument("base_url", nargs="?", default=None, help="e.g. http://127.0.0.1:8000/v1 (omit with --local)")
+    p.add_argument("--local", action="store_true", help="in-process on --model or the embedded model, on vs off")
+    p.add_argument("--model", default=None, help="model id (remote: default the first of /v1/models) or folder")
+    p.add_argument("--prompt", default=None, help="the request's prompt (or user message with --chat)")
+    p.add_argument("-n", type=int, default=None, help="requests per concurrency level (default 1000; --local 32)")
+    p.add_argument("--concurrency", default=None, help="comma list (default 1,8,64,256; --local 1,8,32)")
+    p.add_argument("--chat", action="store_true", help="chat completions instead of completions")
+    p.add_argument("--max-tokens", type=int, default=None, help="default 64 (--local 32)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--filler", type=int, default=0, help="other requests mixed into each level's load")
+    p.add_argument("--no-logprobs", action="store_true", help="do not ask for logprobs (for endpoints without)")
+    p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
+    p.add_argument("--device", default=None, help="--local only: cpu, cuda or cuda:N")
+    p.add_argument("--out", default="lockstep-audit", help="folder for report.json and distinct_prefixes.png")
+    p.add_argument("--expect-deterministic", action="store_true", help="exit 1 when more than one completion appears")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_audit)
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import os
+    from pathlib import Path
+
+    from lockstep.audit.report import plot, summary_lines
+    from lockstep.audit.runner import DEFAULT_PROMPT, AuditConfig, audit_endpoint, audit_local
+
+    if args.local == (args.base_url is not None):
+        raise ValueError("give either BASE_URL or --local")
+    levels = args.concurrency or ("1,8,32" if args.local else "1,8,64,256")
+    try:
+        concurrency = tuple(int(x) for x in levels.split(","))
+    except ValueError:
+        raise ValueError(f"--concurrency must be a comma list of ints, got {levels!r}") from None
+    cfg = AuditConfig(
+        prompt=args.prompt or DEFAULT_PROMPT,
+        n=args.n or (32 if args.local else 1000),
+        concurrency=concurrency,
+        chat=args.chat,
+        max_tokens=args.max_tokens or (32 if args.local else 64),
+        temperature=args.temperature,
+        seed=args.seed,
+        filler=args.filler,
+        logprobs=not args.no_logprobs,
+    )
+    if args.local:
+        report = audit_local(args.model, cfg, device=args.device, progress=not args.quiet)
+        panels = {mode: r["levels"] for mode, r in report["modes"].items()}
+        overall = {mode: r["overall"] for mode, r in report["modes"].items()}
+    else:
+        api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+        report = asyncio.run(audit_endpoint(args.base_url, args.model, cfg, api_key, progress=not args.quiet))
+        panels = {f"{report['model']} @ {args.base_url}": report["levels"]}
+        overall = {"all levels": report["overall"]}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(panels, str(out / "distinct_prefixes.png"))
+    for title, levels_ in panels.items():
+        print(title)
+        for level, rep in levels_.items():
+            print("\n".join(summary_lines(f"  concurrency {level}", rep)))
+        print("\n".join(summary_lines("  overall", overall.get(title, overall.get("all levels")))))
+    print(f"report: {out / 'report.json'}, plot: {out / 'distinct_prefixes.png'}")
+    if args.expect_deterministic:
+        checked = overall.get("batch_invariant", overall.get("all levels"))
+        if checked.get("unique_completions", 0) != 1 or checked.get("errors", 0):
+            print("lockstep: audit: not deterministic (expected exactly one completion, no errors)", file=sys.stderr)
+            return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lockstep", description="LLM inference whose answers do not depend on how requests are batched."
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(subparsers)
+    add_serve_parser(subparsers)
+    add_audit_parser(subparsers)
     return parser
 
 

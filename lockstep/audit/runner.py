@@ -1,0 +1,193 @@
+"""The determinism audit: send one request many times at several concurrency levels and compare the answers.
+
+``audit_endpoint`` drives any OpenAI-compatible endpoint through the official ``openai`` client (AsyncOpenAI):
+for each concurrency level it sends ``n`` identical requests (plus ``filler`` different ones, shuffled in, so
+the server batches the target with other work), at most ``concurrency`` in flight at once. ``audit_local``
+runs the same experiment in-process on an ``LLM``, with batch invariance on and off: requests go through the
+engine in waves of ``concurrency``, so a wave is one batch.
+"""
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+from lockstep.audit.report import Sample, analyze
+
+DEFAULT_PROMPT = "Tell me about Richard Feynman."
+FILLER_TOPICS = (
+    "the history of Rome",
+    "how a transistor works",
+    "a recipe for bread",
+    "the rules of chess",
+    "black holes",
+    "the French revolution",
+    "photosynthesis",
+    "the stock market",
+    "volcanoes",
+    "jazz",
+)
+
+
+@dataclass
+class AuditConfig:
+    prompt: str = DEFAULT_PROMPT
+    n: int = 1000
+    concurrency: tuple[int, ...] = (1, 8, 64, 256)
+    chat: bool = False
+    max_tokens: int = 64
+    temperature: float = 0.0
+    seed: int | None = None
+    filler: int = 0
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.filler < 0 or not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError("n and every concurrency level must be >= 1, filler >= 0")
+
+    def params(self) -> dict:
+        return {k: getattr(self, k) for k in ("prompt", "n", "chat", "max_tokens", "temperature", "seed", "filler")}
+
+
+def filler_prompts(count: int) -> list[str]:
+    rng = random.Random(0)
+    words = (10, 40, 120)
+    return [f"Write {rng.choice(words)} words about {rng.choice(FILLER_TOPICS)} (#{i})." for i in range(count)]
+
+
+def _schedule(cfg: AuditConfig, level: int) -> list[tuple[bool, str]]:
+    """(is_target, prompt) in send order: the targets with the fillers shuffled in (fixed per level)."""
+    items = [(True, cfg.prompt)] * cfg.n + [(False, p) for p in filler_prompts(cfg.filler)]
+    random.Random(level).shuffle(items)
+    return items
+
+
+# -- a remote endpoint -------------------------------------------------------------------------------------------
+
+
+async def _one(client, model: str, cfg: AuditConfig, prompt: str, want: bool) -> Sample:
+    kw = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature}
+    if cfg.seed is not None:
+        kw["seed"] = cfg.seed
+    try:
+        if cfg.chat:
+            if want and cfg.logprobs:
+                kw["logprobs"] = True
+            r = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
+            c = r.choices[0]
+            sample = Sample(c.message.content or "", finish_reason=c.finish_reason, fingerprint=r.system_fingerprint)
+            if c.logprobs is not None and c.logprobs.content is not None:
+                sample.tokens = [t.token for t in c.logprobs.content]
+                sample.logprobs = [t.logprob for t in c.logprobs.content]
+        else:
+            if want and cfg.logprobs:
+                kw["logprobs"] = 0
+            r = await client.completions.create(prompt=prompt, **kw)
+            c = r.choices[0]
+            sample = Sample(c.text, finish_reason=c.finish_reason, fingerprint=r.system_fingerprint)
+            if c.logprobs is not None and c.logprobs.tokens is not None:
+                sample.tokens = list(c.logprobs.tokens)
+                sample.logprobs = [float(x) for x in c.logprobs.token_logprobs]
+        return sample
+    except Exception as e:  # counted per level; an audit reports errors, it does not stop at them
+        return Sample(error=f"{type(e).__name__}: {e}")
+
+
+async def audit_endpoint(
+    base_url: str, model: str | None, cfg: AuditConfig, api_key: str | None = None, progress: bool = True
+) -> dict:
+    """Audit ``base_url`` (e.g. ``http://127.0.0.1:8000/v1``); returns the report (see ``analyze``)."""
+    from openai import AsyncOpenAI
+    from tqdm.auto import tqdm
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=600.0)
+    try:
+        if model is None:
+            model = (await client.models.list()).data[0].id
+        levels: dict[str, dict] = {}
+        everything: list[Sample] = []
+        for level in cfg.concurrency:
+            items = _schedule(cfg, level)
+            gate = asyncio.Semaphore(level)
+            bar = tqdm(
+                total=len(items), desc=f"concurrency {level}", unit="req", dynamic_ncols=True, disable=not progress
+            )
+
+            async def send(target: bool, prompt: str, gate=gate, bar=bar) -> Sample | None:
+                async with gate:
+                    sample = await _one(client, model, cfg, prompt, target)
+                bar.update(1)
+                return sample if target else None
+
+            results = await asyncio.gather(*(send(t, p) for t, p in items))
+            bar.close()
+            samples = [s for s in results if s is not None]
+            levels[str(level)] = analyze(samples)
+            everything += samples
+    finally:
+        await client.close()
+    return {
+        "target": base_url,
+        "model": model,
+        "params": cfg.params(),
+        "levels": levels,
+        "overall": _overall(everything),
+    }
+
+
+def _overall(samples: list[Sample]) -> dict:
+    rep = analyze(samples)
+    rep.pop("distinct_prefixes", None)
+    return rep
+
+
+# -- in-process, invariance on vs off ----------------------------------------------------------------------------
+
+
+def audit_local(model: str | None, cfg: AuditConfig, device: str | None = None, progress: bool = True) -> dict:
+    """The same experiment on an in-process ``LLM`` (``model`` None: the embedded SmolLM2), once with the
+    batch-invariant kernels and once with torch's defaults."""
+    import gc
+
+    from tqdm.auto import tqdm
+
+    from lockstep.llm import LLM
+    from lockstep.sampling_params import SamplingParams
+
+    modes: dict[str, dict] = {}
+    for invariant in (True, False):
+        name = "batch_invariant" if invariant else "torch_default"
+        llm = LLM(model, batch_invariant=invariant, device=device, max_num_seqs=max(cfg.concurrency))
+        params = SamplingParams(
+            temperature=cfg.temperature, seed=cfg.seed, max_tokens=cfg.max_tokens, logprobs=0 if cfg.logprobs else None
+        )
+        tok = llm.tokenizer
+        levels: dict[str, dict] = {}
+        everything: list[Sample] = []
+        for level in cfg.concurrency:
+            items = _schedule(cfg, level)
+            samples: list[Sample] = []
+            bar = tqdm(total=len(items), desc=f"{name} concurrency {level}", unit="req", disable=not progress)
+            for start in range(0, len(items), level):
+                wave = items[start : start + level]
+                prompts = [p for _, p in wave]
+                if cfg.chat:
+                    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+                else:
+                    outs = llm.generate(prompts, params, use_tqdm=False)
+                for (target, _), out in zip(wave, outs, strict=True):
+                    if target:
+                        tokens = [tok.decode([t]) for t in out.token_ids] if tok is not None else None
+                        samples.append(Sample(out.text, tokens, out.logprobs, out.finish_reason))
+                bar.update(len(wave))
+            bar.close()
+            levels[str(level)] = analyze(samples)
+            everything += samples
+        modes[name] = {"levels": levels, "overall": _overall(everything)}
+        del llm
+        gc.collect()
+    return {
+        "target": "local",
+        "model": model or "embedded SmolLM2-135M-Instruct",
+        "params": cfg.params(),
+        "modes": modes,
+    }

@@ -1,0 +1,80 @@
+"""Server metrics in the Prometheus text exposition format (version 0.0.4), written by hand.
+
+Counters and histograms are updated from the event loop and the engine thread; gauges are set by the engine
+thread after every step. Plain attribute updates are enough here: a scrape may be one step stale.
+"""
+
+import bisect
+from dataclasses import dataclass, field
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, cumulative = [], 0
+        for le, c in zip(self.buckets, self.counts, strict=False):
+            cumulative += c
+            out.append(f'{name}_bucket{{le="{le}"}} {cumulative}')
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        out.append(f"{name}_sum {self.total}")
+        out.append(f"{name}_count {self.count}")
+        return out
+
+
+@dataclass
+class Metrics:
+    requests: dict[str, int] = field(default_factory=dict)  # by HTTP status code
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    aborted: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    request_seconds: Histogram = field(default_factory=Histogram)
+    first_token_seconds: Histogram = field(default_factory=Histogram)
+    step_seconds: Histogram = field(default_factory=Histogram)
+
+    def count_request(self, status: int) -> None:
+        key = str(status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def render(self) -> str:
+        p = "lockstep_"
+        lines = [
+            f"# HELP {p}requests_total HTTP requests to the /v1 endpoints, by status code.",
+            f"# TYPE {p}requests_total counter",
+        ]
+        lines += [f'{p}requests_total{{code="{k}"}} {v}' for k, v in sorted(self.requests.items())]
+        for name, kind, value, doc in (
+            ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of accepted requests."),
+            ("generation_tokens_total", "counter", self.generation_tokens, "Tokens generated."),
+            ("requests_aborted_total", "counter", self.aborted, "Requests aborted (client gone) mid-generation."),
+            ("num_requests_running", "gauge", self.running, "Sequences holding KV blocks."),
+            ("num_requests_waiting", "gauge", self.waiting, "Sequences queued for admission."),
+            ("kv_blocks_used", "gauge", self.kv_blocks_used, "KV cache blocks held by sequences."),
+            ("kv_blocks_total", "gauge", self.kv_blocks_total, "KV cache blocks in all."),
+        ):
+            lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
+        for name, hist, doc in (
+            ("request_latency_seconds", self.request_seconds, "Request latency, arrival to last token."),
+            ("time_to_first_token_seconds", self.first_token_seconds, "Arrival to first generated token."),
+            ("engine_step_seconds", self.step_seconds, "Duration of one engine step."),
+        ):
+            lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} histogram", *hist.lines(p + name)]
+        return "\n".join(lines) + "\n"

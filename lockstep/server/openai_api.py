@@ -1,0 +1,540 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one ``AsyncEngine``.
+
+``POST /v1/completions`` and ``/v1/chat/completions`` (SSE streaming or not), ``GET /v1/models``, ``/health``,
+``/metrics``. Every response carries ``system_fingerprint``: a hash of the weights, lockstep's version, the
+device, the dtype and the kernel set, the key under which a request's output is reproducible. Errors are
+OpenAI-style JSON bodies; nothing a client sends can take the server down.
+"""
+
+import asyncio
+import hashlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lockstep.engine.llm_engine import RequestOutput
+from lockstep.sampling_params import SamplingParams
+from lockstep.server.async_engine import AsyncEngine
+from lockstep.server.metrics import Metrics
+from lockstep.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    choice_seed,
+    error_body,
+)
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: object | None  # the server's own instance: the engine thread uses the engine's
+    model_name: str
+    model_path: str
+    fingerprint: str
+    fingerprint_parts: dict
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.engine.metrics
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+
+def make_fingerprint(parts: dict) -> str:
+    blob = json.dumps(parts, sort_keys=True).encode()
+    return "fp_" + hashlib.blake2b(blob, digest_size=8).hexdigest()
+
+
+# -- requests to engine requests ---------------------------------------------------------------------------------
+
+
+async def _parse(request: Request, model: type):
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        raise APIError(400, f"invalid parameter {param}: {err['msg']}", param=param) from None
+
+
+def _check_common(state: ServerState, req) -> None:
+    if req.model not in (state.model_name, state.model_path):
+        raise APIError(
+            404,
+            f"The model '{req.model}' does not exist; this server serves '{state.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+    bad = req.unsupported()
+    if bad:
+        raise APIError(400, f"unsupported parameter(s) with non-default values: {', '.join(bad)}", param=bad[0])
+
+
+def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, what: str) -> int:
+    limit = state.max_model_len
+    if prompt_len >= limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens, but the {what} has {prompt_len} tokens "
+            f"(at most {limit - 1} leave room for one generated token).",
+            param="messages" if what == "messages" else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return limit - prompt_len
+    if prompt_len + max_tokens > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} for the completion).",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _params(req, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=choice_seed(req.seed, index),
+            max_tokens=max_tokens,
+            stop=req.stop,
+            logprobs=logprobs,
+            ignore_eos=req.ignore_eos,
+        )
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    p = req.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], str)):
+        if state.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        texts = [p] if isinstance(p, str) else p
+        return [list(state.tokenizer.encode(t)) for t in texts]
+    if not p:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return [p] if isinstance(p[0], int) else p
+
+
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    tok = state.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # a template that rejects the conversation
+        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+# -- outputs to response bodies ----------------------------------------------------------------------------------
+
+
+class _TextStream:
+    """Incremental text of one choice: holds back a trailing partial UTF-8 character and any tail that could
+    begin a stop string, so the deltas always add up to the final (stop-cut) text."""
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.tokenizer, self.stops, self.sent = tokenizer, stops, ""
+        self.num_tokens = 0  # tokens whose logprobs were sent
+
+    def delta(self, out: RequestOutput) -> str:
+        if self.tokenizer is None:
+            return ""
+        if out.finished:
+            text = out.text
+        else:
+            text = out.text if self.stops else self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            keep = len(text)
+            if text.endswith("\ufffd"):
+                keep = len(text.rstrip("\ufffd"))
+            for s in self.stops:
+                for k in range(min(len(s) - 1, keep), 0, -1):
+                    if text[keep - k : keep] == s[:k]:
+                        keep -= k
+                        break
+            text = text[:keep]
+        if not text.startswith(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent) :], text
+        return piece
+
+
+def _token_str(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def _completion_logprobs(tok, out: RequestOutput, start: int, offset: int) -> dict:
+    tokens = [_token_str(tok, t) for t in out.token_ids[start:]]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    tops = out.top_logprobs[start:] if out.top_logprobs is not None else [{} for _ in tokens]
+    return {
+        "tokens": tokens,
+        "token_logprobs": out.logprobs[start:],
+        "top_logprobs": [{_token_str(tok, t): lp for t, lp in top.items()} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tok, out: RequestOutput, start: int) -> dict:
+    def entry(t: int, lp: float) -> dict:
+        s = _token_str(tok, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    content = []
+    tops = out.top_logprobs if out.top_logprobs is not None else [{}] * len(out.token_ids)
+    for t, lp, top in zip(out.token_ids[start:], out.logprobs[start:], tops[start:], strict=True):
+        content.append(entry(t, lp) | {"top_logprobs": [entry(k, v) for k, v in top.items()]})
+    return {"content": content}
+
+
+def _usage(prompt_lens: list[int], finals: list[RequestOutput]) -> dict:
+    prompt = sum(prompt_lens)
+    completion = sum(len(o.token_ids) for o in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+# -- the app -----------------------------------------------------------------------------------------------------
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="lockstep", version=state.fingerprint_parts["lockstep"], docs_url=None, redoc_url=None)
+    app.state.lockstep = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = state.engine.alive
+        body = {
+            "status": "ok" if ok else "engine thread stopped",
+            "model": state.model_name,
+            "system_fingerprint": state.fingerprint,
+            **state.fingerprint_parts,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "lockstep",
+            "max_model_len": state.max_model_len,
+            "system_fingerprint": state.fingerprint,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, CompletionRequest)
+        _check_common(state, req)
+        prompts = _completion_prompts(state, req)
+        max_tokens = [_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts]
+        specs = [
+            (p, _params(req, m, req.logprobs, i), len(p))
+            for p, m in zip(prompts, max_tokens, strict=True)
+            for i in range(req.n)
+        ]
+        return await _run(state, request, req, specs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse(request, ChatCompletionRequest)
+        _check_common(state, req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        prompt = _chat_prompt(state, req)
+        max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        specs = [(prompt, _params(req, max_tokens, logprobs, i), len(prompt)) for i in range(req.n)]
+        return await _run(state, request, req, specs, chat=True)
+
+    return app
+
+
+async def _run(state: ServerState, request: Request, req, specs: list, chat: bool) -> Response:
+    kind = "chatcmpl" if chat else "cmpl"
+    response_id = f"{kind}-{uuid.uuid4().hex}"
+    ids = [f"{response_id}-{i}" for i in range(len(specs))]
+    index = {rid: i for i, rid in enumerate(ids)}
+    try:
+        group = await state.engine.submit([(rid, s[0], s[1]) for rid, s in zip(ids, specs, strict=True)])
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    arrival = time.perf_counter()
+    base = {
+        "id": response_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "system_fingerprint": state.fingerprint,
+    }
+    prompt_lens = [s[2] for s in specs]
+    tok = state.tokenizer
+    want_logprobs = specs[0][1].logprobs is not None
+
+    if not req.stream:
+        finals: dict[str, RequestOutput] = {}
+        first = True
+        async for out in group:
+            if first:
+                state.metrics.first_token_seconds.observe(time.perf_counter() - arrival)
+                first = False
+            if out.finished:
+                finals[out.request_id] = out
+        state.metrics.request_seconds.observe(time.perf_counter() - arrival)
+        ordered = [finals[rid] for rid in ids]
+        choices = []
+        for i, out in enumerate(ordered):
+            if chat:
+                lp = _chat_logprobs(tok, out, 0) if want_logprobs else None
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": out.text},
+                        "logprobs": lp,
+                        "finish_reason": out.finish_reason,
+                    }
+                )
+            else:
+                lp = _completion_logprobs(tok, out, 0, 0) if want_logprobs else None
+                choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason})
+        return JSONResponse(base | {"choices": choices, "usage": _usage(prompt_lens, ordered)})
+
+    base["object"] = "chat.completion.chunk" if chat else "text_completion"
+    streams = [_TextStream(tok, s[1].stop) for s in specs]
+
+    async def events() -> AsyncIterator[bytes]:
+        finals: list[RequestOutput] = []
+        first = True
+        try:
+            if chat:
+                for i in range(len(specs)):
+                    delta = {"role": "assistant", "content": ""}
+                    yield _sse(
+                        base | {"choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
+                    )
+            async for out in group:
+                if first:
+                    state.metrics.first_token_seconds.observe(time.perf_counter() - arrival)
+                    first = False
+                i = index[out.request_id]
+                stream = streams[i]
+                start = stream.num_tokens
+                text = stream.delta(out)
+                stream.num_tokens = len(out.token_ids)
+                if not text and not out.finished and not want_logprobs:
+                    continue
+                if chat:
+                    lp = _chat_logprobs(tok, out, start) if want_logprobs else None
+                    choice = {
+                        "index": i,
+                        "delta": {"content": text} if text else {},
+                        "logprobs": lp,
+                        "finish_reason": out.finish_reason,
+                    }
+                else:
+                    lp = _completion_logprobs(tok, out, start, len(stream.sent) - len(text)) if want_logprobs else None
+                    choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+                if out.finished:
+                    finals.append(out)
+                yield _sse(base | {"choices": [choice]})
+            state.metrics.request_seconds.observe(time.perf_counter() - arrival)
+            if req.include_usage:
+                yield _sse(base | {"choices": [], "usage": _usage(prompt_lens, finals)})
+            yield _sse("[DONE]")
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:  # the engine failed mid-stream: tell the client in-band
+            yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
+        finally:
+            group.abort()  # a client that went away: its requests stop and their KV blocks are freed
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# -- the ASGI wrapper: API key, body size, request counting --------------------------------------------------------
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Gatekeeper:
+    """Outermost ASGI layer: 401 for a wrong API key on /v1, 413 for a body over ``state.max_body_bytes``
+    (by Content-Length, or counted as it streams in), and the request counter by status code."""
+
+    def __init__(self, app: FastAPI, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def _reply(self, send, status: int, body: dict) -> None:
+        payload = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = self.state
+        api = scope["path"].startswith("/v1/")
+        status = [500]
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if api and state.api_key is not None:
+                headers = dict(scope["headers"])
+                auth = headers.get(b"authorization", b"").decode("latin-1")
+                given = auth[7:] if auth.lower().startswith("bearer ") else ""
+                if not hmac.compare_digest(given.encode(), state.api_key.encode()):
+                    msg = "Incorrect API key provided." if given else "No API key provided (Authorization: Bearer)."
+                    return await self._reply(
+                        counting_send, 401, error_body(msg, "invalid_request_error", code="invalid_api_key")
+                    )
+            limit = state.max_body_bytes
+            too_large = error_body(
+                f"the request body exceeds {limit} bytes", "invalid_request_error", code="request_too_large"
+            )
+            length = dict(scope["headers"]).get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                return await self._reply(counting_send, 413, too_large)
+            received = [0]
+
+            async def limited_receive():
+                message = await receive()
+                if message["type"] == "http.request":
+                    received[0] += len(message.get("body", b""))
+                    if received[0] > limit:
+                        raise _BodyTooLarge
+                return message
+
+            started = [False]
+
+            async def tracking_send(message) -> None:
+                started[0] = True
+                await counting_send(message)
+
+            try:
+                await self.app(scope, limited_receive, tracking_send)
+            except _BodyTooLarge:
+                if not started[0]:
+                    await self._reply(counting_send, 413, too_large)
+        finally:
+            if api:
+                state.metrics.count_request(status[0])
+
+
+# -- serve -------------------------------------------------------------------------------------------------------
+
+
+def create_state(
+    model: str | None,
+    *,
+    batch_invariant: bool = True,
+    device: str | None = None,
+    dtype: str = "auto",
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    **engine_kwargs,
+) -> ServerState:
+    import torch
+
+    import lockstep
+    from lockstep.config import EngineConfig
+    from lockstep.engine.llm_engine import LLMEngine
+    from lockstep.models.loader import load_tokenizer
+    from lockstep.server.async_engine import weights_hash
+
+    if model is None:
+        from lockstep.models.embedded import default_model_path
+
+        model = str(default_model_path())
+        name = served_model_name or "SmolLM2-135M-Instruct"
+    else:
+        name = served_model_name or Path(model).resolve().name
+    config = EngineConfig(model=model, dtype=dtype, device=device, **engine_kwargs)
+    engine = LLMEngine(config, batch_invariant=batch_invariant)
+    dev = engine.runner.device
+    device_name = f"cuda:{torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else "cpu"
+    parts = {
+        "weights_blake2b": weights_hash(model),
+        "lockstep": lockstep.__version__,
+        "device": device_name,
+        "dtype": str(engine.runner.model.dtype).removeprefix("torch."),
+        "kernels": "batch_invariant" if batch_invariant else "torch_default",
+    }
+    tokenizer = load_tokenizer(model) if engine.tokenizer is not None else None
+    return ServerState(
+        AsyncEngine(engine), tokenizer, name, model, make_fingerprint(parts), parts, api_key, max_body_bytes
+    )
+
+
+def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    import uvicorn
+
+    app = Gatekeeper(build_app(state), state)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
+    )
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        state.engine.stop()

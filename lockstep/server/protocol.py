@@ -1,0 +1,143 @@
+"""Request bodies of the OpenAI API (the fields lockstep reads), validated with pydantic, and error bodies.
+
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do; fields lockstep cannot honour with a
+non-default value (``echo``, ``best_of`` > n, penalties, ``logit_bias``, ``suffix``, tools) are rejected with
+400 rather than silently ignored.
+"""
+
+import hashlib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request with ``n > 1``: choice 0 keeps ``seed`` (so ``n=1`` and choice 0
+    of ``n>1`` agree); choice i > 0 uses the first 63 bits of blake2b(f"{seed}:{i}"), which is how a client can
+    reproduce any one choice alone with ``n=1``."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens whatever comes
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of at most 4 of them")
+        return stops
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _none_is_default(cls, v, info):
+        return {"temperature": 1.0, "top_p": 1.0}[info.field_name] if v is None else v
+
+    def unsupported(self) -> list[str]:
+        bad = []
+        if self.presence_penalty:
+            bad.append("presence_penalty")
+        if self.frequency_penalty:
+            bad.append("frequency_penalty")
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.echo:
+            bad.append("echo")
+        if self.best_of is not None and self.best_of != self.n:
+            bad.append("best_of")
+        if self.suffix:
+            bad.append("suffix")
+        return bad
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.tools:
+            bad.append("tools")
+        return bad
