@@ -137,6 +137,13 @@ class LLM:
                 bar.close()
         return [done[rid] for rid in ids]
 
+    def load_weights(self, weights) -> list[str]:
+        """Replace model weights in place, e.g. after a training step: ``weights`` is a dict or an iterable of
+        ``(name, tensor)`` with Hugging Face checkpoint names (``model.layers.0.self_attn.q_proj.weight``, ...),
+        any subset of the checkpoint. Clears the prefix cache; afterwards the engine answers exactly like a fresh
+        one loaded with those weights. Call it between ``generate`` calls. Returns the names loaded."""
+        return self.engine.load_weights(weights)
+
     def chat(
         self,
         messages: list[Message] | list[list[Message]],

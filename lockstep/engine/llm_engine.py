@@ -134,6 +134,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def load_weights(self, weights) -> list[str]:
+        """Update the model's weights in place (see ``ModelRunner.load_weights``) and forget the prefix cache,
+        whose K/V the old weights computed. Only while no request is in flight."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("load_weights: requests are still running; finish or abort them first")
+        loaded = self.runner.load_weights(weights)
+        self.scheduler.block_manager.reset_prefix_cache()
+        return loaded
+
     # -- one step ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -6,6 +6,7 @@ that samples, and returns one token id and ``TokenLogprobs`` per such entry.
 """
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -110,6 +111,29 @@ class ModelRunner:
             kv_caches=self.kv_caches,
         )
         return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), attn, sample_rows
+
+    @torch.inference_mode()
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy checkpoint tensors (Hugging Face names, any dtype/device) into the model; returns the names loaded.
+
+        Raises ValueError for an unknown name or a wrong shape before anything is copied.
+        """
+        slots = self.model.checkpoint_tensors()
+        items = list(weights.items() if isinstance(weights, Mapping) else weights)
+        tied = self.model.config.tie_word_embeddings
+        todo = []
+        for name, tensor in items:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and tied):
+                continue
+            dest = slots.get(name)
+            if dest is None:
+                raise ValueError(f"load_weights: unexpected tensor {name!r} for a {self.model.config.architecture}")
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(f"load_weights: {name!r} has shape {list(tensor.shape)}, expected {list(dest.shape)}")
+            todo.append((name, dest, tensor))
+        for _, dest, tensor in todo:
+            dest.copy_(tensor.detach())
+        return [name for name, _, _ in todo]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, seeds: list[int | None]) -> tuple[list[int], list[TokenLogprobs]]:

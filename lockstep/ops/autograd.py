@@ -1,0 +1,106 @@
+"""Differentiable versions of the batch-invariant ops: ``linear``, ``rms_norm``, ``log_softmax``.
+
+Each forward calls the op itself, so a trainer's forward values are the engine's bits. The backward passes are
+deterministic run to run and use no atomics:
+
+- ``linear``: ``grad_x = grad @ W`` and ``grad_W = grad^T @ x`` with the same invariant ``mm`` (one sequential
+  reduction over K per output element); ``grad_b`` is an fp32 column sum.
+- ``rms_norm`` and ``log_softmax``: the textbook gradients in fp32 from the saved inputs/outputs. The roundings
+  of the forward (to the model dtype before and after the weight) are treated as identities, as every
+  framework does.
+
+Only the forward carries the bitwise contract; a backward's bits may follow the batch (its column sums run over
+the tokens of the micro-batch), but never the run.
+"""
+
+import torch
+
+from lockstep.ops.matmul import linear as _linear
+from lockstep.ops.matmul import mm
+from lockstep.ops.rms_norm import rms_norm as _rms_norm
+from lockstep.ops.softmax import log_softmax as _log_softmax
+
+__all__ = ["linear", "log_softmax", "rms_norm"]
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        # grad: [..., N], x: [..., K], weight: [N, K]
+        g2 = grad.reshape(-1, grad.shape[-1]).to(weight.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = mm(g2, weight).reshape(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = mm(g2.t(), x2.to(weight.dtype))  # [N, K], reduced over the tokens in one sequential loop
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.float().sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps: float):
+        out, h = _rms_norm(x, weight, eps, residual) if residual is not None else (_rms_norm(x, weight, eps), x)
+        ctx.save_for_backward(h, weight)
+        ctx.eps = eps
+        ctx.has_residual = residual is not None
+        if residual is None:
+            return out
+        return out, h
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_h=None):
+        h, weight = ctx.saved_tensors
+        # h: [..., N]; y = (h * rstd) * w, rstd = 1 / sqrt(mean(h^2) + eps)
+        hf, g = h.float(), grad_out.float()
+        rstd = torch.rsqrt((hf * hf).mean(-1, keepdim=True) + ctx.eps)
+        normed = hf * rstd
+        grad_normed = g * weight.float() if weight is not None else g
+        grad_hf = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        if grad_h is not None:
+            grad_hf = grad_hf + grad_h.float()
+        grad_x = grad_hf.to(h.dtype)
+        grad_w = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_w = (g * normed).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_x if ctx.has_residual else None, None
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        out = _log_softmax(x, -1)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (out,) = ctx.saved_tensors
+        g = grad.float()
+        return (g - out.float().exp() * g.sum(-1, keepdim=True)).to(out.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``ops.linear`` with autograd: ``x: [..., K]``, ``weight: [N, K]``, ``bias: [N]`` -> ``[..., N]``."""
+    return _Linear.apply(x, weight, bias)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``ops.rms_norm`` with autograd; the same signature and return values."""
+    return _RMSNorm.apply(x, weight, residual, eps)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """``ops.log_softmax`` over the last dim with autograd."""
+    return _LogSoftmax.apply(x)

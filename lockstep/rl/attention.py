@@ -1,0 +1,83 @@
+"""Paged attention a trainer can differentiate: the forward is ``ops.paged_attention`` (the engine's bits), the
+backward recomputes each sequence's attention in fp32 with plain torch ops.
+
+Gradients reach the new keys and values through the cache itself: ``write_kv`` copies ``k, v`` into the cache
+with an in-place ``index_copy_`` (exact, and recorded by autograd), the attention Function takes the caches as
+inputs and returns their gradient, and autograd routes the written slots' gradient back to ``k`` and ``v``.
+The trainer gives every micro-batch a fresh zeroed cache, so the caches are ordinary tensors in its graph.
+
+The backward is deterministic run to run: per sequence, dense matmuls and a softmax over a fixed shape, and the
+gradient of each cache slot is added in sequence order (gather, add, scatter), never with atomics.
+"""
+
+import torch
+
+from lockstep import ops
+from lockstep.layers.attention import AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Copy ``k, v: [num_tokens, num_kv_heads, head_dim]`` into the caches at ``slot_mapping``, differentiably."""
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # q: [q_len, Hq, D], k/v: [seq_len, Hkv, D] -> [q_len, Hq, D]; q token j sits at position seq_len - q_len + j.
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    kh = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, seq_len, D]
+    vh = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    s = torch.matmul(q.transpose(0, 1), kh.transpose(1, 2)) * scale  # [Hq, q_len, seq_len]
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+    visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.matmul(p, vh).transpose(0, 1)
+
+
+class _PagedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float):
+        ctx.save_for_backward(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+        ctx.scale = scale
+        return ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = ctx.saved_tensors
+        page = k_cache.shape[1]
+        k_flat = k_cache.reshape(-1, *k_cache.shape[2:])  # [num_slots, Hkv, D]
+        v_flat = v_cache.reshape(-1, *v_cache.shape[2:])
+        grad_q = torch.zeros_like(q, dtype=torch.float32)
+        grad_k = torch.zeros_like(k_flat, dtype=torch.float32)
+        grad_v = torch.zeros_like(v_flat, dtype=torch.float32)
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+        for i, seq_len in enumerate(lens):
+            q0, q1 = starts[i], starts[i + 1]
+            if q1 == q0:
+                continue
+            pos = torch.arange(seq_len, device=q.device)
+            slots = block_tables[i].long()[pos // page] * page + pos % page  # [seq_len]
+            with torch.enable_grad():
+                qi = q[q0:q1].float().requires_grad_()
+                ki = k_flat[slots].float().requires_grad_()
+                vi = v_flat[slots].float().requires_grad_()
+                out = _reference(qi, ki, vi, ctx.scale)
+                dq, dk, dv = torch.autograd.grad(out, (qi, ki, vi), grad_out[q0:q1].float())
+            grad_q[q0:q1] = dq
+            grad_k[slots] = grad_k[slots] + dk
+            grad_v[slots] = grad_v[slots] + dv
+        grad_k = grad_k.view(k_cache.shape).to(k_cache.dtype)
+        grad_v = grad_v.view(v_cache.shape).to(v_cache.dtype)
+        return grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """``ops.paged_attention`` with autograd into ``q`` and the caches (the ``Kernels.attention`` signature)."""
+    return _PagedAttention.apply(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale)

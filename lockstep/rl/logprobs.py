@@ -1,0 +1,150 @@
+"""Trainer-side token logprobs that equal, bit for bit, the ``.logprobs`` the engine sampled with.
+
+The engine's logprob of completion token ``i`` is ``ops.log_softmax(lm_head(h))[token]`` where ``h`` is the
+final hidden state at position ``len(prompt) + i - 1``: by the engine's contract that hidden state has the same
+bits whether the position came in a prefill, a chunk, a decode step or after a prefix hit, and every row op
+after it (the head's matmul, log_softmax) is batch-invariant. So the trainer runs the same model code over
+each micro-batch as one flattened prefill into a fresh paged KV cache, applies the head to the rows that
+predict completion tokens and takes the same log_softmax: the same bits, with autograd, for any micro-batch
+size or packing.
+"""
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lockstep.layers.attention import AttentionMetadata
+from lockstep.models.llama import LlamaForCausalLM
+from lockstep.ops import autograd
+from lockstep.rl.policy import TRAINABLE
+
+__all__ = ["micro_batches", "token_logprobs"]
+
+
+def micro_batches(
+    lengths: Sequence[int], micro_batch_size: int | None = None, max_num_tokens: int | None = None
+) -> list[list[int]]:
+    """Split sequences (given by their token counts) into micro-batches of indices, in order.
+
+    A micro-batch holds at most ``micro_batch_size`` sequences and at most ``max_num_tokens`` tokens (a longer
+    sequence goes alone). Both None: one micro-batch.
+    """
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if max_num_tokens is not None and max_num_tokens < 1:
+        raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+    batches: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        full = (micro_batch_size is not None and len(current) >= micro_batch_size) or (
+            max_num_tokens is not None and current and tokens + n > max_num_tokens
+        )
+        if full:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _pack(
+    model: LlamaForCausalLM, seqs: list[list[int]], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One flattened prefill of ``seqs`` over a fresh, zeroed paged cache that holds exactly them."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    tables: list[list[int]] = []
+    next_block = 0
+    for tokens in seqs:
+        n = len(tokens)
+        num_blocks = -(-n // block_size)
+        table = list(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        input_ids += tokens
+        positions += range(n)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(n)]
+        starts.append(starts[-1] + n)
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    tables = [t + [0] * (width - len(t)) for t in tables]
+    dev = model.device
+
+    def as_tensor(xs: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(xs, dtype=dtype, device=dev)
+
+    attn = AttentionMetadata(
+        slot_mapping=as_tensor(slots, torch.int64),
+        block_tables=as_tensor(tables),
+        seq_lens=as_tensor([len(s) for s in seqs]),
+        query_start_loc=as_tensor(starts),
+        kv_caches=model.allocate_kv_cache(next_block, block_size),
+    )
+    return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), attn
+
+
+def _micro_batch_logprobs(
+    model: LlamaForCausalLM, prompts: list[list[int]], completions: list[list[int]], block_size: int
+) -> list[torch.Tensor]:
+    # The last completion token is only predicted, never fed: sequence i runs prompt + completion[:-1].
+    seqs = [list(p) + list(c[:-1]) for p, c in zip(prompts, completions, strict=True)]
+    input_ids, positions, attn = _pack(model, seqs, block_size)
+    hidden = model.model(input_ids, positions, attn)  # [num_tokens, hidden_size], autograd on
+    rows: list[int] = []
+    offset = 0
+    for p, s in zip(prompts, seqs, strict=True):
+        rows += range(offset + len(p) - 1, offset + len(s))
+        offset += len(s)
+    targets = torch.tensor([t for c in completions for t in c], dtype=torch.int64, device=model.device)
+    logits = model.lm_head(hidden[torch.tensor(rows, device=model.device)])  # [num_completion_tokens, vocab] fp32
+    if model.kernels is TRAINABLE:
+        logprobs = autograd.log_softmax(logits)
+    else:  # torch's kernels: the usual trainer's log_softmax
+        logprobs = F.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0]
+    return list(chosen.split([len(c) for c in completions]))
+
+
+def token_logprobs(
+    model: LlamaForCausalLM,
+    prompt_token_ids: Sequence[Sequence[int]],
+    completion_token_ids: Sequence[Sequence[int]],
+    *,
+    micro_batch_size: int | None = None,
+    max_num_tokens: int | None = None,
+    block_size: int = 16,
+) -> list[torch.Tensor]:
+    """Per-token logprobs of each completion given its prompt, with autograd.
+
+    Returns one fp32 tensor ``[len(completion)]`` per sequence, in input order. On a policy from
+    ``load_policy`` (or ``make_trainable``) the values equal bit for bit the ``RequestOutput.logprobs`` an
+    invariant engine with the same weights, dtype and device returned for those tokens, whatever the micro-batch
+    size or packing. The sequences run in micro-batches of at most ``micro_batch_size`` sequences and
+    ``max_num_tokens`` tokens (see ``micro_batches``); the graph of every micro-batch is kept until the caller's
+    backward, so for gradient accumulation call this once per micro-batch of ``micro_batches``' indices.
+    """
+    prompts = [list(p) for p in prompt_token_ids]
+    completions = [list(c) for c in completion_token_ids]
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
+    vocab = model.config.vocab_size
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        if not p or not c:
+            raise ValueError(f"sequence {i}: the prompt and the completion must each hold at least one token")
+        if len(p) + len(c) - 1 > model.max_model_len:
+            raise ValueError(f"sequence {i}: {len(p) + len(c) - 1} tokens exceed max_model_len={model.max_model_len}")
+        bad = [t for t in p + c if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"sequence {i}: {bad[0]!r} is not a token id in [0, {vocab})")
+    out: list[torch.Tensor | None] = [None] * len(prompts)
+    lengths = [len(p) + len(c) - 1 for p, c in zip(prompts, completions, strict=True)]
+    for idx in micro_batches(lengths, micro_batch_size, max_num_tokens):
+        lps = _micro_batch_logprobs(model, [prompts[i] for i in idx], [completions[i] for i in idx], block_size)
+        for i, lp in zip(idx, lps, strict=True):
+            out[i] = lp
+    return out

@@ -1,0 +1,79 @@
+"""The trainer's model: the engine's own Llama-family model, on a kernel set that autograd can go through.
+
+``TRAINABLE`` holds the same kernels as ``INVARIANT`` with the same forward bits, wrapped in autograd
+Functions (``lockstep.ops.autograd``, ``lockstep.rl.attention``). ``load_policy`` loads a checkpoint for
+training: the weights require grad, and the layers call ``TRAINABLE``. With ``batch_invariant=False`` the model
+keeps torch's default kernels (differentiable as they are): the usual trainer, for comparison.
+"""
+
+from pathlib import Path
+
+import torch
+
+from lockstep.layers.activation import silu_and_mul as _silu_and_mul
+from lockstep.layers.kernels import INVARIANT, Kernels
+from lockstep.models.llama import LlamaForCausalLM
+from lockstep.models.loader import load_model
+from lockstep.ops import autograd
+from lockstep.rl import attention
+
+__all__ = ["TRAINABLE", "load_policy", "make_trainable"]
+
+
+class _SiluAndMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        return _silu_and_mul(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        g = grad.float()
+        sig = torch.sigmoid(gate)
+        grad_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
+        grad_up = g * gate * sig
+        return torch.cat((grad_gate, grad_up), dim=-1).to(gate_up.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``layers.activation.silu_and_mul`` with autograd."""
+    return _SiluAndMul.apply(gate_up)
+
+
+TRAINABLE = Kernels(
+    name="invariant-trainable",
+    linear=autograd.linear,
+    rms_norm=autograd.rms_norm,
+    silu_and_mul=silu_and_mul,
+    write_kv=attention.write_kv,
+    attention=attention.paged_attention,
+)
+
+
+def make_trainable(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Switch ``model`` (in place) to gradients: weights require grad; an invariant model runs ``TRAINABLE``.
+
+    A model on torch's default kernels keeps them. Returns ``model``.
+    """
+    if model.kernels is INVARIANT:
+        for module in model.modules():
+            if isinstance(getattr(module, "kernels", None), Kernels):
+                module.kernels = TRAINABLE
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def load_policy(
+    path: str | Path,
+    *,
+    batch_invariant: bool = True,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    max_model_len: int | None = None,
+) -> LlamaForCausalLM:
+    """Load a checkpoint folder as a trainable policy (see ``make_trainable``)."""
+    model = load_model(path, dtype=dtype, device=device, batch_invariant=batch_invariant, max_model_len=max_model_len)
+    return make_trainable(model)
