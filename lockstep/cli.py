@@ -123,7 +123,11 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model id (remote: default the first of /v1/models) or folder")
     p.add_argument("--prompt", default=None, help="the request's prompt (or user message with --chat)")
     p.add_argument("-n", type=int, default=None, help="requests per concurrency level (default 1000; --local 32)")
-    p.add_argument("--concurrency", default=None, help="comma list (default 1,8,64,256; --local 1,8,32)")
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        help="comma list (default 1,8,64,256; --local 1,8,32); LEVEL:N sends N requests at that level instead of -n",
+    )
     p.add_argument("--chat", action="store_true", help="chat completions instead of completions")
     p.add_argument("--max-tokens", type=int, default=None, help="default 64 (--local 32)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -151,9 +155,11 @@ def run_audit(args: argparse.Namespace) -> int:
         raise ValueError("give either BASE_URL or --local")
     levels = args.concurrency or ("1,8,32" if args.local else "1,8,64,256")
     try:
-        concurrency = tuple(int(x) for x in levels.split(","))
+        pairs = [(int(x.split(":")[0]), int(x.split(":")[1]) if ":" in x else None) for x in levels.split(",")]
     except ValueError:
-        raise ValueError(f"--concurrency must be a comma list of ints, got {levels!r}") from None
+        raise ValueError(f"--concurrency must be a comma list of LEVEL or LEVEL:N, got {levels!r}") from None
+    concurrency = tuple(level for level, _ in pairs)
+    level_n = {level: n for level, n in pairs if n is not None}
     cfg = AuditConfig(
         prompt=args.prompt or DEFAULT_PROMPT,
         n=args.n or (32 if args.local else 1000),
@@ -164,6 +170,7 @@ def run_audit(args: argparse.Namespace) -> int:
         seed=args.seed,
         filler=args.filler,
         logprobs=not args.no_logprobs,
+        level_n=level_n,
     )
     if args.local:
         report = audit_local(args.model, cfg, device=args.device, progress=not args.quiet)

@@ -9,7 +9,7 @@ engine in waves of ``concurrency``, so a wave is one batch.
 
 import asyncio
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lockstep.audit.report import Sample, analyze
 
@@ -39,13 +39,18 @@ class AuditConfig:
     seed: int | None = None
     filler: int = 0
     logprobs: bool = True
+    level_n: dict[int, int] = field(default_factory=dict)  # a different request count for some levels
+
+    def n_at(self, level: int) -> int:
+        return self.level_n.get(level, self.n)
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.filler < 0 or not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("n and every concurrency level must be >= 1, filler >= 0")
 
     def params(self) -> dict:
-        return {k: getattr(self, k) for k in ("prompt", "n", "chat", "max_tokens", "temperature", "seed", "filler")}
+        keys = ("prompt", "n", "chat", "max_tokens", "temperature", "seed", "filler")
+        return {k: getattr(self, k) for k in keys} | {"requests_per_level": {c: self.n_at(c) for c in self.concurrency}}
 
 
 def filler_prompts(count: int) -> list[str]:
@@ -56,7 +61,7 @@ def filler_prompts(count: int) -> list[str]:
 
 def _schedule(cfg: AuditConfig, level: int) -> list[tuple[bool, str]]:
     """(is_target, prompt) in send order: the targets with the fillers shuffled in (fixed per level)."""
-    items = [(True, cfg.prompt)] * cfg.n + [(False, p) for p in filler_prompts(cfg.filler)]
+    items = [(True, cfg.prompt)] * cfg.n_at(level) + [(False, p) for p in filler_prompts(cfg.filler)]
     random.Random(level).shuffle(items)
     return items
 

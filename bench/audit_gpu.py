@@ -1,0 +1,154 @@
+"""The issue-4 audit on a GPU: ``lockstep serve`` on a random-weight Qwen3-8B-shaped checkpoint, audited by
+``lockstep audit``'s runner (1000 identical greedy requests per level, concurrency up to 256, filler requests
+mixed in), with the batch-invariant kernels and then with torch's defaults (``--no-batch-invariant``).
+
+    python bench/audit_gpu.py                       # H200: 4 of Qwen3-8B's 36 layers, ~3-4 min
+    python bench/audit_gpu.py --layers 36           # the full depth (checkpoint build and load take longer)
+    python bench/audit_gpu.py --smoke               # tiny shapes on the CPU, to check the script
+
+Writes ``$OUT/audit_gpu.json`` (both reports) and ``$OUT/audit-<mode>/{report.json,distinct_prefixes.png}``.
+Needs fastapi, uvicorn, pydantic and openai importable (carry them as wheels where they are missing).
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+if "--smoke" in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine import QWEN3_8B, QWEN3_TINY, build_checkpoint  # noqa: E402  (bench/engine.py)
+
+from lockstep.audit.report import plot, summary_lines  # noqa: E402
+from lockstep.audit.runner import AuditConfig, audit_endpoint  # noqa: E402
+
+
+def start_server(folder: Path, port: int, invariant: bool, device: str, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "lockstep.cli", "serve", str(folder), "--port", str(port), "--device", device,
+           "--log-level", "warning", "--served-model-name", "qwen3-8b-shape"]  # fmt: skip
+    if device != "cpu":
+        cmd += ["--dtype", "bfloat16"]
+    if not invariant:
+        cmd.append("--no-batch-invariant")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not healthy after {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+async def warm_up(base_url: str, vocab: int) -> None:
+    """Compile the kernels for small and large batches before timing-sensitive levels run (bits unaffected)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+    rng = random.Random(1)
+    try:
+        for size in (1, 8, 64, 256):
+            prompts = [" ".join(f"<{rng.randrange(vocab)}>" for _ in range(rng.randrange(8, 200))) for _ in range(size)]
+            await asyncio.gather(*(client.completions.create(model="qwen3-8b-shape", prompt=p, max_tokens=4,
+                                                               temperature=0) for p in prompts))  # fmt: skip
+    finally:
+        await client.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, few requests")
+    ap.add_argument("--layers", type=int, default=4, help="Qwen3-8B-shape depth (full: 36; default 4)")
+    ap.add_argument("-n", type=int, default=1000, help="requests per concurrency level")
+    ap.add_argument("--concurrency", default="1:50,8:250,64,256", help="LEVEL or LEVEL:N (N requests there)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--filler", type=int, default=100, help="other requests mixed into each level")
+    ap.add_argument("--modes", default="invariant,default")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    shape = QWEN3_TINY if args.smoke else QWEN3_8B
+    if args.smoke:
+        args.n, args.concurrency, args.filler, args.max_tokens = 16, "1:4,16", 4, 8
+    pairs = [(int(x.split(":")[0]), int(x.split(":")[1]) if ":" in x else None) for x in args.concurrency.split(",")]
+    rng = random.Random(0)
+    prompt = " ".join(f"<{rng.randrange(shape['vocab_size'])}>" for _ in range(64))
+    cfg = AuditConfig(prompt=prompt, n=args.n, concurrency=tuple(c for c, _ in pairs), max_tokens=args.max_tokens,
+                      temperature=args.temperature, seed=args.seed, filler=args.filler,
+                      level_n={c: k for c, k in pairs if k is not None})  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="lockstep-audit-"))
+    t0 = time.perf_counter()
+    folder = workdir / "qwen3-8b-shape"
+    info = build_checkpoint(folder, shape, None if args.smoke else args.layers, torch.device(device))
+    print(f"built {folder.name}: {info['num_hidden_layers']} layers, {info['params'] / 1e9:.2f}B params, "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
+
+    results: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "model": info,
+                     "torch": torch.__version__, "params": cfg.params(), "modes": {}}  # fmt: skip
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        invariant = mode == "invariant"
+        url = f"http://127.0.0.1:{args.port}"
+        log = out / f"server-{mode}.log"
+        t1 = time.perf_counter()
+        proc = start_server(folder, args.port, invariant, device, log)
+        try:
+            health = wait_healthy(proc, url, log, timeout=900)
+            print(f"[{mode}] server up in {time.perf_counter() - t1:.0f} s: {health['system_fingerprint']}", flush=True)
+            t2 = time.perf_counter()
+            asyncio.run(warm_up(url + "/v1", shape["vocab_size"]))
+            t3 = time.perf_counter()
+            report = asyncio.run(audit_endpoint(url + "/v1", "qwen3-8b-shape", cfg, progress=True))
+            t4 = time.perf_counter()
+            metrics = httpx.get(url + "/metrics").text
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        report |= {"health": health, "warm_up_s": round(t3 - t2, 1), "audit_s": round(t4 - t3, 1)}
+        folder_out = out / f"audit-{mode}"
+        folder_out.mkdir(exist_ok=True)
+        (folder_out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (folder_out / "metrics.txt").write_text(metrics)
+        plot({f"{mode} kernels": report["levels"]}, str(folder_out / "distinct_prefixes.png"))
+        results["modes"][mode] = report
+        print(f"[{mode}] audit {t4 - t3:.0f} s (warm-up {t3 - t2:.0f} s)")
+        for level, rep in report["levels"].items():
+            print("\n".join(summary_lines(f"  concurrency {level}", rep)))
+        print("\n".join(summary_lines("  overall", report["overall"])), flush=True)
+    (out / "audit_gpu.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"total {time.perf_counter() - t0:.0f} s; JSON: {out / 'audit_gpu.json'}")
+
+
+if __name__ == "__main__":
+    main()
