@@ -1,12 +1,12 @@
 """True on-policy RL with lockstep: a GRPO-style loop whose trainer logprobs equal the sampler's bit for bit.
 
 Each step samples a group of completions per arithmetic question with the engine (temperature 1, seeded),
-rewards the ones whose first number is the right answer, recomputes every completion token's logprob on the
-trainer side with autograd (``lockstep.rl.token_logprobs``), takes a policy-gradient step and syncs the new
-weights into the engine (``LLM.load_weights``). It logs the max |sampler - trainer| logprob difference and an
-estimate of KL(sampler || trainer): with lockstep both are exactly 0.0 at every step, so the importance ratio is
-exactly 1 and no off-policy correction is needed. ``--no-batch-invariant`` runs the engine and the trainer on
-torch's default kernels, as a usual RL stack does, and shows what changes.
+rewards the ones whose first number is the right answer (0.1 for a wrong number), recomputes every completion
+token's logprob on the trainer side with autograd (``lockstep.rl.token_logprobs``), takes a policy-gradient step
+and syncs the new weights into the engine (``LLM.load_weights``). It logs the max |sampler - trainer| logprob
+difference and an estimate of KL(sampler || trainer): with lockstep both are exactly 0.0 at every step, so the
+importance ratio is exactly 1 and no off-policy correction is needed. ``--no-batch-invariant`` runs the engine
+and the trainer on torch's default kernels, as a usual RL stack does, and shows what changes.
 
     python examples/rl_true_on_policy.py                          # embedded SmolLM2-135M-Instruct on CPU
     python examples/rl_true_on_policy.py --no-batch-invariant     # the same loop on torch's kernels
@@ -72,9 +72,11 @@ def make_prompt(llm: LLM, a: int, b: int) -> list[int]:
 
 
 def reward(text: str, answer: int) -> float:
-    """1 when the first number in the completion is the answer, else 0."""
+    """1 when the first number in the completion is the answer, 0.1 for another number (format), else 0."""
     match = re.search(r"-?\d+", text)
-    return 1.0 if match is not None and int(match.group()) == answer else 0.0
+    if match is None:
+        return 0.0
+    return 1.0 if int(match.group()) == answer else 0.1
 
 
 def main() -> None:
@@ -96,6 +98,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES], help="engine and trainer dtype")
+    ap.add_argument("--kv-blocks", type=int, default=2048, help="engine KV cache blocks (the trainer needs the rest)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-batch-invariant", action="store_true", help="torch's default kernels in both")
     args = ap.parse_args()  # fmt: skip
@@ -110,7 +113,14 @@ def main() -> None:
         args.model = str(default_model_path())
     invariant = not args.no_batch_invariant
     dtype = None if args.dtype == "auto" else _DTYPES[args.dtype]
-    llm = LLM(args.model, batch_invariant=invariant, dtype=args.dtype, device=str(device), max_num_seqs=64)
+    llm = LLM(
+        args.model,
+        batch_invariant=invariant,
+        dtype=args.dtype,
+        device=str(device),
+        max_num_seqs=64,
+        num_kv_blocks=args.kv_blocks,
+    )
     policy = load_policy(args.model, batch_invariant=invariant, dtype=dtype, device=device)
     if policy.dtype != llm.engine.runner.model.dtype:
         raise SystemExit("the trainer and the engine must run in the same dtype")
@@ -121,7 +131,7 @@ def main() -> None:
 
     for step in range(args.steps):
         t0 = time.perf_counter()
-        questions = [(rng.randint(1, 50), rng.randint(1, 50)) for _ in range(args.questions)]
+        questions = [(rng.randint(1, 9), rng.randint(1, 9)) for _ in range(args.questions)]
         prompts, answers, params = [], [], []
         for q, (a, b) in enumerate(questions):
             prompt = make_prompt(llm, a, b)
@@ -156,6 +166,7 @@ def main() -> None:
                 ratio = torch.exp(lp - sampler_lps[i])  # importance ratio: exactly 1 when the bits agree
                 loss = loss - (ratio * adv[i]).mean() / len(outs)
             loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm=1.0)
         optimizer.step()
         llm.load_weights(policy.checkpoint_tensors())  # weight sync: HF names, in-process
         if device.type == "cuda":
@@ -165,7 +176,7 @@ def main() -> None:
         assert math.isfinite(kl)
         print(
             f"step {step}: reward {rewards.mean():.3f} | max|sampler-trainer| {max_diff!r} | kl {kl!r} | "
-            f"tokens {num_tokens} | sample {t_sample:.2f}s | step {dt:.2f}s",
+            f"grad-norm {float(grad_norm):.6e} | tokens {num_tokens} | sample {t_sample:.2f}s | step {dt:.2f}s",
             flush=True,
         )
 

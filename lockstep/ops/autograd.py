@@ -40,7 +40,11 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = mm(g2, weight).reshape(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = mm(g2.t(), x2.to(weight.dtype))  # [N, K], reduced over the tokens in one sequential loop
+            # [N, K], each element reduced over the tokens in one sequential loop. The operand with fewer columns
+            # goes on the left (fewer row tiles on the CPU); both orders reduce the same terms in the same order.
+            x2 = x2.to(weight.dtype)
+            n, k = weight.shape
+            grad_w = mm(x2.t(), g2).t().contiguous() if n > k else mm(g2.t(), x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.float().sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b
