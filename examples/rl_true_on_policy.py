@@ -1,7 +1,7 @@
 """True on-policy RL with lockstep: a GRPO-style loop whose trainer logprobs equal the sampler's bit for bit.
 
 Each step samples a group of completions per arithmetic question with the engine (temperature 1, seeded),
-rewards the ones whose first number is the right answer (0.1 for a wrong number), recomputes every completion
+rewards the ones whose first number is the right answer (a little for digits), recomputes every completion
 token's logprob on the trainer side with autograd (``lockstep.rl.token_logprobs``), takes a policy-gradient step
 and syncs the new weights into the engine (``LLM.load_weights``). It logs the max |sampler - trainer| logprob
 difference and an estimate of KL(sampler || trainer): with lockstep both are exactly 0.0 at every step, so the
@@ -72,11 +72,12 @@ def make_prompt(llm: LLM, a: int, b: int) -> list[int]:
 
 
 def reward(text: str, answer: int) -> float:
-    """1 when the first number in the completion is the answer, 0.1 for another number (format), else 0."""
+    """1 when the first number in the completion is the answer, else a little credit for answering in digits
+    (0.1 times the fraction of digit characters: random-weight models get non-zero advantages too)."""
     match = re.search(r"-?\d+", text)
-    if match is None:
-        return 0.0
-    return 1.0 if int(match.group()) == answer else 0.1
+    if match is not None and int(match.group()) == answer:
+        return 1.0
+    return 0.1 * sum(c.isdigit() for c in text) / max(1, len(text))
 
 
 def main() -> None:
