@@ -4,40 +4,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import save_tiny_llama
 
 from lockstep.cli import build_parser, main
 
 
 def save_tiny_model(folder: Path) -> Path:
-    """A tiny random Llama with vocab 97 and a one-token-per-character tokenizer (printable ASCII)."""
-    import string
-
-    import torch
-    import transformers
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    chars = string.printable[:95]
-    vocab = {c: i for i, c in enumerate(chars)} | {"<unk>": 95, "</s>": 96}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(
-        folder
-    )
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        eos_token_id=96,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).float().save_pretrained(folder)
-    return folder
+    return save_tiny_llama(folder, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)  # fmt: skip
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -82,9 +56,9 @@ def test_generate_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "temperature" in capsys.readouterr().err
 
 
-def test_generate_on_the_embedded_model(tmp_path_factory: pytest.TempPathFactory) -> None:
-    # Same cache folder as tests/engine/conftest.py's embedded_model_dir: the session converts once.
-    cache = os.environ.get("LOCKSTEP_CACHE") or str(tmp_path_factory.getbasetemp() / "lockstep-cache")
-    proc = run_cli("generate", "--raw", "The capital of France is", "--max-tokens", "3", env={"LOCKSTEP_CACHE": cache})
+def test_generate_on_the_embedded_model(embedded_model_dir: Path) -> None:
+    # The CLI finds the folder the session's fixture converted through LOCKSTEP_CACHE.
+    env = {"LOCKSTEP_CACHE": str(embedded_model_dir.parent)}
+    proc = run_cli("generate", "--raw", "The capital of France is", "--max-tokens", "3", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout

@@ -1,7 +1,6 @@
 """The auditor's analysis (with a negative control: it must see differences that are there) and the in-process
 ``--local`` audit on a tiny random model."""
 
-import importlib.util
 from pathlib import Path
 
 from lockstep.audit.report import Sample, analyze, distinct_prefixes, plot, summary_lines
@@ -49,12 +48,8 @@ def test_analyze_without_logprobs_uses_characters(tmp_path: Path) -> None:
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
-def test_local_audit_invariant_mode_gives_one_completion(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("_engine_conftest", root / "engine" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    folder = module.save_tiny_llama(tmp_path / "tiny")
+def test_local_audit_invariant_mode_gives_one_completion(tiny_model_dir: Path) -> None:
+    folder = tiny_model_dir
     cfg = AuditConfig(prompt="local", n=6, concurrency=(1, 6), max_tokens=6, temperature=0.8, seed=2, filler=3)
     report = audit_local(str(folder), cfg, device="cpu", progress=False)
     inv = report["modes"]["batch_invariant"]["overall"]

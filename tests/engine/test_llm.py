@@ -7,12 +7,11 @@ import struct
 from pathlib import Path
 
 import pytest
+from tiny_models import TINY_VOCAB
 
 from lockstep.engine.llm_engine import RequestOutput
 from lockstep.llm import LLM
 from lockstep.sampling_params import SamplingParams
-
-TINY_VOCAB = 97  # tests/engine/conftest.py: save_tiny_llama
 
 BLOCK = 4
 # The requests the matrix follows: greedy, seeded temperature 0.8, and seeded with top-k/top-p.

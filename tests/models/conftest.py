@@ -1,7 +1,6 @@
 """Shared fixtures for the model tests: a minimal paged-batch runner standing in for the engine, tiny random
 Hugging Face checkpoints, and the embedded model converted once per session."""
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,23 +137,6 @@ def hf_logits(folder: Path, tokens: list[int]) -> torch.Tensor:
 def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest absolute difference, relative to the reference's largest magnitude."""
     return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
-
-
-@pytest.fixture(scope="session")
-def embedded_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded SmolLM2 folder, converted once per session into $LOCKSTEP_CACHE, or when that is unset into
-    the session's temp dir (never the user's cache). tests/engine and tests/test_cli.py use the same folder,
-    so a session converts once."""
-    from lockstep.models import embedded
-
-    if os.environ.get("LOCKSTEP_CACHE"):
-        return embedded.default_model_path()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCKSTEP_CACHE", str(tmp_path_factory.getbasetemp() / "lockstep-cache"))
-    try:
-        return embedded.default_model_path()
-    finally:
-        mp.undo()
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 (char tokenizer, 1024 positions) with an API key, the same with torch's default kernels, and the embedded
 SmolLM2 for one realistic test. Each is killed in the fixture's finalizer."""
 
-import importlib.util
 import os
 import socket
 import subprocess
@@ -13,20 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tiny_models import save_tiny_llama
 
 API_KEY = "test-key"
 MAX_BODY_BYTES = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _engine_conftest():
-    spec = importlib.util.spec_from_file_location("_engine_conftest", ROOT / "tests" / "engine" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-save_tiny_llama = _engine_conftest().save_tiny_llama
 
 
 @dataclass
@@ -115,18 +105,8 @@ def default_kernels_server(tiny_server_model_dir: Path, tmp_path_factory: pytest
 
 
 @pytest.fixture(scope="session")
-def embedded_server(tmp_path_factory: pytest.TempPathFactory):
-    # Same cache folder as tests/engine/conftest.py's embedded_model_dir: the session converts once.
-    from lockstep.models import embedded
-
-    cache = os.environ.get("LOCKSTEP_CACHE") or str(tmp_path_factory.getbasetemp() / "lockstep-cache")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCKSTEP_CACHE", cache)
-    try:
-        folder = embedded.default_model_path()
-    finally:
-        mp.undo()
+def embedded_server(embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("logs") / "server-embedded.log"
-    s = start_server(folder, log, "--served-model-name", "smollm2", env={"LOCKSTEP_CACHE": cache})
+    s = start_server(embedded_model_dir, log, "--served-model-name", "smollm2")
     yield s
     stop_server(s.proc)

@@ -1,11 +1,8 @@
-"""Fixtures for the engine tests: a tiny random-weight Llama folder with a character-level tokenizer (fast), and
-the embedded SmolLM2 folder (converted once per session)."""
+"""Tiny random-weight Llama checkpoints with a one-token-per-character tokenizer, for fast tests."""
 
-import os
 import string
 from pathlib import Path
 
-import pytest
 import torch
 
 TINY_CHARS = string.printable[:95]  # digits, letters, punctuation, space: 95 tokens, then <unk> and </s>
@@ -56,24 +53,3 @@ def save_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
     model.save_pretrained(folder)
     save_char_tokenizer(folder)
     return folder
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="session")
-def embedded_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded SmolLM2 folder: $LOCKSTEP_CACHE's when set, else converted once into the session's temp
-    dir (tests/test_cli.py uses the same folder, so the session converts once)."""
-    from lockstep.models import embedded
-
-    if os.environ.get("LOCKSTEP_CACHE"):
-        return embedded.default_model_path()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCKSTEP_CACHE", str(tmp_path_factory.getbasetemp() / "lockstep-cache"))
-    try:
-        return embedded.default_model_path()
-    finally:
-        mp.undo()
