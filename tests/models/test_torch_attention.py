@@ -1,0 +1,135 @@
+"""The default kernel set's paged attention (``torch_paged_attention``): values against an fp64 reference on
+mixed batches of decodes, whole prefills and mid-sequence chunks, and the batching that makes it a fair
+baseline (one SDPA call for all decodes, one per group of same-shape chunks)."""
+
+import pytest
+import torch
+
+from lockstep.layers import attention
+from lockstep.layers.attention import AttentionMetadata, sdpa_groups, torch_paged_attention
+
+SCALE = 0.17
+
+
+def make_batch(items, hq, hkv, d, page, dtype, seed=0):
+    """items: (cache_len, q_len) per sequence; its queries are positions [cache_len - q_len, cache_len).
+
+    Blocks are handed out shuffled, table padding is -1 and unwritten slots hold NaN, so reading a slot that
+    is not the sequence's shows up. Returns (q, k_cache, v_cache, attn, per-sequence (q, k, v)).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // page) for n, _ in items) + 3
+    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-n // page) for n, _ in items) + 1
+    tables = torch.full((len(items), width), -1, dtype=torch.int32)
+    seqs, qs = [], []
+    for i, (n, q_len) in enumerate(items):
+        q = torch.randn(q_len, hq, d, generator=gen).to(dtype)
+        k = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        blocks = [free.pop() for _ in range(-(-n // page))]
+        tables[i, : len(blocks)] = torch.tensor(blocks)
+        for p in range(n):
+            k_cache[blocks[p // page], p % page] = k[p]
+            v_cache[blocks[p // page], p % page] = v[p]
+        seqs.append((q, k, v))
+        qs.append(q)
+    starts = torch.tensor([0] + [q_len for _, q_len in items]).cumsum(0).to(torch.int32)
+    attn = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        block_tables=tables,
+        seq_lens=torch.tensor([n for n, _ in items], dtype=torch.int32),
+        query_start_loc=starts,
+        kv_caches=[(k_cache, v_cache)],
+    )
+    return torch.cat(qs), k_cache, v_cache, attn, seqs
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fp64 causal GQA attention of the last ``len(q)`` positions over K/V ``[0, len(k))``."""
+    n, q_len = k.shape[0], q.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, 1)
+    v = v.double().repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * SCALE
+    s = s.masked_fill(torch.arange(n) > torch.arange(n - q_len, n)[:, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+# (cache_len, q_len): decodes of several lengths (one sequence of one token), a whole prefill, two chunks of one
+# shape that share a call, a chunk starting mid-sequence, a sequence with no new tokens, and decodes placed
+# after the chunks so the decode rows are not contiguous.
+MIXED = [(37, 1), (1, 1), (130, 1), (23, 23), (40, 9), (40, 9), (64, 17), (12, 0), (5, 1), (17, 1)]
+
+
+@pytest.mark.parametrize("page", [4, 16])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (3, 3, 64), (6, 1, 16)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mixed_batch_matches_fp64_reference(page, hq, hkv, d, dtype):
+    q, k_cache, v_cache, attn, seqs = make_batch(MIXED, hq, hkv, d, page, dtype)
+    out = torch_paged_attention(q, k_cache, v_cache, attn, SCALE)
+    assert out.shape == q.shape and out.dtype == dtype
+    atol = 2e-6 if dtype == torch.float32 else 2e-2
+    for got, (qi, ki, vi) in zip(out.split([n for _, n in MIXED]), seqs, strict=True):
+        torch.testing.assert_close(got.double(), reference(qi, ki, vi), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("items", [[(37, 1), (130, 1), (5, 1)], [(40, 9)], [(23, 23), (23, 23)]])
+def test_one_group_batches(items):
+    # One group holding every token returns SDPA's output without a copy into a fresh tensor.
+    q, k_cache, v_cache, attn, seqs = make_batch(items, 4, 2, 32, 4, torch.float32)
+    out = torch_paged_attention(q, k_cache, v_cache, attn, SCALE)
+    for got, (qi, ki, vi) in zip(out.split([n for _, n in items]), seqs, strict=True):
+        torch.testing.assert_close(got.double(), reference(qi, ki, vi), atol=2e-6, rtol=0)
+
+
+def test_decodes_share_one_call_and_chunks_group_by_shape():
+    _, k_cache, _, attn, _ = make_batch(MIXED, 4, 2, 32, 4, torch.float32)
+    groups = sdpa_groups(attn, k_cache)
+    assert [(g.num_seqs, g.q_len, g.kv_len) for g in groups] == [(5, 1, 130), (1, 23, 23), (2, 9, 40), (1, 17, 64)]
+    assert groups[0].key_mask is not None and groups[1].key_mask is None
+    assert sdpa_groups(attn, k_cache) is groups  # built once per step, shared by every layer
+
+
+def test_groups_split_at_the_gather_cap(monkeypatch):
+    # 150 key positions of 2 KV heads x 32 fp32 values, for K and V.
+    monkeypatch.setitem(attention.MAX_GATHER_BYTES, "cpu", 150 * 2 * 2 * 32 * 4)
+    q, k_cache, v_cache, attn, seqs = make_batch(MIXED, 4, 2, 32, 4, torch.float32)
+    groups = sdpa_groups(attn, k_cache)
+    # Decodes of 37, 1, 130, 5, 17 keys: 2 x 37, then 130 alone (over the cap by itself), then 2 x 17.
+    assert [(g.num_seqs, g.q_len, g.kv_len) for g in groups] == [
+        (2, 1, 37), (1, 1, 130), (2, 1, 17), (1, 23, 23), (2, 9, 40), (1, 17, 64)
+    ]  # fmt: skip
+    out = torch_paged_attention(q, k_cache, v_cache, attn, SCALE)
+    for got, (qi, ki, vi) in zip(out.split([n for _, n in MIXED]), seqs, strict=True):
+        torch.testing.assert_close(got.double(), reference(qi, ki, vi), atol=2e-6, rtol=0)
+
+
+def test_empty_batch():
+    q, k_cache, v_cache, attn, _ = make_batch([(9, 0)], 4, 2, 32, 4, torch.float32)
+    assert torch_paged_attention(q, k_cache, v_cache, attn, SCALE).shape == (0, 4, 32)
+
+
+def test_gradients_match_fp64_reference():
+    # The RL trainer differentiates the default kernels as they are (lockstep.rl.policy), through q and the cache.
+    items = [(19, 1), (11, 11), (30, 6), (7, 1)]
+    q, k_cache, v_cache, attn, seqs = make_batch(items, 4, 2, 16, 4, torch.float32)
+    k_cache, v_cache = k_cache.nan_to_num(0.0).requires_grad_(), v_cache.nan_to_num(0.0).requires_grad_()
+    q.requires_grad_()
+    weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    (torch_paged_attention(q, k_cache, v_cache, attn, SCALE) * weight).sum().backward()
+
+    q64 = q.detach().double().requires_grad_()
+    k64 = k_cache.detach().double().requires_grad_()
+    v64 = v_cache.detach().double().requires_grad_()
+    total = 0.0
+    for i, (n, q_len) in enumerate(items):
+        q0 = int(attn.query_start_loc[i])
+        blocks = attn.block_tables[i, : -(-n // 4)].long()
+        ki, vi = k64[blocks].flatten(0, 1)[:n], v64[blocks].flatten(0, 1)[:n]
+        total = total + (reference(q64[q0 : q0 + q_len], ki, vi) * weight[q0 : q0 + q_len]).sum()
+    total.backward()
+    for ours, ref in [(q.grad, q64.grad), (k_cache.grad, k64.grad), (v_cache.grad, v64.grad)]:
+        torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=0)
