@@ -10,6 +10,9 @@ from collections.abc import Callable
 
 import torch
 
+# The dtypes lockstep's kernels compute (fp32 accumulation in every case).
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
 # Measured on the 2-core CPU machines (K=576, N=1536 and 49152): 16 rows costs about as much as one row at
 # decode sizes, where the weight read dominates, and stays within 2x of one big call at M=512.
 ROW_TILE = 16
@@ -38,3 +41,15 @@ def map_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t
     if not parts:
         return fn(x.new_zeros((tile, *x.shape[1:])))[:0]
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def cast_for_reduction(x: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.dtype]:
+    """torch's ``dtype=`` rule for reductions: cast the input first. Returns the input and the output dtype.
+
+    An fp32 ``dtype`` needs no cast: the kernels accumulate in fp32 whatever they load.
+    """
+    if dtype is not None and dtype != torch.float32:
+        x = x.to(dtype)
+    if x.dtype not in FLOATS or (dtype is not None and dtype not in FLOATS):
+        raise TypeError(f"expected a float32/bfloat16/float16 tensor, got {x.dtype} (dtype={dtype})")
+    return x, dtype or x.dtype

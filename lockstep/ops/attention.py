@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops._common import interpreting
+from lockstep.ops._common import FLOATS, interpreting
 
 # KV positions per reduction tile. 64 is FlashAttention's usual BLOCK_N for head_dim 64-128 on Hopper, and
 # on the CPU it keeps the per-step matmuls big enough to amortise the Python loop.
@@ -40,7 +40,6 @@ SPLIT = 512
 # Query tokens per CPU work entry. Entries of several sequences are batched into one bmm of fixed per-entry
 # shape [ROWS * group, head_dim] x [head_dim, TILE]; small enough that a decode row wastes little.
 _CPU_ROWS = 4
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ----------------------------------------------------------------------------------------------- write_kv
@@ -589,7 +588,7 @@ def paged_attention(
         raise ValueError(
             f"{num_seqs} block tables, seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)}"
         )
-    if q.dtype not in _FLOATS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if q.dtype not in FLOATS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"expected matching float dtypes, got q {q.dtype}, caches {k_cache.dtype}, {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV caches must be contiguous")

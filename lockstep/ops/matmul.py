@@ -16,9 +16,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lockstep.ops._common import interpreting, map_row_tiles
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+from lockstep.ops._common import FLOATS, interpreting, map_row_tiles
 
 
 @triton.jit
@@ -261,7 +259,7 @@ def _check(a: torch.Tensor, b: torch.Tensor, batched: bool) -> None:
         raise ValueError(f"expected {rank}-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     if a.shape[-1] != b.shape[-2] or (batched and a.shape[0] != b.shape[0]):
         raise ValueError(f"shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
-    if a.dtype != b.dtype or a.dtype not in _FLOATS:
+    if a.dtype != b.dtype or a.dtype not in FLOATS:
         raise TypeError(f"expected matching float32/bfloat16/float16 operands, got {a.dtype} and {b.dtype}")
     if a.device != b.device:
         raise ValueError(f"operands are on different devices: {a.device} and {b.device}")

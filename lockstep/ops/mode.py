@@ -17,18 +17,18 @@ from contextlib import contextmanager
 import torch
 
 from lockstep.ops import matmul
+from lockstep.ops._common import FLOATS
 from lockstep.ops.reduce import mean
 from lockstep.ops.rms_norm import rms_norm_with_rstd
 from lockstep.ops.softmax import log_softmax, softmax
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _lock = threading.Lock()
 _library: torch.library.Library | None = None
 
 
 def _invariant(*tensors: torch.Tensor) -> bool:
     """Whether lockstep's ops handle these operands (else torch's ``.out`` kernel runs)."""
-    return all(t.dtype in _FLOATS for t in tensors) and tensors[0].device.type in ("cpu", "cuda")
+    return all(t.dtype in FLOATS for t in tensors) and tensors[0].device.type in ("cpu", "cuda")
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,7 @@ def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor
 
 
 def _mean(x: torch.Tensor, dim: list[int] | None, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
-    if _invariant(x) and (dtype is None or dtype in _FLOATS):
+    if _invariant(x) and (dtype is None or dtype in FLOATS):
         return mean(x, dim, keepdim=keepdim, dtype=dtype)
     out_dtype = dtype or (x.dtype if x.is_floating_point() or x.is_complex() else torch.float32)
     total = torch.sum(x, dim, keepdim=keepdim, dtype=out_dtype)

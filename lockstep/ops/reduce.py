@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+from lockstep.ops._common import cast_for_reduction
 
 # Rows up to this long are held in registers in one piece (rms_norm and softmax then read them once).
 MAX_FUSED = 16384
@@ -119,11 +119,7 @@ def _row_sum(x: torch.Tensor, mean: bool, out_dtype: torch.dtype) -> torch.Tenso
 def _reduce(
     x: torch.Tensor, dim: int | Sequence[int] | None, keepdim: bool, dtype: torch.dtype | None, mean: bool
 ) -> torch.Tensor:
-    if dtype is not None and dtype != torch.float32:
-        x = x.to(dtype)  # like torch: cast first; an fp32 upcast happens on load, for free
-    if x.dtype not in _FLOATS or (dtype is not None and dtype not in _FLOATS):
-        raise TypeError(f"expected a float32/bfloat16/float16 tensor, got {x.dtype} (dtype={dtype})")
-    out_dtype = dtype or x.dtype
+    x, out_dtype = cast_for_reduction(x, dtype)
     if x.dim() == 0:
         return _reduce(x.reshape(1), 0, False, out_dtype, mean).reshape(())
     # An empty dim list means every dim, as in torch.sum.

@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops._common import FLOATS
 from lockstep.ops.reduce import RowConfig, fold_rows, row_config
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -131,7 +130,7 @@ def _rms_norm_rows(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # x, residual: [..., N] -> out [..., N], h [..., N], rstd [..., 1] fp32
-    if x.dtype not in _FLOATS or x.dim() == 0:
+    if x.dtype not in FLOATS or x.dim() == 0:
         raise TypeError(f"expected a float32/bfloat16/float16 tensor of rank >= 1, got {x.dtype}, {x.dim()}-D")
     n = x.shape[-1]
     if weight is not None and (weight.shape != (n,) or weight.device != x.device):

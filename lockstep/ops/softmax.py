@@ -17,9 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops._common import cast_for_reduction
 from lockstep.ops.reduce import RowConfig, fold_rows, row_config
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -105,11 +104,7 @@ def _softmax_cpu(x: torch.Tensor, log: bool, out_dtype: torch.dtype) -> torch.Te
 
 
 def _softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None, log: bool) -> torch.Tensor:
-    if dtype is not None and dtype != torch.float32:
-        x = x.to(dtype)  # like torch: cast first; an fp32 upcast happens on load, for free
-    if x.dtype not in _FLOATS or (dtype is not None and dtype not in _FLOATS):
-        raise TypeError(f"expected a float32/bfloat16/float16 tensor, got {x.dtype} (dtype={dtype})")
-    out_dtype = dtype or x.dtype
+    x, out_dtype = cast_for_reduction(x, dtype)
     if x.dim() == 0:
         return _softmax(x.reshape(1), 0, out_dtype, log).reshape(())
     dim = dim % x.dim()
