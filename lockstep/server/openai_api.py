@@ -34,6 +34,8 @@ from lockstep.server.protocol import (
 )
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+# How often a non-streaming request checks that its client is still connected.
+DISCONNECT_POLL_SECONDS = 0.25
 
 
 @dataclass
@@ -305,6 +307,19 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+async def _collect(state: ServerState, group, arrival: float) -> dict[str, RequestOutput]:
+    """Every request's final output, for a non-streaming reply."""
+    finals: dict[str, RequestOutput] = {}
+    first = True
+    async for out in group:
+        if first:
+            state.metrics.first_token_seconds.observe(time.perf_counter() - arrival)
+            first = False
+        if out.finished:
+            finals[out.request_id] = out
+    return finals
+
+
 async def _run(state: ServerState, request: Request, req, specs: list, chat: bool) -> Response:
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
@@ -327,14 +342,13 @@ async def _run(state: ServerState, request: Request, req, specs: list, chat: boo
     want_logprobs = specs[0][1].logprobs is not None
 
     if not req.stream:
-        finals: dict[str, RequestOutput] = {}
-        first = True
-        async for out in group:
-            if first:
-                state.metrics.first_token_seconds.observe(time.perf_counter() - arrival)
-                first = False
-            if out.finished:
-                finals[out.request_id] = out
+        collector = asyncio.ensure_future(_collect(state, group, arrival))
+        while not collector.done():
+            await asyncio.wait({collector}, timeout=DISCONNECT_POLL_SECONDS)
+            if not collector.done() and await request.is_disconnected():
+                collector.cancel()  # leaving the group's iteration aborts its requests and frees their blocks
+                return Response(status_code=499)
+        finals = collector.result()
         state.metrics.request_seconds.observe(time.perf_counter() - arrival)
         ordered = [finals[rid] for rid in ids]
         choices = []

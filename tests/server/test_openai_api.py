@@ -204,6 +204,22 @@ def test_client_disconnect_mid_stream_frees_blocks(server: Server) -> None:
     assert m["lockstep_kv_blocks_used"] == 0 and m["lockstep_num_requests_running"] == 0
 
 
+def test_client_gone_before_a_non_streaming_reply_frees_blocks(server: Server) -> None:
+    before = server.metrics()["lockstep_requests_aborted_total"]
+    body = {"model": server.model, "prompt": "a long one", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    headers = {"content-type": "application/json", **server.headers}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=1.5)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["lockstep_requests_aborted_total"] > before and m["lockstep_kv_blocks_used"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["lockstep_requests_aborted_total"] == before + 1
+    assert m["lockstep_kv_blocks_used"] == 0 and m["lockstep_num_requests_running"] == 0
+
+
 def test_metrics_text_format(server: Server) -> None:
     text = httpx.get(server.url + "/metrics").text
     for name in (
