@@ -172,6 +172,17 @@ def test_bad_inputs_get_their_status_and_error_body(server: Server) -> None:
     assert m['lockstep_requests_total{code="400"}'] >= 15 and m['lockstep_requests_total{code="413"}'] >= 1
 
 
+def assert_one_abort_and_no_blocks(server: Server, aborted_before: float) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["lockstep_requests_aborted_total"] > aborted_before and m["lockstep_kv_blocks_used"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["lockstep_requests_aborted_total"] == aborted_before + 1
+    assert m["lockstep_kv_blocks_used"] == 0 and m["lockstep_num_requests_running"] == 0
+
+
 def test_client_disconnect_mid_stream_frees_blocks(server: Server) -> None:
     before = server.metrics()["lockstep_requests_aborted_total"]
     body = {
@@ -194,14 +205,7 @@ def test_client_disconnect_mid_stream_frees_blocks(server: Server) -> None:
         m = server.metrics()
         assert m["lockstep_num_requests_running"] == 1 and m["lockstep_kv_blocks_used"] > 0
     # The connection is closed: the request must be aborted and its blocks freed well before 1000 tokens.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["lockstep_requests_aborted_total"] > before and m["lockstep_kv_blocks_used"] == 0:
-            break
-        time.sleep(0.1)
-    assert m["lockstep_requests_aborted_total"] == before + 1
-    assert m["lockstep_kv_blocks_used"] == 0 and m["lockstep_num_requests_running"] == 0
+    assert_one_abort_and_no_blocks(server, before)
 
 
 def test_client_gone_before_a_non_streaming_reply_frees_blocks(server: Server) -> None:
@@ -210,14 +214,7 @@ def test_client_gone_before_a_non_streaming_reply_frees_blocks(server: Server) -
     headers = {"content-type": "application/json", **server.headers}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=1.5)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["lockstep_requests_aborted_total"] > before and m["lockstep_kv_blocks_used"] == 0:
-            break
-        time.sleep(0.1)
-    assert m["lockstep_requests_aborted_total"] == before + 1
-    assert m["lockstep_kv_blocks_used"] == 0 and m["lockstep_num_requests_running"] == 0
+    assert_one_abort_and_no_blocks(server, before)
 
 
 def test_metrics_text_format(server: Server) -> None:
