@@ -1,9 +1,10 @@
 """Paged attention a trainer can differentiate: the forward is ``ops.paged_attention`` (the engine's bits), the
 backward recomputes each sequence's attention in fp32 with plain torch ops.
 
-Gradients reach the new keys and values through the cache itself: ``write_kv`` copies ``k, v`` into the cache
-with an in-place ``index_copy_`` (exact, and recorded by autograd), the attention Function takes the caches as
-inputs and returns their gradient, and autograd routes the written slots' gradient back to ``k`` and ``v``.
+Gradients reach the new keys and values through the cache itself: ``layers.attention.torch_write_kv`` copies
+``k, v`` into the cache with an in-place ``index_copy_`` (exact, and recorded by autograd), the attention
+Function takes the caches as inputs and returns their gradient, and autograd routes the written slots' gradient
+back to ``k`` and ``v``.
 The trainer gives every micro-batch a fresh zeroed cache, so the caches are ordinary tensors in its graph.
 
 The backward is deterministic run to run: per sequence, dense matmuls and a softmax over a fixed shape, and the
@@ -14,15 +15,6 @@ import torch
 
 from lockstep import ops
 from lockstep.layers.attention import AttentionMetadata
-
-
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Copy ``k, v: [num_tokens, num_kv_heads, head_dim]`` into the caches at ``slot_mapping``, differentiably."""
-    slots = slot_mapping.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

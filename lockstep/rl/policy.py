@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from lockstep.layers.activation import silu_and_mul as _silu_and_mul
+from lockstep.layers.attention import torch_write_kv
 from lockstep.layers.kernels import INVARIANT, Kernels
 from lockstep.models.llama import LlamaForCausalLM
 from lockstep.models.loader import load_model
@@ -47,7 +48,7 @@ TRAINABLE = Kernels(
     linear=autograd.linear,
     rms_norm=autograd.rms_norm,
     silu_and_mul=silu_and_mul,
-    write_kv=attention.write_kv,
+    write_kv=torch_write_kv,  # index_copy_ into the cache: exact, and recorded by autograd
     attention=attention.paged_attention,
 )
 

@@ -1,21 +1,16 @@
 import pytest
 import torch
+from invariance import INVARIANCE_MS, SIZES, randn
 
 from lockstep import ops
 from lockstep.ops.matmul import MatmulConfig, _bmm_triton, matmul_config
 
-SIZES = [1, 3, 17, 127, 1000]
-INVARIANCE_MS = [1, 2, 3, 7, 17, 64, 127, 128, 129, 1000]
 # Relative error bounds against fp64 (METHOD.md: fp32 far under 1e-3; bf16 operands 1e-3..1e-2).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def randn(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

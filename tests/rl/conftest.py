@@ -1,14 +1,9 @@
-"""Fixtures for the RL tests: two tiny random Llama folders with the same architecture, other weights."""
+"""Fixtures for the RL tests: a second tiny random Llama folder, the shared one's architecture with other weights."""
 
 from pathlib import Path
 
 import pytest
 from tiny_models import save_tiny_llama
-
-
-@pytest.fixture(scope="session")
-def tiny_rl_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-rl"))
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.attention import AttentionMetadata, torch_write_kv
 from lockstep.ops import autograd
 from lockstep.rl import attention, load_policy, token_logprobs
 from lockstep.rl.policy import silu_and_mul
@@ -94,7 +94,7 @@ def test_paged_attention_grad():
     def lockstep_attn(q, k, v):
         caches = [(torch.zeros(sum(blocks), page, hkv, d), torch.zeros(sum(blocks), page, hkv, d))]
         meta = AttentionMetadata(slots, tables, seq_lens, starts, caches)
-        attention.write_kv(k, v, *caches[0], slots)
+        torch_write_kv(k, v, *caches[0], slots)
         return attention.paged_attention(q, *caches[0], meta, scale)
 
     def ref(q, k, v):
@@ -133,14 +133,14 @@ def _loss_and_grads(folder, micro_batch_size):
     return loss.detach(), _named_grads(policy)
 
 
-def test_model_gradient_matches_float64_finite_differences(tiny_rl_model_dir):
+def test_model_gradient_matches_float64_finite_differences(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    loss32, grads = _loss_and_grads(tiny_rl_model_dir, micro_batch_size=2)
+    loss32, grads = _loss_and_grads(tiny_model_dir, micro_batch_size=2)
     assert all(torch.isfinite(g).all() for g in grads.values())
     assert all(g.abs().sum() > 0 for g in grads.values())
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_rl_model_dir, dtype=torch.float64, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64, attn_implementation="eager")
     params = dict(hf.named_parameters())
     assert set(params) == set(grads)
 
@@ -173,14 +173,14 @@ def test_model_gradient_matches_float64_finite_differences(tiny_rl_model_dir):
             assert abs(analytic - numeric) <= 2e-3 * abs(numeric), (trial, analytic, numeric)
 
 
-def test_gradients_identical_run_to_run(tiny_rl_model_dir):
-    loss_a, grads_a = _loss_and_grads(tiny_rl_model_dir, micro_batch_size=2)
-    loss_b, grads_b = _loss_and_grads(tiny_rl_model_dir, micro_batch_size=2)
+def test_gradients_identical_run_to_run(tiny_model_dir):
+    loss_a, grads_a = _loss_and_grads(tiny_model_dir, micro_batch_size=2)
+    loss_b, grads_b = _loss_and_grads(tiny_model_dir, micro_batch_size=2)
     assert torch.equal(loss_a, loss_b)
     for name in grads_a:
         assert torch.equal(grads_a[name], grads_b[name]), name
     # Another packing: the same forward bits (the loss), gradients equal up to rounding.
-    loss_c, grads_c = _loss_and_grads(tiny_rl_model_dir, micro_batch_size=1)
+    loss_c, grads_c = _loss_and_grads(tiny_model_dir, micro_batch_size=1)
     assert torch.equal(loss_a, loss_c)
     for name in grads_a:
         torch.testing.assert_close(grads_c[name], grads_a[name], rtol=1e-4, atol=1e-5)

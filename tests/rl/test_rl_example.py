@@ -9,8 +9,8 @@ from pathlib import Path
 EXAMPLE = Path(__file__).parents[2] / "examples" / "rl_true_on_policy.py"
 
 
-def test_example_runs_with_zero_kl(tiny_rl_model_dir):
-    cmd = [sys.executable, str(EXAMPLE), "--model", str(tiny_rl_model_dir), "--steps", "2", "--group-size", "3",
+def test_example_runs_with_zero_kl(tiny_model_dir):
+    cmd = [sys.executable, str(EXAMPLE), "--model", str(tiny_model_dir), "--steps", "2", "--group-size", "3",
            "--max-tokens", "8", "--lr", "1e-3"]  # fmt: skip
     env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

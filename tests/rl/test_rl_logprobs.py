@@ -25,7 +25,7 @@ def _params() -> list[SamplingParams]:
 
 
 @pytest.fixture(scope="module")
-def sampled(tiny_rl_model_dir):
+def sampled(tiny_model_dir):
     """The same requests through engines that batch them very differently; their outputs must agree."""
     prompts, params = _prompts(), _params()
     configs = [
@@ -35,7 +35,7 @@ def sampled(tiny_rl_model_dir):
     ]
     runs = []
     for cfg in configs:
-        llm = LLM(str(tiny_rl_model_dir), **cfg)
+        llm = LLM(str(tiny_model_dir), **cfg)
         llm.generate(prompts[:3], params[:3], use_tqdm=False)  # warm the prefix cache
         runs.append(llm.generate(prompts, params, use_tqdm=False))
     for run in runs[1:]:
@@ -45,8 +45,8 @@ def sampled(tiny_rl_model_dir):
 
 
 @pytest.fixture(scope="module")
-def policy(tiny_rl_model_dir):
-    return load_policy(tiny_rl_model_dir)
+def policy(tiny_model_dir):
+    return load_policy(tiny_model_dir)
 
 
 def _assert_bitwise(lps: list[torch.Tensor], outs) -> None:
@@ -72,10 +72,10 @@ def test_reordered_and_repacked_sequences_keep_their_bits(sampled, policy):
     _assert_bitwise(lps, [outs[i] for i in order])
 
 
-def test_negative_control_one_ulp_changes_the_bits(sampled, tiny_rl_model_dir):
+def test_negative_control_one_ulp_changes_the_bits(sampled, tiny_model_dir):
     # The harness sees a difference: nudge one weight by one ulp and some logprob moves.
     prompts, outs = sampled
-    nudged = load_policy(tiny_rl_model_dir)
+    nudged = load_policy(tiny_model_dir)
     with torch.no_grad():
         w = nudged.lm_head.weight
         w[:, 0] = torch.nextafter(w[:, 0], torch.full_like(w[:, 0], float("inf")))

@@ -16,9 +16,9 @@ def _bits(outs):
     return [(o.token_ids, o.logprobs) for o in outs]
 
 
-def test_load_weights_equals_fresh_engine(tiny_rl_model_dir, tiny_rl_model_dir_b):
+def test_load_weights_equals_fresh_engine(tiny_model_dir, tiny_rl_model_dir_b):
     prompts = PROMPTS + [PROMPTS[0]]
-    llm = LLM(str(tiny_rl_model_dir), max_num_batched_tokens=32, max_num_seqs=3)
+    llm = LLM(str(tiny_model_dir), max_num_batched_tokens=32, max_num_seqs=3)
     before = llm.generate(prompts, PARAMS, use_tqdm=False)  # fills the prefix cache with the old weights' K/V
     other = load_model(tiny_rl_model_dir_b)
     loaded = llm.load_weights(other.checkpoint_tensors())
@@ -28,13 +28,13 @@ def test_load_weights_equals_fresh_engine(tiny_rl_model_dir, tiny_rl_model_dir_b
     assert _bits(after) == _bits(fresh.generate(prompts, PARAMS, use_tqdm=False))
     assert _bits(after) != _bits(before)  # negative control: the weights did change the answers
     # And back: an iterable of (name, tensor) pairs works too.
-    llm.load_weights(load_model(tiny_rl_model_dir).checkpoint_tensors().items())
+    llm.load_weights(load_model(tiny_model_dir).checkpoint_tensors().items())
     assert _bits(llm.generate(prompts, PARAMS, use_tqdm=False)) == _bits(before)
 
 
-def test_optimizer_step_then_sync_keeps_trainer_and_sampler_equal(tiny_rl_model_dir):
-    llm = LLM(str(tiny_rl_model_dir))
-    policy = load_policy(tiny_rl_model_dir)
+def test_optimizer_step_then_sync_keeps_trainer_and_sampler_equal(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir))
+    policy = load_policy(tiny_model_dir)
     opt = torch.optim.SGD(policy.parameters(), lr=1e-3)
     for _ in range(2):
         outs = llm.generate(PROMPTS, PARAMS[:4], use_tqdm=False)
@@ -47,8 +47,8 @@ def test_optimizer_step_then_sync_keeps_trainer_and_sampler_equal(tiny_rl_model_
         llm.load_weights(policy.checkpoint_tensors())
 
 
-def test_load_weights_errors(tiny_rl_model_dir):
-    llm = LLM(str(tiny_rl_model_dir))
+def test_load_weights_errors(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir))
     with pytest.raises(ValueError, match="unexpected tensor"):
         llm.load_weights({"model.nope.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="shape"):
