@@ -14,6 +14,7 @@ and the trainer on torch's default kernels, as a usual RL stack does, and shows 
 """
 
 import argparse
+import hashlib
 import math
 import random
 import re
@@ -180,6 +181,13 @@ def main() -> None:
             f"grad-norm {float(grad_norm):.6e} | tokens {num_tokens} | sample {t_sample:.2f}s | step {dt:.2f}s",
             flush=True,
         )
+    # A fingerprint of the whole run (every sample, gradient and update feeds the final weights): two runs with
+    # the same arguments print the same digest when training is deterministic.
+    digest = hashlib.sha256()
+    for name, t in sorted(policy.checkpoint_tensors().items()):
+        digest.update(name.encode())
+        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    print(f"final weights sha256 {digest.hexdigest()}")
 
 
 if __name__ == "__main__":
