@@ -623,12 +623,9 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=None, help="seconds for all the work (default 200; smoke 45)")
     ap.add_argument("--device", default=None, help="default: cuda if available (else cpu)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--block-size", type=int, default=BLOCK, help=f"KV cache page size (default {BLOCK})")
     ap.add_argument("--workdir", default=None, help="where to write the checkpoints (default: a temp dir, removed)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="JSON folder or .json path (default $OUT or .)")
     args = ap.parse_args()
-    global BLOCK
-    BLOCK = args.block_size
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
     budget = args.budget if args.budget is not None else (45.0 if args.smoke else 200.0)

@@ -4,12 +4,10 @@ Every layer first writes the new tokens' K/V into its paged cache, then attends 
 code path. A query token at position p therefore reads the same cache blocks, in the same order, whether it
 arrives in a prefill, a chunk, a decode step or after a prefix-cache hit (DESIGN.md).
 
-The torch path is the negative control and the speed baseline, not part of the contract: its reduction order
-follows the batch. On CUDA with 16-bit caches in pages of a multiple of 256 tokens ``flash_paged_attention``
-runs FlashAttention-2's varlen kernel (the copy vendored in torch) through the block table, one call for the
-whole mixed batch, as vLLM does. Elsewhere ``torch_paged_attention`` gathers K/V out of the cache into dense
-padded tensors and calls ``F.scaled_dot_product_attention`` once for all the step's decodes and once per group of
-same-shape chunks.
+The torch path (``torch_write_kv``, ``torch_paged_attention``) gathers K/V out of the cache into dense padded
+tensors and calls ``F.scaled_dot_product_attention`` once for all the step's decodes and once per group of
+same-shape chunks: fast, but its reduction order follows the batch. It is the negative control and the speed
+baseline, not part of the contract.
 """
 
 from dataclasses import dataclass, field
@@ -216,33 +214,6 @@ def _attend(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, g: Sd
         causal = causal_lower_right(g.q_len, g.kv_len)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=True).transpose(1, 2)
     return out.reshape(-1, num_heads, head_dim)
-
-
-# FlashAttention-2 as vendored in torch reads a paged cache only in pages of a multiple of 256 tokens.
-FLASH_PAGE_MULTIPLE = 256
-
-
-def flash_paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """``torch_paged_attention``'s contract with one FlashAttention-2 varlen call reading K/V through the block
-    table, where it can run (CUDA, fp16/bf16, pages of a multiple of ``FLASH_PAGE_MULTIPLE``); elsewhere it is
-    ``torch_paged_attention``. The kernel picks its KV split count from the batch: fast, not invariant."""
-    if (
-        q.device.type != "cuda"
-        or q.dtype not in (torch.float16, torch.bfloat16)
-        or k_cache.shape[1] % FLASH_PAGE_MULTIPLE
-    ):
-        return torch_paged_attention(q, k_cache, v_cache, attn, scale)
-    lens, starts = attn.host_lengths()
-    max_q = max(b - a for a, b in zip(starts, starts[1:], strict=False))
-    cu_seq_k = F.pad(attn.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
-    # Causal with fewer queries than keys masks from the bottom-right corner: a sequence's queries are its last
-    # positions, as in the engine's batches.
-    return torch.ops.aten._flash_attention_forward(
-        q, k_cache, v_cache, attn.query_start_loc, cu_seq_k, max_q, max(lens), 0.0, True, False,
-        scale=scale, seqused_k=attn.seq_lens, block_table=attn.block_tables,
-    )[0]  # fmt: skip
 
 
 class Attention(nn.Module):

@@ -2,9 +2,9 @@
 
 ``INVARIANT`` is lockstep's contract: every reduction in ``lockstep.ops`` combines one output element's terms in
 an order fixed by the reduction length alone. ``DEFAULT`` runs the same model on torch's fast kernels
-(``F.linear``, ``F.rms_norm``, FlashAttention-2 over the paged cache or SDPA over K/V gathered from it): the
-negative control that shows the batch changing the bits, and the speed baseline. Layers call
-``self.kernels.<op>``; nothing in the forward pass branches on the mode.
+(``F.linear``, ``F.rms_norm``, SDPA over K/V gathered from the paged cache): the negative control that shows the
+batch changing the bits, and the speed baseline. Layers call ``self.kernels.<op>``; nothing in the forward pass
+branches on the mode.
 """
 
 from collections.abc import Callable
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lockstep import ops
 from lockstep.layers.activation import silu_and_mul, torch_silu_and_mul
-from lockstep.layers.attention import flash_paged_attention, torch_write_kv
+from lockstep.layers.attention import torch_paged_attention, torch_write_kv
 from lockstep.layers.norm import torch_rms_norm
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ DEFAULT = Kernels(
     rms_norm=torch_rms_norm,
     silu_and_mul=torch_silu_and_mul,
     write_kv=torch_write_kv,
-    attention=flash_paged_attention,
+    attention=torch_paged_attention,
 )
 
 
