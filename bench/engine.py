@@ -59,13 +59,19 @@ if not torch.cuda.is_available():
 from lockstep.config import EngineConfig  # noqa: E402
 from lockstep.engine.llm_engine import RequestOutput  # noqa: E402
 from lockstep.engine.scheduler import Scheduler  # noqa: E402
+from lockstep.layers.kernels import DEFAULT, INVARIANT  # noqa: E402
 from lockstep.llm import LLM  # noqa: E402
+from lockstep.models import llama  # noqa: E402
 from lockstep.sampling_params import SamplingParams  # noqa: E402
 
 START = time.perf_counter()
 BLOCK = 16
-SECTION_WEIGHTS = {("qwen3", "invariant"): 3.0, ("qwen3", "default"): 2.0,
-                   ("smollm2", "invariant"): 2.0, ("smollm2", "default"): 1.5}  # fmt: skip
+SECTION_WEIGHTS = {("qwen3", "invariant"): 3.0, ("qwen3", "default"): 2.0, ("qwen3", "torch-linear"): 2.0,
+                   ("smollm2", "invariant"): 2.0, ("smollm2", "default"): 1.5,
+                   ("smollm2", "torch-linear"): 1.5}  # fmt: skip
+# How the table names the modes: batch_invariant=True, False, and the bench-only mix (torch's matmul, norm and
+# activation kernels with lockstep's attention) that prices invariance outside attention.
+LABELS = {"invariant": "on", "default": "off", "torch-linear": "lin"}
 TOP = 5  # top logprobs asked for by the targets
 
 # Real shapes (config.json values of Qwen/Qwen3-8B and HuggingFaceTB/SmolLM2-135M-Instruct).
@@ -453,7 +459,7 @@ def fmt_rate(x: float | None) -> str:
 
 def print_table(report: dict) -> None:
     sections = [(m, mode) for m in report["matrix"] for mode in report["matrix"][m]]
-    heads = [f"{m.split('-')[0]} {'on' if mode == 'invariant' else 'off'}" for m, mode in sections]
+    heads = [f"{m.split('-')[0]} {LABELS[mode]}" for m, mode in sections]
     names: list[str] = []
     for m, mode in sections:
         for row in report["matrix"][m][mode]["cases"]:
@@ -494,9 +500,7 @@ def print_table(report: dict) -> None:
         print(f"  {'':22s}{'total':>12s}{'output':>12s}{'prefill':>12s}{'decode':>12s}{'wall s':>9s}")
         for m, modes in report["throughput"].items():
             for mode, r in modes.items():
-                tag = f"{m.split('-')[0]} {'on' if mode == 'invariant' else 'off'}" + (
-                    " PARTIAL" if r.get("partial") else ""
-                )
+                tag = f"{m.split('-')[0]} {LABELS[mode]}" + (" PARTIAL" if r.get("partial") else "")
                 if "skipped" in r:
                     print(f"  {tag:22s} skipped ({r['skipped']})")
                     continue
@@ -508,14 +512,16 @@ def print_table(report: dict) -> None:
                     )
                     + f"{r['full']['seconds']:9.1f}"
                 )
-            on, off = modes.get("invariant", {}), modes.get("default", {})
-            if on.get("total_tok_s") and off.get("total_tok_s"):
-                ratios = [
-                    f"{k.split('_')[0]} {on[k] / off[k]:.2f}x"
-                    for k in ("total_tok_s", "prefill_tok_s", "decode_tok_s")
-                    if on.get(k) and off.get(k)
-                ]
-                print(f"  {m.split('-')[0]} speed on/off: " + ", ".join(ratios))
+            on = modes.get("invariant", {})
+            for other in ("default", "torch-linear"):
+                off = modes.get(other, {})
+                if on.get("total_tok_s") and off.get("total_tok_s"):
+                    ratios = [
+                        f"{k.split('_')[0]} {on[k] / off[k]:.2f}x"
+                        for k in ("total_tok_s", "prefill_tok_s", "decode_tok_s")
+                        if on.get(k) and off.get(k)
+                    ]
+                    print(f"  {m.split('-')[0]} speed on/{LABELS[other]}: " + ", ".join(ratios))
     print(f"verdict: {report['verdict']}")
     print(f"elapsed {report['elapsed_s']:.0f} s; JSON: {report['json']}")
 
@@ -546,6 +552,21 @@ def verdict(report: dict) -> str:
 
 
 # -- main --------------------------------------------------------------------------------------------------------
+
+
+def build_llm(mode: str, **kwargs) -> LLM:
+    if mode != "torch-linear":
+        return LLM(batch_invariant=mode == "invariant", **kwargs)
+    mixed = dataclasses.replace(
+        DEFAULT, name="torch-linear", write_kv=INVARIANT.write_kv, attention=INVARIANT.attention
+    )
+    # The model picks its kernel set when it is built; this mode exists only here, so patch the lookup meanwhile.
+    original = llama.get_kernels
+    llama.get_kernels = lambda batch_invariant: mixed
+    try:
+        return LLM(batch_invariant=False, **kwargs)
+    finally:
+        llama.get_kernels = original
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -616,7 +637,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=None, help="throughput output tokens (default 128; std 1024)")
     ap.add_argument("--tp-batched-tokens", type=int, default=8192, help="throughput max_num_batched_tokens")
     ap.add_argument("--tp-temperature", type=float, default=0.0, help="throughput sampling temperature")
-    ap.add_argument("--modes", default="invariant,default", help="comma list of invariant, default")
+    ap.add_argument(
+        "--modes", default="invariant,default", help="comma list of invariant, default, torch-linear (bench only)"
+    )
     ap.add_argument("--tp-models", default="qwen3", help="models to time (comma list; default qwen3)")
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--no-matrix", action="store_true", help="throughput only")
@@ -671,7 +694,7 @@ def main() -> None:
     }
     wanted = [m.strip() for m in args.models.split(",") if m.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for key, allowed in ((wanted, shapes), (modes, ("invariant", "default"))):
+    for key, allowed in ((wanted, shapes), (modes, tuple(LABELS))):
         if not key or set(key) - set(allowed):
             ap.error(f"choose from {', '.join(allowed)}, got {key}")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="lockstep-bench-"))
@@ -718,14 +741,14 @@ def main() -> None:
             cfg = {**shape, "num_hidden_layers": info["num_hidden_layers"]}
             blocks = kv_blocks(folder, cfg, plan, long_len, max_model_len, device)
             print(
-                f"[{name} | batch_invariant={mode == 'invariant'}] {blocks} KV blocks, max_model_len "
+                f"[{name} | {mode}] {blocks} KV blocks, max_model_len "
                 f"{max_model_len}, section ends at {section_end - START:.0f} s",
                 flush=True,
             )
             t0 = time.perf_counter()
-            llm = LLM(
-                str(folder),
-                batch_invariant=mode == "invariant",
+            llm = build_llm(
+                mode,
+                model=str(folder),
                 device=str(device),
                 dtype=args.dtype,
                 block_size=BLOCK,
