@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--warm-steps", type=int, default=8, help="decode steps run before profiling")
     ap.add_argument("--modes", default="invariant,default")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -40,12 +41,13 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100_000) for _ in range(args.input_len)] for _ in range(args.batch)]
     for mode in args.modes.split(","):
+        seq_len = args.input_len + args.warm_steps + args.output_len + 1
         llm = LLM(
             str(workdir), batch_invariant=mode == "invariant", device=str(device), dtype="bfloat16",
-            max_num_seqs=args.batch, num_kv_blocks=args.batch * (args.input_len + args.output_len) // 16 + 64,
-            max_model_len=args.input_len + args.output_len + 16, enable_prefix_caching=False,
+            max_num_seqs=args.batch, num_kv_blocks=args.batch * (seq_len // 16 + 1) + 64,
+            max_model_len=seq_len + 16, enable_prefix_caching=False,
         )  # fmt: skip
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len + 1, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + args.output_len + 1, ignore_eos=True)
         llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         engine = llm.engine
         for i, p in enumerate(prompts):
@@ -53,6 +55,8 @@ def main() -> None:
         sched = engine.scheduler
         while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
             engine.step()  # the prefills (and the first decodes that ride along)
+        for _ in range(args.warm_steps):
+            engine.step()  # Triton compiles the decode shapes here, not in the profile
         torch.cuda.synchronize() if device.type == "cuda" else None
         prof = cProfile.Profile()
         t0 = time.perf_counter()
