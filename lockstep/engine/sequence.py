@@ -53,6 +53,10 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.output_logprobs: list[TokenLogprobs] = []
+        # The same per step in RequestOutput's shapes, kept as they grow: a step's outputs copy them in C,
+        # instead of rebuilding them in Python (O(length) per request per step).
+        self.output_logprob_values: list[float] = []
+        self.output_top_logprobs: list[dict[int, float]] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
@@ -114,3 +118,5 @@ class Sequence:
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+            self.output_logprob_values.append(logprobs.logprob)
+            self.output_top_logprobs.append(dict(logprobs.top))
