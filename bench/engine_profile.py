@@ -2,10 +2,11 @@
 
     python bench/engine_profile.py --layers 8 --batch 256 --input-len 1024 --output-len 32
 
-Builds the checkpoint like bench/engine.py, prefills ``--batch`` requests, then profiles ``--output-len`` decode
-steps of each kernel set and prints the step time, the functions with the most own time and the engine's
-per-step phases (cumulative). The host waits for the GPU only where it reads results back (``.tolist()``), so
-a GPU-bound step shows up there and a host-bound one everywhere else.
+Builds the checkpoint like bench/engine.py, prefills ``--batch`` requests, runs ``--warm-steps`` decode steps
+(Triton compiles the decode shapes there), then profiles ``--output-len`` decode steps of each kernel set and
+prints the step time, the functions with the most own time and the engine's per-step phases (cumulative). The
+host waits for the GPU only where it reads results back (``.tolist()``), so a GPU-bound step shows up there and
+a host-bound one everywhere else.
 """
 
 import argparse

@@ -53,8 +53,8 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.output_logprobs: list[TokenLogprobs] = []
-        # The same per step in RequestOutput's shapes, kept as they grow: a step's outputs copy them in C,
-        # instead of rebuilding them in Python (O(length) per request per step).
+        # The same per step in RequestOutput's shapes, kept as they grow: a step's outputs copy these lists in C
+        # instead of rebuilding them in Python (O(length) per request per step); the dicts are shared, read-only.
         self.output_logprob_values: list[float] = []
         self.output_top_logprobs: list[dict[int, float]] = []
         self.status = SequenceStatus.WAITING
