@@ -1,4 +1,4 @@
-"""Turn one step's logits into tokens and logprobs, one row at a time.
+"""Turn one step's logits into tokens and logprobs.
 
 Every row's result is a function of that row's logits and its request's (params, seed, position) alone:
 
@@ -9,8 +9,12 @@ Every row's result is a function of that row's logits and its request's (params,
 - logprobs: ``lockstep.ops.log_softmax`` of the raw logits (vLLM's default "raw" logprobs), and the top ``N``
   when asked, ties to the lower id.
 
-The temperature path works on one ``[vocab]`` row at a time, so each call it makes sees the same shape whatever
-the batch: the row's bits cannot depend on its neighbours, even through a CPU kernel's vector-width tail.
+How rows are grouped for the temperature path: on CUDA, the rows without top-p go through in one call. Each of
+its ops is elementwise (the division, the hash, the logs, the add: one device function per element wherever the
+element sits) or an exact selection (top-k's k-th value, the argmax), so a row's bits cannot depend on its
+neighbours. Top-p (a softmax and a cumsum over the row) and every row on the CPU go one ``[1, vocab]`` row per
+call: a CPU elementwise kernel computes its vector-width tail with scalar code, and which elements fall in the
+tail moves with the batch.
 """
 
 import torch
@@ -19,6 +23,8 @@ from lockstep import ops
 from lockstep.engine.sequence import TokenLogprobs
 from lockstep.sampling_params import SamplingParams
 
+# Devices whose temperature rows without top-p share one call (the module docstring says why not the CPU).
+BATCHED_DEVICES = ("cuda",)
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
@@ -55,12 +61,22 @@ def row_key(seed: int, position: int) -> int:
     return mix64(mix64(seed + _GOLDEN) ^ ((position + 1) * _GOLDEN))
 
 
-def uniform_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``u[t]`` in (0, 1), fp64, for every token id ``t``: a pure function of ``(seed, position, t)``."""
-    ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
-    h = _mix64((ids * _as_signed(_GOLDEN)) ^ _as_signed(row_key(seed, position)))
+def _uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``u[r, t]`` in (0, 1), fp64 ``[rows, vocab_size]``, from the signed 64-bit row keys ``keys: [rows, 1]``."""
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
+    h = _mix64((ids * _as_signed(_GOLDEN)) ^ keys)
     # The top 53 bits, centred in their interval: never exactly 0 or 1.
     return (_shr(h, 11).double() + 0.5) * 2.0**-53
+
+
+def _row_keys(seeds: list[int], positions: list[int], device: torch.device | str) -> torch.Tensor:
+    keys = [_as_signed(row_key(s, p)) for s, p in zip(seeds, positions, strict=True)]
+    return torch.tensor(keys, dtype=torch.int64, device=device)[:, None]
+
+
+def uniform_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``u[t]`` in (0, 1), fp64, for every token id ``t``: a pure function of ``(seed, position, t)``."""
+    return _uniform(_row_keys([seed], [position], device), vocab_size)[0]
 
 
 def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -76,31 +92,51 @@ def argmax_lowest(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == best, ids, x.shape[-1]).min(dim=-1).values
 
 
-def _filter_top_k_top_p(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """``x: [V]`` scaled logits -> the same with tokens outside top-k / top-p set to -inf (ties at the cut kept)."""
-    if 0 < top_k < x.shape[0]:
-        kth = torch.topk(x, top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        probs = ops.softmax(x[None])[0]
-        sorted_probs = probs.sort(descending=True, stable=True).values
-        # Keep the smallest head of the sorted distribution whose mass reaches top_p (at least one token):
-        # a token is kept when the mass strictly before it is below top_p.
-        before = torch.cumsum(sorted_probs, 0) - sorted_probs
-        num_kept = int((before < top_p).sum().clamp(min=1))
-        x = x.masked_fill(probs < sorted_probs[num_kept - 1], float("-inf"))
-    return x
+def _top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """``x: [rows, V]`` -> the same with each row's tokens below its k-th largest value set to -inf (ties at the
+    cut kept); rows with ``k <= 0`` or ``k >= V`` untouched. The k-th value is a selection: exact."""
+    vocab = x.shape[-1]
+    ks = [k if 0 < k < vocab else 0 for k in top_ks]
+    if not any(ks):
+        return x
+    top = torch.topk(x, max(ks), dim=-1).values  # [rows, max k], descending
+    kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=x.device)[:, None])
+    active = torch.tensor(ks, device=x.device)[:, None] > 0
+    return x.masked_fill(active & (x < kth), float("-inf"))
+
+
+def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``x: [V]`` scaled logits -> the same with tokens outside the top-p head set to -inf (ties at the cut kept)."""
+    probs = ops.softmax(x[None])[0]
+    sorted_probs = probs.sort(descending=True, stable=True).values
+    # Keep the smallest head of the sorted distribution whose mass reaches top_p (at least one token):
+    # a token is kept when the mass strictly before it is below top_p.
+    before = torch.cumsum(sorted_probs, 0) - sorted_probs
+    num_kept = int((before < top_p).sum().clamp(min=1))
+    return x.masked_fill(probs < sorted_probs[num_kept - 1], float("-inf"))
+
+
+def _gumbel_max(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None], positions: list[int]
+) -> list[int]:
+    """Tokens for ``logits: [rows, V]`` fp32 at temperature > 0; the module docstring says which rows may share
+    a call (top-p only ever comes one row at a time)."""
+    if any(s is None for s in seeds):
+        raise ValueError("sampling with temperature > 0 needs a seed (the engine draws one per request)")
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    x = _top_k(logits / temps[:, None], [p.top_k for p in params])
+    for i, p in enumerate(params):
+        if p.top_p < 1.0:
+            x[i] = _top_p(x[i], p.top_p)
+    noise = -torch.log(-torch.log(_uniform(_row_keys(seeds, positions, logits.device), logits.shape[-1])))
+    return argmax_lowest(x.double() + noise).tolist()
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int | None, position: int) -> int:
     """The token for one row of fp32 logits ``[V]``. ``seed`` is required when ``params.temperature > 0``."""
     if params.greedy:
         return int(argmax_lowest(logits))
-    if seed is None:
-        raise ValueError("sampling with temperature > 0 needs a seed (the engine draws one per request)")
-    x = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
-    scores = x.double() + gumbel_noise(seed, position, x.shape[0], x.device)
-    return int(argmax_lowest(scores))
+    return _gumbel_max(logits[None], [params], [seed], [position])[0]
 
 
 class Sampler:
@@ -132,9 +168,17 @@ class Sampler:
             rows = torch.tensor(greedy_rows, device=logits.device)
             for i, t in zip(greedy_rows, argmax_lowest(logits[rows]).tolist(), strict=True):
                 token_ids[i] = t
-        for i, p in enumerate(params):
-            if not p.greedy:
-                token_ids[i] = sample_row(logits[i], p, seeds[i], positions[i])
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        batched = logits.device.type in BATCHED_DEVICES
+        together = [i for i in sampled if params[i].top_p >= 1.0] if batched else []
+        alone = [[i] for i in sampled if i not in set(together)]
+        for rows in ([together] if together else []) + alone:
+            index = torch.tensor(rows, device=logits.device)
+            tokens = _gumbel_max(
+                logits[index], [params[i] for i in rows], [seeds[i] for i in rows], [positions[i] for i in rows]
+            )
+            for i, t in zip(rows, tokens, strict=True):
+                token_ids[i] = t
 
         logprobs = ops.log_softmax(logits)  # [num_rows, vocab] fp32
         chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()

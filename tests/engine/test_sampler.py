@@ -4,6 +4,7 @@ import random
 import pytest
 import torch
 
+from lockstep.layers import sampler
 from lockstep.layers.sampler import (
     Sampler,
     argmax_lowest,
@@ -132,3 +133,29 @@ def test_top_logprob_ties_go_to_lower_id() -> None:
 def test_sampling_needs_a_seed() -> None:
     with pytest.raises(ValueError, match="seed"):
         sample_row(torch.zeros(5), SamplingParams(temperature=1.0), None, 0)
+
+
+@pytest.mark.parametrize("vocab", (3, 127, 1000))
+def test_rows_sampled_together_equal_rows_alone(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CUDA grouping (every temperature row without top-p in one call), run here on the CPU: each row's token
+    # equals the one it gets alone, whatever its neighbours' temperature, top-k and top-p.
+    rows = 24
+    x = logits_batch(rows, vocab, seed=vocab)
+    x[3, : vocab // 2] = x[3].max()  # ties at the top-k cut and at the argmax
+    ks = [-1, 1, 2, vocab - 1, vocab, vocab + 5, 40]
+    params = [
+        SamplingParams(
+            temperature=(0.0, 0.3, 0.8, 1.0, 2.5)[i % 5], top_k=ks[i % len(ks)], top_p=0.7 if i % 4 == 1 else 1.0
+        )
+        for i in range(rows)
+    ]
+    seeds = [1000 + 7 * i for i in range(rows)]
+    positions = [i * 13 % 50 for i in range(rows)]
+    alone = [sample_row(x[i].clone(), params[i], seeds[i], positions[i]) for i in range(rows)]
+    monkeypatch.setattr(sampler, "BATCHED_DEVICES", ("cpu", "cuda"))
+    together, _ = Sampler()(x, params, seeds, positions)
+    assert together == alone
+    perm = list(range(rows))
+    random.Random(vocab).shuffle(perm)
+    shuffled, _ = Sampler()(x[perm], [params[i] for i in perm], [seeds[i] for i in perm], [positions[i] for i in perm])
+    assert shuffled == [alone[i] for i in perm]
