@@ -10,6 +10,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from lockstep.config import EngineConfig
+from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.engine.model_runner import ModelRunner
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.sequence import FinishReason, Sequence
@@ -49,6 +50,7 @@ class _Request:
     prompt: str | None
     seed: int | None
     text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None  # made on the first stop-string check
 
 
 class LLMEngine:
@@ -171,7 +173,14 @@ class LLMEngine:
         # Detokenise only where the text is needed: stop-string checks, and the final output.
         if self.tokenizer is None or not (seq.params.stop or seq.is_finished):
             return
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if seq.is_finished:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)  # the exact text, once
+        else:
+            # Each step's stop check decodes only the newest tokens (with a little context), not the whole output.
+            if request.detokenizer is None:
+                request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            request.detokenizer.update(seq.output_token_ids)
+            text = request.detokenizer.text
         stops = seq.params.stop
         if stops and seq.finish_reason is not FinishReason.ABORT:
             # The earliest stop string ends the text (and the request), like vLLM; it is not included.

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.engine.llm_engine import RequestOutput
 from lockstep.sampling_params import SamplingParams
 from lockstep.server.async_engine import AsyncEngine
@@ -163,22 +164,27 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
 
 class _TextStream:
     """Incremental text of one choice: holds back a trailing partial UTF-8 character and any tail that could
-    begin a stop string, so the deltas always add up to the final (stop-cut) text."""
+    begin a stop string, so the deltas add up to the final (stop-cut) text."""
 
     def __init__(self, tokenizer, stops: list[str]) -> None:
-        self.tokenizer, self.stops, self.sent = tokenizer, stops, ""
+        self.stops, self.sent = stops, ""
         self.num_tokens = 0  # tokens whose logprobs were sent
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
 
     def delta(self, out: RequestOutput) -> str:
-        if self.tokenizer is None:
+        if self.detokenizer is None:
             return ""
         if out.finished:
             text = out.text
         else:
-            text = out.text if self.stops else self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            # With stop strings the engine keeps the text up to date; otherwise decode only the newest tokens.
+            # Either way a partial UTF-8 character is held back until its last byte arrives.
+            if self.stops:
+                text = out.text
+            else:
+                self.detokenizer.update(out.token_ids)
+                text = self.detokenizer.text
             keep = len(text)
-            if text.endswith("\ufffd"):
-                keep = len(text.rstrip("\ufffd"))
             for s in self.stops:
                 for k in range(min(len(s) - 1, keep), 0, -1):
                     if text[keep - k : keep] == s[:k]:

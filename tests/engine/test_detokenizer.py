@@ -1,0 +1,119 @@
+"""IncrementalDetokenizer against decoding the whole list, on the tokenizers we can build offline."""
+
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from lockstep.engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello, world! Ça va? 日本語のテキスト 🙂🙂 naïve café — done.",
+    "def f(x):\n    return x  # ok\n\n",
+    " . , ' s n't  double  spaces ",
+]
+
+
+def metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """SentencePiece-style: words carry a leading '▁', and the decoder drops the one that starts the string."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["<unk>", "</s>", "▁the", "▁cat", "s", "▁sat", "▁on", "▁mat", ".", "▁", ",", "▁é", "t", "é"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+
+
+def check(tokenizer, ids: list[int]) -> None:
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = []
+    for n in range(1, len(ids) + 1):
+        pieces.append(detok.update(ids[:n]))
+        # Never ahead of, nor different from, the whole decode so far (it may hold back a partial character).
+        assert tokenizer.decode(ids[:n], skip_special_tokens=True).startswith(detok.text), ids[:n]
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(pieces) == detok.text
+    if not full.endswith("\ufffd"):
+        assert detok.text == full, ids
+
+
+def random_lists(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(count)]
+
+
+def test_byte_level_bpe(embedded_model_dir: Path) -> None:
+    # SmolLM2's tokenizer: random ids split multi-byte characters across tokens and hit special tokens.
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir)
+    for ids in [tok.encode(t) for t in TEXTS] + random_lists(len(tok), 400):
+        check(tok, ids)
+
+
+def test_character_level(tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for ids in [tok.encode(t) for t in TEXTS] + random_lists(len(tok), 100):
+        check(tok, ids)
+
+
+def test_metaspace_leading_space() -> None:
+    # Decoded alone, "▁cat" is "cat"; after "▁the" it is " cat": the context window keeps the space.
+    tok = metaspace_tokenizer()
+    assert tok.decode(tok.convert_tokens_to_ids(["▁cat"])) == "cat"
+    for ids in [tok.encode("the cats sat on the mat.")] + random_lists(len(tok), 200):
+        check(tok, ids)
+
+
+def test_nothing_new_returns_empty(tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    detok = IncrementalDetokenizer(tok)
+    ids = tok.encode("abc")
+    assert detok.update(ids) == "abc"
+    assert detok.update(ids) == "" and detok.text == "abc"
+
+
+@pytest.mark.parametrize("broken", [True, False])
+def test_the_check_sees_a_wrong_window(broken: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Negative control: without the context window (each step decodes only its new tokens) the Metaspace
+    # tokenizer loses the spaces between words, and the check above fails.
+    tok = metaspace_tokenizer()
+    if broken:
+        monkeypatch.setattr(IncrementalDetokenizer, "update", _update_without_context)
+    ids = tok.encode("the cat sat")
+    if broken:
+        with pytest.raises(AssertionError):
+            check(tok, ids)
+    else:
+        check(tok, ids)
+
+
+def _update_without_context(self: IncrementalDetokenizer, token_ids: list[int]) -> str:
+    new = self._decode(token_ids[self._read :])
+    self.text += new
+    self._read = len(token_ids)
+    return new
+
+
+def test_stream_deltas_add_up_to_the_final_text(embedded_model_dir: Path) -> None:
+    # The server's streamed pieces from outputs that grow a token at a time, as the engine makes them: with stop
+    # strings, each unfinished output carries the engine's incremental text and the request finishes at the first
+    # hit; the finished output carries the whole decode, cut at the earliest stop.
+    from lockstep.engine.llm_engine import RequestOutput
+    from lockstep.server.openai_api import _TextStream
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir)
+    for i, ids in enumerate([tok.encode(t) for t in TEXTS] + random_lists(len(tok), 100, seed=1)):
+        whole = tok.decode(ids, skip_special_tokens=True)
+        stops = [whole[len(whole) // 2 : len(whole) // 2 + 2]] if i % 2 and len(whole) > 4 else []
+        stream, engine = _TextStream(tok, stops), IncrementalDetokenizer(tok)
+        pieces = []
+        for n in range(1, len(ids) + 1):
+            engine.update(ids[:n])
+            if n == len(ids) or any(s in engine.text for s in stops):
+                final = tok.decode(ids[:n], skip_special_tokens=True)
+                final = final[: min([final.find(s) for s in stops if s in final], default=len(final))]
+                pieces.append(stream.delta(RequestOutput("r", None, [], ids[:n], final, finish_reason="stop")))
+                break
+            pieces.append(stream.delta(RequestOutput("r", None, [], ids[:n], engine.text if stops else "")))
+        assert "".join(pieces) == final, ids
