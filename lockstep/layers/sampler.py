@@ -9,7 +9,7 @@ Every row's result is a function of that row's logits and its request's (params,
 - logprobs: ``lockstep.ops.log_softmax`` of the raw logits (vLLM's default "raw" logprobs), and the top ``N``
   when asked, ties to the lower id.
 
-How rows are grouped for the temperature path: on CUDA, the rows without top-p go through in one call. Each of
+How rows are grouped for the temperature path: on CUDA, the rows without top-p go through together. Each of
 its ops is elementwise (the division, the hash, the logs, the add: one device function per element wherever the
 element sits) or an exact selection (top-k's k-th value, the argmax), so a row's bits cannot depend on its
 neighbours. Top-p (a softmax and a cumsum over the row) and every row on the CPU go one ``[1, vocab]`` row per
@@ -23,8 +23,10 @@ from lockstep import ops
 from lockstep.engine.sequence import TokenLogprobs
 from lockstep.sampling_params import SamplingParams
 
-# Devices whose temperature rows without top-p share one call (the module docstring says why not the CPU).
+# Devices whose temperature rows without top-p share calls (the module docstring says why not the CPU), at most
+# ROWS_PER_CALL rows a call: the noise takes a few [rows, vocab] int64 temporaries (311 MB each at 256 x 151936).
 BATCHED_DEVICES = ("cuda",)
+ROWS_PER_CALL = 32
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
@@ -172,7 +174,8 @@ class Sampler:
         batched = logits.device.type in BATCHED_DEVICES
         together = [i for i in sampled if params[i].top_p >= 1.0] if batched else []
         alone = [[i] for i in sampled if i not in set(together)]
-        for rows in ([together] if together else []) + alone:
+        chunks = [together[j : j + ROWS_PER_CALL] for j in range(0, len(together), ROWS_PER_CALL)]
+        for rows in chunks + alone:
             index = torch.tensor(rows, device=logits.device)
             tokens = _gumbel_max(
                 logits[index], [params[i] for i in rows], [seeds[i] for i in rows], [positions[i] for i in rows]

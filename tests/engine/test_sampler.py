@@ -153,6 +153,7 @@ def test_rows_sampled_together_equal_rows_alone(vocab: int, monkeypatch: pytest.
     positions = [i * 13 % 50 for i in range(rows)]
     alone = [sample_row(x[i].clone(), params[i], seeds[i], positions[i]) for i in range(rows)]
     monkeypatch.setattr(sampler, "BATCHED_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(sampler, "ROWS_PER_CALL", 5)  # several calls, the last one short
     together, _ = Sampler()(x, params, seeds, positions)
     assert together == alone
     perm = list(range(rows))
