@@ -172,8 +172,8 @@ class Sampler:
                 token_ids[i] = t
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         batched = logits.device.type in BATCHED_DEVICES
-        together = [i for i in sampled if params[i].top_p >= 1.0] if batched else []
-        alone = [[i] for i in sampled if i not in set(together)]
+        together = [i for i in sampled if batched and params[i].top_p >= 1.0]
+        alone = [[i] for i in sampled if not (batched and params[i].top_p >= 1.0)]
         chunks = [together[j : j + ROWS_PER_CALL] for j in range(0, len(together), ROWS_PER_CALL)]
         for rows in chunks + alone:
             index = torch.tensor(rows, device=logits.device)
