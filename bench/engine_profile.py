@@ -3,10 +3,10 @@
     python bench/engine_profile.py --layers 8 --batch 256 --input-len 1024 --output-len 32
 
 Builds the checkpoint like bench/engine.py, prefills ``--batch`` requests, runs ``--warm-steps`` decode steps
-(Triton compiles the decode shapes there), then profiles ``--output-len`` decode steps of each kernel set and
-prints the step time, the functions with the most own time and the engine's per-step phases (cumulative). The
-host waits for the GPU only where it reads results back (``.tolist()``), so a GPU-bound step shows up there and
-a host-bound one everywhere else.
+(Triton compiles the decode shapes there), then for each kernel set: ``--output-len`` steps timed plainly,
+``--output-len`` steps under cProfile (the functions with the most own time, and cumulative: the host waits for
+the GPU only where it reads results back, ``.tolist()``), and on CUDA a few steps under torch.profiler (GPU time
+by kernel, and how much of a step the GPU is busy).
 """
 
 import argparse
@@ -26,6 +26,8 @@ from engine import QWEN3_8B, build_checkpoint  # noqa: E402
 
 from lockstep import LLM, SamplingParams  # noqa: E402
 
+KERNEL_STEPS = 4  # decode steps under torch.profiler (CUDA)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -42,13 +44,14 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100_000) for _ in range(args.input_len)] for _ in range(args.batch)]
     for mode in args.modes.split(","):
-        seq_len = args.input_len + args.warm_steps + args.output_len + 1
+        decode_steps = args.warm_steps + 2 * args.output_len + KERNEL_STEPS
+        seq_len = args.input_len + decode_steps + 1
         llm = LLM(
             str(workdir), batch_invariant=mode == "invariant", device=str(device), dtype="bfloat16",
             max_num_seqs=args.batch, num_kv_blocks=args.batch * (seq_len // 16 + 1) + 64,
             max_model_len=seq_len + 16, enable_prefix_caching=False,
         )  # fmt: skip
-        params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + args.output_len + 1, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
         llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         engine = llm.engine
         for i, p in enumerate(prompts):
@@ -58,21 +61,37 @@ def main() -> None:
             engine.step()  # the prefills (and the first decodes that ride along)
         for _ in range(args.warm_steps):
             engine.step()  # Triton compiles the decode shapes here, not in the profile
-        torch.cuda.synchronize() if device.type == "cuda" else None
-        prof = cProfile.Profile()
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
         t0 = time.perf_counter()
-        prof.enable()
-        steps = 0
-        while engine.has_unfinished_requests() and steps < args.output_len:
+        for _ in range(args.output_len):
             engine.step()
-            steps += 1
+        sync()
+        plain = (time.perf_counter() - t0) / args.output_len
+        print(f"\n=== {mode}: decode at batch {args.batch}: {plain * 1e3:.1f} ms a step (no profiler) ===")
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.output_len):
+            engine.step()
         prof.disable()
-        dt = time.perf_counter() - t0
-        print(f"\n=== {mode}: {steps} decode steps at batch {args.batch}, {dt / steps * 1e3:.1f} ms a step ===")
-        for key, n in (("tottime", 25), ("cumulative", 30)):
+        for key, n in (("tottime", 25), ("cumulative", 40)):
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(n)
-            print(buf.getvalue().split("\n", 4)[-1])
+            print(buf.getvalue())
+
+        if device.type == "cuda":
+            # GPU time by kernel over a few steps: how much of a step the GPU is busy, and with what.
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+                for _ in range(KERNEL_STEPS):
+                    engine.step()
+                sync()
+            events = tp.key_averages()
+            busy = sum(e.self_device_time_total for e in events) / 1e3 / KERNEL_STEPS
+            print(f"GPU kernel time {busy:.1f} ms a step (torch.profiler, {KERNEL_STEPS} steps)")
+            print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
         del llm, engine
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
