@@ -20,9 +20,17 @@ class SamplingParams:
     ``temperature == 0`` is greedy (ties go to the lowest token id). With ``temperature > 0`` the noise is a pure
     function of ``(seed, position, token id)``, so a seeded request gives the same tokens in any batch.
 
-    ``top_k`` of ``-1`` or ``0`` turns top-k off; ``0`` is normalised to ``-1``. ``stop`` may be one string or a
-    list and is normalised to a list. ``logprobs`` is the number of top logprobs to return per generated token
-    (``0``: only the sampled token's own logprob; ``None``: none).
+    ``top_k`` of ``-1`` or ``0`` turns top-k off; ``0`` is normalised to ``-1``. ``min_p`` drops tokens whose
+    probability (after temperature) is below ``min_p`` times the most likely one's. ``stop`` may be one string or
+    a list and is normalised to a list. ``logprobs`` is the number of top logprobs to return per generated token
+    (``0``: only the sampled token's own logprob; ``None``: none); they are of the raw distribution, before any
+    penalty, bias or temperature (vLLM's default).
+
+    Penalties and biases change the logits before greedy or random choice, as in vLLM and the OpenAI API:
+    ``logit_bias`` adds to the given token ids; ``repetition_penalty`` divides the positive logits (multiplies the
+    negative ones) of every token already in the prompt or the output; ``frequency_penalty`` subtracts itself
+    times the token's count in the output; ``presence_penalty`` subtracts itself once from every token in the
+    output.
     """
 
     temperature: float = 1.0
@@ -34,6 +42,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -65,8 +78,30 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        bias = dict(self.logit_bias or {})
+        for t, b in bias.items():
+            if not _is_int(t) or t < 0 or not _is_real(b) or not -100 <= b <= 100:
+                raise ValueError(
+                    f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {self.logit_bias!r}"
+                )
+        self.logit_bias = bias or None
+
+    @property
+    def penalized(self) -> bool:
+        """True when the logits need the request's tokens (a repetition, frequency or presence penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
-        """True when the argmax is taken (``temperature == 0``); top_p, top_k and seed are then irrelevant."""
+        """True when the argmax is taken (``temperature == 0``); top_p, top_k, min_p and seed are then irrelevant
+        (penalties and biases still apply)."""
         return self.temperature == 0

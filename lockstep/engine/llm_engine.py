@@ -102,6 +102,11 @@ class LLMEngine:
             raise TypeError(f"request {request_id!r}: sampling params must be a SamplingParams, got {params!r}")
         if params.max_tokens < 1:
             raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {params.max_tokens}")
+        bad_bias = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad_bias:
+            raise ValueError(
+                f"request {request_id!r}: logit_bias token {bad_bias[0]} is not a token id in [0, {self.vocab_size})"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and the model has none")
         ids = list(prompt_token_ids)

@@ -146,4 +146,5 @@ class ModelRunner:
             return [], []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         samplers = [e for e in batch.entries if e.sample]
-        return self.sampler(logits, [e.seq.params for e in samplers], seeds, [e.end for e in samplers])
+        histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e in samplers]
+        return self.sampler(logits, [e.seq.params for e in samplers], seeds, [e.end for e in samplers], histories)

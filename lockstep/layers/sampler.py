@@ -1,21 +1,25 @@
 """Turn one step's logits into tokens and logprobs.
 
-Every row's result is a function of that row's logits and its request's (params, seed, position) alone:
+Every row's result is a function of that row's logits and its request's (params, seed, position, tokens) alone:
 
+- ``logit_bias`` and the repetition, frequency and presence penalties first change the row's logits, from its
+  own prompt and output tokens;
 - greedy (``temperature == 0``): the largest logit, ties to the lowest token id (an exact integer reduction);
-- ``temperature > 0``: divide by the temperature, drop tokens outside top-k and top-p, then Gumbel-max: add noise
-  ``-log(-log(u))`` and take the largest score. ``u`` is a counter-based hash of ``(seed, position, token id)``,
-  so the noise is a pure function, never a generator shared by the batch;
+- ``temperature > 0``: divide by the temperature, drop tokens outside top-k, min-p and top-p, then Gumbel-max:
+  add noise ``-log(-log(u))`` and take the largest score. ``u`` is a counter-based hash of ``(seed, position,
+  token id)``, so the noise is a pure function, never a generator shared by the batch;
 - logprobs: ``lockstep.ops.log_softmax`` of the raw logits (vLLM's default "raw" logprobs), and the top ``N``
   when asked, ties to the lower id.
 
-How rows are grouped for the temperature path: on CUDA, the rows without top-p go through together. Each of
-its ops is elementwise (the division, the hash, the logs, the add: one device function per element wherever the
-element sits) or an exact selection (top-k's k-th value, the argmax), so a row's bits cannot depend on its
-neighbours. Top-p (a softmax and a cumsum over the row) and every row on the CPU go one ``[1, vocab]`` row per
-call: a CPU elementwise kernel computes its vector-width tail with scalar code, and which elements fall in the
-tail moves with the batch.
+How rows are grouped: penalties and biases go one row per call. For the temperature path on CUDA, the rows
+without top-p go through together: each op is elementwise (the division, min-p's threshold, the hash, the logs,
+the add: one device function per element wherever the element sits) or an exact selection (top-k's k-th value,
+the row max, the argmax), so a row's bits cannot depend on its neighbours. Top-p (a softmax and a cumsum over
+the row) and every temperature row on the CPU go one ``[1, vocab]`` row per call: a CPU elementwise kernel
+computes its vector-width tail with scalar code, and which elements fall in the tail moves with the batch.
 """
+
+import math
 
 import torch
 
@@ -107,6 +111,16 @@ def _top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     return x.masked_fill(active & (x < kth), float("-inf"))
 
 
+def _min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """``x: [rows, V]`` scaled logits -> the same with tokens less likely than ``min_p`` times the row's most
+    likely one set to -inf: ``p_t < min_p * p_max`` is ``x_t < x_max + log(min_p)``, no softmax needed."""
+    if not any(min_ps):
+        return x
+    floor = [math.log(m) if m > 0 else float("-inf") for m in min_ps]
+    cut = x.max(dim=-1, keepdim=True).values + torch.tensor(floor, dtype=x.dtype, device=x.device)[:, None]
+    return x.masked_fill(x < cut, float("-inf"))
+
+
 def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
     """``x: [V]`` scaled logits -> the same with tokens outside the top-p head set to -inf (ties at the cut kept)."""
     probs = ops.softmax(x[None])[0]
@@ -127,11 +141,35 @@ def _gumbel_max(
         raise ValueError("sampling with temperature > 0 needs a seed (the engine draws one per request)")
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     x = _top_k(logits / temps[:, None], [p.top_k for p in params])
+    x = _min_p(x, [p.min_p for p in params])
     for i, p in enumerate(params):
         if p.top_p < 1.0:
             x[i] = _top_p(x[i], p.top_p)
     noise = -torch.log(-torch.log(_uniform(_row_keys(seeds, positions, logits.device), logits.shape[-1])))
     return argmax_lowest(x.double() + noise).tolist()
+
+
+def adjust_row(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int) -> torch.Tensor:
+    """One row's logits ``[V]`` after ``logit_bias`` and the penalties (vLLM's order and formulas), from the
+    request's tokens: ``token_ids[:num_prompt]`` its prompt, the rest its output so far."""
+    x = logits
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=x.device)
+        x = x.index_put((ids,), torch.tensor(list(params.logit_bias.values()), dtype=x.dtype, device=x.device), True)
+    if not params.penalized:
+        return x
+    output = torch.tensor(token_ids[num_prompt:], dtype=torch.int64, device=x.device)
+    counts = torch.bincount(output, minlength=x.shape[0]).to(x.dtype)  # exact: integer counts
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[torch.tensor(token_ids[:num_prompt], dtype=torch.int64, device=x.device)] = True
+        r = params.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if params.frequency_penalty:
+        x = x - params.frequency_penalty * counts
+    if params.presence_penalty:
+        x = x - params.presence_penalty * (counts > 0).to(x.dtype)
+    return x
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int | None, position: int) -> int:
@@ -144,9 +182,10 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int | None, p
 class Sampler:
     """Samples one token per logits row and reports its logprobs.
 
-    ``__call__(logits, params, seeds, positions)`` with ``logits: [num_rows, vocab]`` fp32 and one entry per row
-    in the lists; ``positions[i]`` is the index, in its sequence, of the token row ``i`` samples. Returns the
-    token ids and a ``TokenLogprobs`` per row.
+    ``__call__(logits, params, seeds, positions, histories)`` with ``logits: [num_rows, vocab]`` fp32 and one
+    entry per row in the lists; ``positions[i]`` is the index, in its sequence, of the token row ``i`` samples;
+    ``histories[i]`` is ``(token_ids, num_prompt_tokens)`` of row ``i``'s sequence (needed only when a row has
+    penalties). Returns the token ids and a ``TokenLogprobs`` per row.
     """
 
     def __call__(
@@ -155,6 +194,7 @@ class Sampler:
         params: list[SamplingParams],
         seeds: list[int | None],
         positions: list[int],
+        histories: list[tuple[list[int], int]] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs]]:
         num_rows = logits.shape[0]
         if logits.dim() != 2 or not len(params) == len(seeds) == len(positions) == num_rows:
@@ -164,11 +204,19 @@ class Sampler:
         if num_rows == 0:
             return [], []
         logits = logits.float()
+        scores = logits  # what the choice is made from; logprobs stay raw
+        adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.penalized]
+        if adjusted:
+            if histories is None:
+                raise ValueError("penalties need each row's (token ids, number of prompt tokens)")
+            scores = logits.clone()
+            for i in adjusted:
+                scores[i] = adjust_row(logits[i], params[i], *histories[i])
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         token_ids = [0] * num_rows
         if greedy_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
-            for i, t in zip(greedy_rows, argmax_lowest(logits[rows]).tolist(), strict=True):
+            for i, t in zip(greedy_rows, argmax_lowest(scores[rows]).tolist(), strict=True):
                 token_ids[i] = t
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         batched = logits.device.type in BATCHED_DEVICES
@@ -178,7 +226,7 @@ class Sampler:
         for rows in chunks + alone:
             index = torch.tensor(rows, device=logits.device)
             tokens = _gumbel_max(
-                logits[index], [params[i] for i in rows], [seeds[i] for i in rows], [positions[i] for i in rows]
+                scores[index], [params[i] for i in rows], [seeds[i] for i in rows], [positions[i] for i in rows]
             )
             for i, t in zip(rows, tokens, strict=True):
                 token_ids[i] = t

@@ -130,6 +130,11 @@ def _params(req, max_tokens: int, logprobs: int | None, index: int) -> SamplingP
             stop=req.stop,
             logprobs=logprobs,
             ignore_eos=req.ignore_eos,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None

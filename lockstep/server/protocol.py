@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI API (the fields lockstep reads), validated with pydantic, and error bodies.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do; fields lockstep cannot honour with a
-non-default value (``echo``, ``best_of`` > n, penalties, ``logit_bias``, ``suffix``, tools) are rejected with
-400 rather than silently ignored.
+non-default value (``echo``, ``best_of`` > n, ``suffix``, tools) are rejected with 400 rather than silently
+ignored. Besides OpenAI's fields, vLLM's sampling extensions ``top_k``, ``min_p``, ``repetition_penalty`` and
+``ignore_eos`` are read (the openai client sends them through ``extra_body``).
 """
 
 import hashlib
@@ -59,8 +60,10 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens whatever comes
@@ -73,20 +76,22 @@ class _Request(BaseModel):
             raise ValueError("stop must be a non-empty string or a list of at most 4 of them")
         return stops
 
-    @field_validator("temperature", "top_p", mode="before")
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v):
+        # OpenAI's keys are token ids written as strings.
+        if v is not None and not all(k.isdigit() for k in v):
+            raise ValueError("logit_bias keys must be token ids (strings of digits)")
+        return v
+
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", mode="before")
     @classmethod
     def _none_is_default(cls, v, info):
-        return {"temperature": 1.0, "top_p": 1.0}[info.field_name] if v is None else v
+        defaults = {"temperature": 1.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        return defaults[info.field_name] if v is None else v
 
     def unsupported(self) -> list[str]:
-        bad = []
-        if self.presence_penalty:
-            bad.append("presence_penalty")
-        if self.frequency_penalty:
-            bad.append("frequency_penalty")
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+        return []
 
     @property
     def include_usage(self) -> bool:

@@ -14,17 +14,28 @@ from lockstep.llm import LLM
 from lockstep.sampling_params import SamplingParams
 
 BLOCK = 4
-# The requests the matrix follows: greedy, seeded temperature 0.8, and seeded with top-k/top-p.
+# The requests the matrix follows: greedy, seeded temperature 0.8, seeded with top-k/top-p, greedy with a
+# repetition penalty and a logit bias, and seeded with min-p and presence/frequency penalties.
 TARGET_PROMPTS = [
     [5, 17, 42, 8, 63, 21, 3, 77, 9, 50, 11, 2, 34],  # 13 tokens: three full blocks and a partial one
     [12, 40, 40, 7, 91, 33, 60, 1, 28],
     [70, 3, 3, 3, 19, 44, 80, 6, 25, 14, 57, 38, 29, 90, 4, 66, 22],
+    [8, 8, 30, 52, 61, 7, 19, 33, 2, 91],
+    [44, 2, 85, 13, 13, 71, 36, 5, 59, 20, 48],
 ]
 TARGET_PARAMS = [
     SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True),
     SamplingParams(temperature=0.8, seed=1234, max_tokens=10, logprobs=3, ignore_eos=True),
     SamplingParams(temperature=0.8, seed=99, top_k=20, top_p=0.9, max_tokens=10, logprobs=3, ignore_eos=True),
-]
+    SamplingParams(
+        temperature=0, repetition_penalty=1.5, logit_bias={30: 1.5, 8: -2.0}, max_tokens=10, logprobs=3,
+        ignore_eos=True,
+    ),
+    SamplingParams(
+        temperature=0.8, seed=5, min_p=0.05, presence_penalty=0.8, frequency_penalty=0.5, max_tokens=10, logprobs=3,
+        ignore_eos=True,
+    ),
+]  # fmt: skip
 
 
 def bits(out: RequestOutput) -> tuple:
@@ -72,8 +83,8 @@ def reference(tiny_model_dir: Path) -> list[tuple]:
         [out] = make_llm(tiny_model_dir).generate([prompt], p, use_tqdm=False)
         assert len(out.token_ids) == p.max_tokens and len(out.top_logprobs[0]) == 3
         refs.append(bits(out))
-    # The harness can see sampling: the two seeded targets did not just follow the greedy path.
-    assert len({r[0] for r in refs}) == 3
+    # The harness can see sampling: the seeded and penalized targets did not just follow the greedy path.
+    assert len({r[0] for r in refs}) == len(refs)
     return refs
 
 
@@ -134,10 +145,13 @@ def test_invariance_after_prefix_cache_hit(tiny_model_dir: Path, reference: list
 
 def test_decode_logprobs_equal_a_fresh_prefill(tiny_model_dir: Path, reference: list[tuple]) -> None:
     """Step i's token and logprobs, as decoded, equal what a prefill of prompt + completion[:i] computes (the
-    seeded targets resample the same token: the noise is a function of (seed, position))."""
+    seeded targets resample the same token: the noise is a function of (seed, position)). Not for presence and
+    frequency penalties: they count output tokens, which the fresh prefill holds as prompt."""
     llm = make_llm(tiny_model_dir, enable_prefix_caching=False)
     prompts, params, expect = [], [], []
     for prompt, p, ref in zip(TARGET_PROMPTS, TARGET_PARAMS, reference, strict=True):
+        if p.presence_penalty or p.frequency_penalty:
+            continue
         tokens, lps, tops, _ = ref
         for i in range(len(tokens)):
             prompts.append(prompt + list(tokens[:i]))

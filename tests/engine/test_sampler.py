@@ -160,3 +160,49 @@ def test_rows_sampled_together_equal_rows_alone(vocab: int, monkeypatch: pytest.
     random.Random(vocab).shuffle(perm)
     shuffled, _ = Sampler()(x[perm], [params[i] for i in perm], [seeds[i] for i in perm], [positions[i] for i in perm])
     assert shuffled == [alone[i] for i in perm]
+
+
+@pytest.mark.parametrize("vocab", (3, 17, 127, 1000))
+def test_penalties_and_bias_match_an_fp64_reference(vocab: int) -> None:
+    # vLLM's formulas, element by element in Python floats: bias, then repetition (prompt or output tokens),
+    # frequency (output counts), presence (output tokens).
+    rng = random.Random(vocab)
+    x = logits_batch(1, vocab, seed=vocab)[0]
+    tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+    num_prompt = len(tokens) // 2
+    bias = {rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(3)}
+    p = SamplingParams(
+        temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.6, logit_bias=bias
+    )
+    got = sampler.adjust_row(x, p, tokens, num_prompt)
+    output = tokens[num_prompt:]
+    for t in range(vocab):
+        v = float(x[t]) + bias.get(t, 0.0)
+        if t in tokens:
+            v = v / 1.3 if v > 0 else v * 1.3
+        v -= 0.4 * output.count(t) + (0.6 * -1 if t in output else 0.0)
+        assert math.isclose(float(got[t]), v, rel_tol=1e-5, abs_tol=1e-5), t
+    # Without penalties or bias the row is untouched (the same tensor).
+    assert sampler.adjust_row(x, SamplingParams(temperature=0.7), tokens, num_prompt) is x
+
+
+def test_penalties_steer_the_choice_but_logprobs_stay_raw() -> None:
+    x = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    history = [([3, 1, 1], 1)]  # prompt [3], output [1, 1]
+    raw_ids, raw_lps = Sampler()(x, [SamplingParams(temperature=0, logprobs=4)], [None], [3], history)
+    assert raw_ids == [1]
+    ids, lps = Sampler()(x, [SamplingParams(temperature=0, logprobs=4, frequency_penalty=2.0)], [None], [3], history)
+    assert ids == [3]  # token 1 drops to 3 - 2 * 2 = -1; token 3 (only in the prompt) keeps 2
+    assert lps[0].top == raw_lps[0].top  # the same raw distribution
+    ids, _ = Sampler()(x, [SamplingParams(temperature=0, logit_bias={0: 10.0})], [None], [3], history)
+    assert ids == [0]
+    with pytest.raises(ValueError, match="penalties need"):
+        Sampler()(x, [SamplingParams(temperature=0, presence_penalty=1.0)], [None], [3])
+
+
+def test_min_p_keeps_tokens_within_the_ratio() -> None:
+    # Probabilities (T=1) proportional to exp(x): min_p 0.3 keeps tokens with p >= 0.3 * p_max: ids 0 and 1 only.
+    x = torch.tensor([2.0, 1.0, 0.0, -1.0]) + 0.5
+    kept = {sample_row(x, SamplingParams(temperature=1.0, min_p=0.3), s, 0) for s in range(300)}
+    assert kept == {0, 1}
+    assert {sample_row(x, SamplingParams(temperature=1.0, min_p=1.0), s, 0) for s in range(50)} == {0}

@@ -7,7 +7,9 @@ def test_defaults():
     p = SamplingParams()
     assert (p.temperature, p.top_p, p.top_k, p.seed, p.max_tokens) == (1.0, 1.0, -1, None, 16)
     assert p.stop == [] and p.stop_token_ids == [] and p.logprobs is None and p.ignore_eos is False
-    assert not p.greedy
+    assert (p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0, 0, 0, 1, None)
+    assert not p.greedy and not p.penalized
+    assert SamplingParams(repetition_penalty=1.1).penalized and SamplingParams(logit_bias={}).logit_bias is None
 
 
 def test_normalisation():
@@ -46,6 +48,15 @@ def test_normalisation():
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": 1.5}, "logprobs"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {-1: 2.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 2.0}}, "logit_bias"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
     ],
 )
 def test_invalid_values_name_field_and_value(kwargs, field):

@@ -137,6 +137,22 @@ def _assert_error(r: httpx.Response, status: int, *words: str) -> dict:
     return err
 
 
+def test_penalties_bias_and_min_p(server: Server) -> None:
+    # OpenAI's logit_bias and penalties, and vLLM's min_p and repetition_penalty through extra_body.
+    c = client(server)
+    forced = c.completions.create(
+        model=server.model, prompt="hello", max_tokens=4, temperature=0, logit_bias={"25": 100}
+    )
+    assert forced.choices[0].text == "pppp"  # token 25 of the character tokenizer
+    kwargs = dict(model=server.model, prompt="hello", max_tokens=8, temperature=0.9, seed=3)
+    extra = {"repetition_penalty": 1.3, "min_p": 0.05, "ignore_eos": True}
+    a = c.completions.create(**kwargs, presence_penalty=0.5, frequency_penalty=0.5, extra_body=extra)
+    b = c.completions.create(**kwargs, presence_penalty=0.5, frequency_penalty=0.5, extra_body=extra)
+    assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == 8
+    plain = c.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert plain.choices[0].text != a.choices[0].text  # the penalties were applied, not dropped
+
+
 def test_bad_inputs_get_their_status_and_error_body(server: Server) -> None:
     ok = {"model": server.model, "prompt": "hi", "max_tokens": 2}
     chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -151,7 +167,11 @@ def test_bad_inputs_get_their_status_and_error_body(server: Server) -> None:
     _assert_error(_post(server, comp, ok | {"max_tokens": "many"}), 400, "max_tokens")
     _assert_error(_post(server, comp, ok | {"logprobs": 99}), 400, "logprobs")
     _assert_error(_post(server, comp, ok | {"stop": ""}), 400, "stop")
-    _assert_error(_post(server, comp, ok | {"presence_penalty": 1.0}), 400, "presence_penalty")
+    assert _assert_error(_post(server, comp, ok | {"presence_penalty": 3.0}), 400)["param"] == "presence_penalty"
+    assert _assert_error(_post(server, comp, ok | {"repetition_penalty": 0}), 400)["param"] == "repetition_penalty"
+    _assert_error(_post(server, comp, ok | {"logit_bias": {"x": 1}}), 400, "logit_bias")
+    _assert_error(_post(server, comp, ok | {"logit_bias": {"500": 1}}), 400, "logit_bias", "500")
+    _assert_error(_post(server, comp, ok | {"echo": True}), 400, "echo")
     _assert_error(_post(server, comp, ok | {"prompt": [5, 100000]}), 400, "100000")
     _assert_error(_post(server, comp, ok | {"prompt": []}), 400)
     _assert_error(_post(server, comp, ok | {"prompt": "x" * 1500}), 400, "1024", "1500")
