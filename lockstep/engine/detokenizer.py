@@ -5,16 +5,15 @@ class IncrementalDetokenizer:
     """The text of one request's output tokens, updated a few tokens at a time.
 
     Decoding all of a request's tokens at every step costs O(length) a step: over a 1000-token SmolLM2 output,
-    146 us a step on average on our CPU machine (37 ms a step across 256 streams), 8 us with ``update``. Each
-    ``update`` decodes a short window instead: the tokens from
-    ``prefix`` (already emitted, kept as context, since a tokenizer may render a token differently at the start
-    of a string, e.g. without its leading space) to the end, and the context alone; the new text is what the
-    window adds to the context. While the window's text ends in U+FFFD (a character whose UTF-8 bytes span tokens
-    not all generated yet) nothing is emitted and the window grows.
+    146 us a step on average on our CPU machine (37 ms a step across 256 streams), against 8 us for ``update``.
+    ``update`` decodes a short window: the tokens from ``_prefix`` (already emitted, kept as context: a tokenizer
+    may render a token differently at the start of a string, e.g. without its leading space) to the end, and the
+    context alone; the new text is what the window adds to the context. While the window's text ends in U+FFFD
+    (a character whose UTF-8 bytes span tokens not all generated yet) nothing is emitted and the window grows.
 
     ``text`` equals ``tokenizer.decode(token_ids, skip_special_tokens=True)`` for the tokenizers the tests try
-    (byte-level BPE, character-level) on random token lists; callers still decode the whole list once at the end
-    and use that as the final text.
+    (byte-level BPE, character-level, Metaspace) on random token lists; callers still decode the whole list once
+    at the end and use that as the final text.
     """
 
     def __init__(self, tokenizer) -> None:
