@@ -207,7 +207,7 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=request.text,
-            logprobs=list(seq.output_logprob_values),
+            logprobs=list(seq.output_logprobs),
             top_logprobs=list(seq.output_top_logprobs) if want_top else None,
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             seed=request.seed,

@@ -52,10 +52,10 @@ class Sequence:
         # All tokens, prompt then output; the split is num_prompt_tokens.
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.output_logprobs: list[TokenLogprobs] = []
-        # The same per step in RequestOutput's shapes, kept as they grow: a step's outputs copy these lists in C
-        # instead of rebuilding them in Python (O(length) per request per step); the dicts are shared, read-only.
-        self.output_logprob_values: list[float] = []
+        # Each output token's logprob and top logprobs, kept in RequestOutput's shapes: a step's outputs copy
+        # these lists in C instead of rebuilding them in Python (O(length) per request per step); the dicts are
+        # shared by the outputs, read-only.
+        self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[dict[int, float]] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -117,6 +117,5 @@ class Sequence:
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.token_ids.append(token_id)
         if logprobs is not None:
-            self.output_logprobs.append(logprobs)
-            self.output_logprob_values.append(logprobs.logprob)
+            self.output_logprobs.append(logprobs.logprob)
             self.output_top_logprobs.append(dict(logprobs.top))
