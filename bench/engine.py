@@ -11,11 +11,12 @@
 Random-weight checkpoints with real model shapes are written with transformers' ``save_pretrained`` (bf16) into a
 temp dir, with a word-level tokenizer covering the vocabulary; prompts are token-id lists.
 
-Invariance matrix: target requests (greedy; seeded temperature 0.8; seeded 0.8 with top-k/top-p; plus a long
-greedy and a long sampled prompt) are first run alone, each on a fresh scheduler. Each case then runs them again
-among random other requests, or under other engine settings (chunked prefill budgets, max_num_seqs, a
-prefix-cache hit, no prefix caching, preemption by a tight KV cache, each decode step re-run as a fresh prefill),
-and compares token ids, logprob bits and top-5 logprob bits with the alone run. Cases share the loaded model and
+Invariance matrix: target requests (greedy; seeded temperature 0.8; seeded 0.8 with top-k/top-p; seeded 0.8 with
+min-p, a repetition penalty and a logit bias; plus a long greedy and a long sampled prompt) are first run alone,
+each on a fresh scheduler. Each case then runs them again among random other requests, or under other engine
+settings (chunked prefill budgets, max_num_seqs, a prefix-cache hit, no prefix caching, preemption by a tight KV
+cache, each decode step re-run as a fresh prefill), and compares token ids, logprob bits and top-5 logprob bits
+with the alone run. Cases share the loaded model and
 its KV cache tensors but get a fresh scheduler each (what a fresh ``LLM`` would have, minus the reload). The
 same harness then runs with ``batch_invariant=False`` (torch's kernels): the negative control, which should see
 differences on a GPU.
@@ -198,6 +199,8 @@ def target_requests(plan: Plan, vocab: int, long_len: int) -> tuple[list[list[in
         SamplingParams(temperature=0, **common),
         SamplingParams(temperature=0.8, seed=1234, **common),
         SamplingParams(temperature=0.8, seed=99, top_k=50, top_p=0.9, **common),
+        # Penalties that depend on prompt and output alike, so a fresh prefill (decode_vs_prefill) agrees.
+        SamplingParams(temperature=0.8, seed=5, min_p=0.05, repetition_penalty=1.2, logit_bias={7: 3.0}, **common),
     ][: len(prompts)]
     long_common = dict(max_tokens=plan.long_out, logprobs=TOP, ignore_eos=True)
     for params_long in (
@@ -572,7 +575,7 @@ def build_llm(mode: str, **kwargs) -> LLM:
 def make_plan(args: argparse.Namespace) -> Plan:
     if args.smoke:
         return Plan(
-            target_lens=(13, 29, 41),
+            target_lens=(13, 29, 41, 23),
             target_out=6,
             other_prompt_max=40,
             other_out_max=8,
@@ -589,7 +592,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         )
     sizes = tuple(b for b in (4, 16, 64, 256) if b < args.max_batch) + (args.max_batch,)
     return Plan(
-        target_lens=(37, 150, 301),
+        target_lens=(37, 150, 301, 90),
         target_out=16,
         other_prompt_max=384,
         other_out_max=24,
