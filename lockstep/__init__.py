@@ -2,25 +2,27 @@
 
 from lockstep import ops
 from lockstep.check import InvarianceReport, check_batch_invariance
-from lockstep.llm import LLM, RequestOutput
+from lockstep.llm import LLM, CompletionOutput, RequestOutput
 from lockstep.ops.mode import (
     batch_invariant_mode,
     disable_batch_invariant_mode,
     enable_batch_invariant_mode,
     is_batch_invariant_mode_enabled,
 )
-from lockstep.sampling_params import SamplingParams
+from lockstep.sampling_params import SamplingParams, choice_seed
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "CompletionOutput",
     "InvarianceReport",
     "RequestOutput",
     "SamplingParams",
     "__version__",
     "batch_invariant_mode",
     "check_batch_invariance",
+    "choice_seed",
     "disable_batch_invariant_mode",
     "enable_batch_invariant_mode",
     "is_batch_invariant_mode_enabled",

@@ -1,12 +1,13 @@
 """The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, sampling_params)``."""
 
+import dataclasses
 from collections.abc import Sequence as SequenceABC
 
 from lockstep.config import EngineConfig
-from lockstep.engine.llm_engine import LLMEngine, RequestOutput
+from lockstep.engine.llm_engine import CompletionOutput, LLMEngine, RequestOutput
 from lockstep.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -84,7 +85,9 @@ class LLM:
         """Generate completions for ``prompts`` (text, or token ids); outputs come back in input order.
 
         ``sampling_params`` is one ``SamplingParams`` for all prompts or a list with one per prompt. Every
-        request is validated before any runs: a bad one raises ValueError naming it, and nothing is queued.
+        request is validated before any runs: a bad one raises ValueError naming it, and nothing is queued. With
+        ``n > 1`` each choice runs as a request of its own (``SamplingParams.for_choice``) and the prompt's
+        ``RequestOutput`` holds them all in ``outputs``.
         """
         return self._generate(self._prompts(prompts), sampling_params, use_tqdm)
 
@@ -100,18 +103,28 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(items):
                 raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
-        ids = []
+        groups: list[list[str]] = []  # per prompt, the engine request of each of its n choices
+        ids: list[str] = []
         try:
             for (text, token_ids), p in zip(items, params, strict=True):
-                rid = str(self._next_id)
-                self._next_id += 1
-                self.engine.add_request(rid, token_ids, p, prompt=text)
-                ids.append(rid)
+                groups.append([])
+                for i in range(p.n):
+                    rid = str(self._next_id)
+                    self._next_id += 1
+                    self.engine.add_request(rid, token_ids, p.for_choice(i) if p.n > 1 else p, prompt=text)
+                    groups[-1].append(rid)
+                    ids.append(rid)
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
             raise
-        return self._run(ids, use_tqdm)
+        done = dict(zip(ids, self._run(ids, use_tqdm), strict=True))
+        outputs = []
+        for group in groups:
+            first = done[group[0]]
+            choices = [dataclasses.replace(done[rid].outputs[0], index=i) for i, rid in enumerate(group)]
+            outputs.append(RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, choices))
+        return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

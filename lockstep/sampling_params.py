@@ -1,5 +1,7 @@
 """Per-request sampling parameters, shaped like vLLM's ``SamplingParams``."""
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -13,6 +15,16 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request with ``n > 1``: choice 0 keeps ``seed`` (so ``n=1`` and choice 0
+    of ``n>1`` agree); choice i > 0 uses the first 63 bits of blake2b(f"{seed}:{i}"), which is how a client can
+    reproduce any one choice alone with ``n=1``."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
@@ -20,11 +32,12 @@ class SamplingParams:
     ``temperature == 0`` is greedy (ties go to the lowest token id). With ``temperature > 0`` the noise is a pure
     function of ``(seed, position, token id)``, so a seeded request gives the same tokens in any batch.
 
-    ``top_k`` of ``-1`` or ``0`` turns top-k off; ``0`` is normalised to ``-1``. ``min_p`` drops tokens whose
-    probability (after temperature) is below ``min_p`` times the most likely one's. ``stop`` may be one string or
-    a list and is normalised to a list. ``logprobs`` is the number of top logprobs to return per generated token
-    (``0``: only the sampled token's own logprob; ``None``: none); they are of the raw distribution, before any
-    penalty, bias or temperature (vLLM's default).
+    ``n`` completions are generated per prompt (``LLM.generate``), choice ``i`` with seed ``choice_seed(seed,
+    i)``. ``top_k`` of ``-1`` or ``0`` turns top-k off; ``0`` is normalised to ``-1``. ``min_p`` drops tokens
+    whose probability (after temperature) is below ``min_p`` times the most likely one's. ``stop`` may be one
+    string or a list and is normalised to a list. ``logprobs`` is the number of top logprobs to return per
+    generated token (``0``: only the sampled token's own logprob; ``None``: none); they are of the raw
+    distribution, before any penalty, bias or temperature (vLLM's default).
 
     Penalties and biases change the logits before greedy or random choice, as in vLLM and the OpenAI API:
     ``logit_bias`` adds to the given token ids; ``repetition_penalty`` divides the positive logits (multiplies the
@@ -33,6 +46,7 @@ class SamplingParams:
     output.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -49,6 +63,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
@@ -94,6 +110,10 @@ class SamplingParams:
                     f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {self.logit_bias!r}"
                 )
         self.logit_bias = bias or None
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The parameters of choice ``index`` run as a request of its own (``n=1``, its own seed)."""
+        return dataclasses.replace(self, n=1, seed=choice_seed(self.seed, index))
 
     @property
     def penalized(self) -> bool:

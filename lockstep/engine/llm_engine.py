@@ -18,22 +18,20 @@ from lockstep.sampling_params import SamplingParams
 
 
 @dataclass
-class RequestOutput:
-    """One request's result so far (``finished``) or in full.
+class CompletionOutput:
+    """One generated sequence: choice ``index`` of a request's ``SamplingParams.n`` (vLLM's ``CompletionOutput``).
 
     ``logprobs[i]`` is the logprob of ``token_ids[i]`` under the model's raw distribution (log_softmax of the
-    logits, before temperature and filtering, like vLLM's default). ``top_logprobs`` is None unless the request
-    asked for ``SamplingParams.logprobs``; then ``top_logprobs[i]`` maps the top-N token ids at step ``i`` to their
-    logprobs. ``seed`` is the seed the noise came from (drawn by the engine when the request gave none; None for
-    greedy requests without one). ``text`` excludes special tokens and is cut before a stop string; it is
-    complete once the request has finished (unfinished outputs of requests without stop strings leave it empty).
+    logits, before penalties, temperature and filtering, like vLLM's default). ``top_logprobs`` is None unless the
+    request asked for ``SamplingParams.logprobs``; then ``top_logprobs[i]`` maps the top-N token ids at step ``i``
+    to their logprobs. ``seed`` is the seed the noise came from (drawn by the engine when the request gave none;
+    None for greedy requests without one). ``text`` excludes special tokens and is cut before a stop string; it is
+    complete once the sequence has finished (unfinished outputs of requests without stop strings leave it empty).
     """
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    index: int
+    text: str
+    token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
@@ -42,6 +40,46 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """One request's result so far (``finished``) or in full: its prompt and ``outputs``, one per choice, as in
+    vLLM. ``text``, ``token_ids``, ``logprobs``, ``top_logprobs``, ``finish_reason`` and ``seed`` are those of
+    ``outputs[0]``: the whole answer when ``n == 1``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.outputs[0].logprobs
+
+    @property
+    def top_logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].top_logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def seed(self) -> int | None:
+        return self.outputs[0].seed
 
 
 @dataclass
@@ -100,6 +138,11 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"request {request_id!r}: sampling params must be a SamplingParams, got {params!r}")
+        if params.n != 1:
+            raise ValueError(
+                f"request {request_id!r}: the engine runs one sequence per request; LLM.generate expands n={params.n}"
+                " into requests of their own (SamplingParams.for_choice)"
+            )
         if params.max_tokens < 1:
             raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {params.max_tokens}")
         bad_bias = [t for t in params.logit_bias or {} if t >= self.vocab_size]
@@ -201,17 +244,16 @@ class LLMEngine:
     def _output(self, request: _Request) -> RequestOutput:
         seq = request.seq
         want_top = seq.params.logprobs is not None
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
+        completion = CompletionOutput(
+            index=0,
             text=request.text,
+            token_ids=seq.output_token_ids,
             logprobs=list(seq.output_logprobs),
             top_logprobs=list(seq.output_top_logprobs) if want_top else None,
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             seed=request.seed,
         )
+        return RequestOutput(seq.request_id, request.prompt, seq.prompt_token_ids, [completion])
 
 
 def _load_tokenizer_or_none(folder: str):

@@ -23,14 +23,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.engine.llm_engine import RequestOutput
-from lockstep.sampling_params import SamplingParams
+from lockstep.sampling_params import SamplingParams, choice_seed
 from lockstep.server.async_engine import AsyncEngine
 from lockstep.server.metrics import Metrics
 from lockstep.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    choice_seed,
     error_body,
 )
 

@@ -6,7 +6,6 @@ ignored. Besides OpenAI's fields, vLLM's sampling extensions ``top_k``, ``min_p`
 ``ignore_eos`` are read (the openai client sends them through ``extra_body``).
 """
 
-import hashlib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -35,16 +34,6 @@ class APIError(Exception):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """The seed of choice ``index`` of a request with ``n > 1``: choice 0 keeps ``seed`` (so ``n=1`` and choice 0
-    of ``n>1`` agree); choice i > 0 uses the first 63 bits of blake2b(f"{seed}:{i}"), which is how a client can
-    reproduce any one choice alone with ``n=1``."""
-    if seed is None or index == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class _Request(BaseModel):

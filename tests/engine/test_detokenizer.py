@@ -99,7 +99,7 @@ def test_stream_deltas_add_up_to_the_final_text(embedded_model_dir: Path) -> Non
     # The server's streamed pieces from outputs that grow a token at a time, as the engine makes them: with stop
     # strings, each unfinished output carries the engine's incremental text and the request finishes at the first
     # hit; the finished output carries the whole decode, cut at the earliest stop.
-    from lockstep.engine.llm_engine import RequestOutput
+    from lockstep.engine.llm_engine import CompletionOutput, RequestOutput
     from lockstep.server.openai_api import _TextStream
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir)
@@ -113,7 +113,9 @@ def test_stream_deltas_add_up_to_the_final_text(embedded_model_dir: Path) -> Non
             if n == len(ids) or any(s in engine.text for s in stops):
                 final = tok.decode(ids[:n], skip_special_tokens=True)
                 final = final[: min([final.find(s) for s in stops if s in final], default=len(final))]
-                pieces.append(stream.delta(RequestOutput("r", None, [], ids[:n], final, finish_reason="stop")))
+                done = CompletionOutput(0, final, ids[:n], finish_reason="stop")
+                pieces.append(stream.delta(RequestOutput("r", None, [], [done])))
                 break
-            pieces.append(stream.delta(RequestOutput("r", None, [], ids[:n], engine.text if stops else "")))
+            step = CompletionOutput(0, engine.text if stops else "", ids[:n])
+            pieces.append(stream.delta(RequestOutput("r", None, [], [step])))
         assert "".join(pieces) == final, ids

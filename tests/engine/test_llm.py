@@ -2,6 +2,7 @@
 alone, in any batch, under chunked prefill, after a prefix-cache hit, after preemption, and equal to what a
 fresh prefill of the same sequence computes."""
 
+import dataclasses
 import random
 import struct
 from pathlib import Path
@@ -11,7 +12,7 @@ from tiny_models import TINY_VOCAB
 
 from lockstep.engine.llm_engine import RequestOutput
 from lockstep.llm import LLM
-from lockstep.sampling_params import SamplingParams
+from lockstep.sampling_params import SamplingParams, choice_seed
 
 BLOCK = 4
 # The requests the matrix follows: greedy, seeded temperature 0.8, seeded with top-k/top-p, greedy with a
@@ -206,6 +207,22 @@ def test_engine_draws_and_reports_a_seed(tiny_llm: LLM) -> None:
     assert a.seed is not None and b.seed is not None and a.seed != b.seed
     [again] = tiny_llm.generate([[1, 2, 3]], SamplingParams(**{**vars(p), "seed": a.seed}), use_tqdm=False)
     assert bits(again) == bits(a)
+
+
+def test_n_choices_are_requests_of_their_own(tiny_llm: LLM) -> None:
+    # vLLM's shape: one RequestOutput per prompt, n CompletionOutputs; choice i reproduces alone with n=1 and
+    # seed choice_seed(seed, i), and choice 0 is the n=1 answer.
+    p = SamplingParams(n=3, temperature=0.9, seed=41, max_tokens=6, logprobs=1, ignore_eos=True)
+    [out] = tiny_llm.generate([[4, 5, 6]], p, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert out.text == out.outputs[0].text and out.token_ids == out.outputs[0].token_ids
+    for i, choice in enumerate(out.outputs):
+        alone = SamplingParams(**{**vars(p), "n": 1, "seed": choice_seed(41, i)})
+        [again] = tiny_llm.generate([[4, 5, 6]], alone, use_tqdm=False)
+        assert again.outputs[0] == dataclasses.replace(choice, index=0)
+    with pytest.raises(ValueError, match="one sequence per request"):
+        tiny_llm.engine.add_request("direct", [1, 2], p)
 
 
 def test_stop_strings_and_eos(tiny_llm: LLM) -> None:

@@ -48,6 +48,8 @@ def test_normalisation():
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": 1.5}, "logprobs"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        ({"n": 0}, "n"),
+        ({"n": 2.0}, "n"),
         ({"min_p": 1.5}, "min_p"),
         ({"min_p": -0.1}, "min_p"),
         ({"presence_penalty": 2.5}, "presence_penalty"),

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from lockstep.server.protocol import choice_seed
+from lockstep.sampling_params import choice_seed
 
 from .conftest import MAX_BODY_BYTES, Server
 
