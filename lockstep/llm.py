@@ -9,7 +9,7 @@ from lockstep.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # dict: vLLM's {"prompt": text} or {"prompt_token_ids": ids}
 Message = dict[str, str]
 
 
@@ -59,13 +59,20 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def _prompts(self, prompts: Prompt | list[str] | list[list[int]]) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, str) or _is_token_ids(prompts) and prompts:
+    def _prompts(self, prompts: Prompt | list[Prompt]) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts) and prompts:
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC):
-            raise TypeError(f"prompts must be a string, a list of strings or a list of token-id lists, got {prompts!r}")
+            raise TypeError(f"prompts must be a prompt or a list of them, got {prompts!r}")
         out: list[tuple[str | None, list[int]]] = []
         for i, p in enumerate(prompts):
+            if isinstance(p, dict):  # vLLM's TextPrompt / TokensPrompt
+                if set(p) == {"prompt"}:
+                    p = p["prompt"]
+                elif set(p) == {"prompt_token_ids"}:
+                    p = p["prompt_token_ids"]
+                else:
+                    raise TypeError(f"prompt {i}: a dict prompt takes 'prompt' or 'prompt_token_ids' alone, got {p!r}")
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("this model folder has no tokenizer: pass prompts as token-id lists")
@@ -78,11 +85,12 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | list[str] | list[list[int]],
+        prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate completions for ``prompts`` (text, or token ids); outputs come back in input order.
+        """Generate completions for ``prompts`` (text, token ids, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": ...}`` dicts); outputs come back in input order.
 
         ``sampling_params`` is one ``SamplingParams`` for all prompts or a list with one per prompt. Every
         request is validated before any runs: a bad one raises ValueError naming it, and nothing is queued. With

@@ -41,6 +41,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of ``logprobs``, in order (vLLM's field)."""
+        return sum(self.logprobs)
+
 
 @dataclass
 class RequestOutput:

@@ -195,10 +195,13 @@ def test_generate_shapes_and_order(tiny_llm: LLM) -> None:
         assert o.text == tiny_llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
         assert o.top_logprobs is None and o.seed is None
         assert all(lp <= 0 for lp in o.logprobs)
-    # One prompt as a string, as token ids; the same answer.
-    [a] = tiny_llm.generate("hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
-    [b] = tiny_llm.generate(outs[0].prompt_token_ids, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    assert bits(a) == bits(b) == bits(outs[0])
+    # One prompt as a string, as token ids, as vLLM's prompt dicts; the same answer.
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    [a] = tiny_llm.generate("hello", greedy, use_tqdm=False)
+    [b] = tiny_llm.generate(outs[0].prompt_token_ids, greedy, use_tqdm=False)
+    c, d = tiny_llm.generate([{"prompt": "hello"}, {"prompt_token_ids": outs[0].prompt_token_ids}], greedy)
+    assert bits(a) == bits(b) == bits(c) == bits(d) == bits(outs[0])
+    assert a.outputs[0].cumulative_logprob == sum(a.logprobs)
 
 
 def test_engine_draws_and_reports_a_seed(tiny_llm: LLM) -> None:
@@ -272,6 +275,8 @@ def test_bad_inputs_raise_and_the_engine_keeps_working(tiny_llm: LLM) -> None:
         tiny_llm.generate([[1]], [ok, ok], use_tqdm=False)
     with pytest.raises(TypeError, match="prompt 0"):
         tiny_llm.generate([3.5], ok, use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt 1: a dict prompt"):
+        tiny_llm.generate(["a", {"prompt": "b", "multi_modal_data": {}}], ok, use_tqdm=False)
     assert not tiny_llm.engine.has_unfinished_requests()
     [after] = tiny_llm.generate([[1, 2, 3]], ok, use_tqdm=False)
     assert bits(after) == bits(before)
