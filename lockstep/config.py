@@ -40,7 +40,6 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # True: no CUDA graphs
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -67,7 +66,6 @@ class EngineConfig:
         if not isinstance(mem, (int, float)) or isinstance(mem, bool) or not 0 < mem <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {mem!r}")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
-        _check_bool("enforce_eager", self.enforce_eager)
         if self.max_model_len is not None and self.num_kv_blocks is not None:
             capacity = self.num_kv_blocks * self.block_size
             # The longest sequence holds KV for max_model_len - 1 tokens (its last token is never fed back).

@@ -22,8 +22,9 @@ class LLM:
 
     ``model`` is a Hugging Face checkpoint folder, or None for the embedded SmolLM2-135M-Instruct.
     ``batch_invariant=False`` runs torch's default kernels instead (faster; results then depend on the batch).
-    ``num_kv_blocks=None`` sizes the KV cache from free memory (CUDA) or a fixed budget (CPU). ``seed`` makes the
-    seeds drawn for sampled requests without one reproducible (each output reports the seed it used).
+    ``num_kv_blocks=None`` sizes the KV cache from free memory times ``gpu_memory_utilization`` (CUDA) or a
+    fixed budget (CPU). ``seed`` makes the seeds drawn for sampled requests without one reproducible (each
+    output reports the seed it used).
     """
 
     def __init__(
@@ -37,6 +38,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         dtype: str = "auto",
         device: str | None = None,
         seed: int | None = None,
@@ -50,6 +52,7 @@ class LLM:
             max_model_len=max_model_len,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
         )
         self.engine = LLMEngine(config, batch_invariant=batch_invariant, seed=seed)
@@ -57,6 +60,10 @@ class LLM:
 
     @property
     def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer (None for a folder without one), as vLLM's ``LLM.get_tokenizer``."""
         return self.engine.tokenizer
 
     def _prompts(self, prompts: Prompt | list[Prompt]) -> list[tuple[str | None, list[int]]]:
