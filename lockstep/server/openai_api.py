@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.engine.llm_engine import RequestOutput
-from lockstep.sampling_params import SamplingParams, choice_seed
+from lockstep.sampling_params import SamplingParams
 from lockstep.server.async_engine import AsyncEngine
 from lockstep.server.metrics import Metrics
 from lockstep.server.protocol import (
@@ -124,7 +124,7 @@ def _params(req, max_tokens: int, logprobs: int | None, index: int) -> SamplingP
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
-            seed=choice_seed(req.seed, index),
+            seed=req.seed,
             max_tokens=max_tokens,
             stop=req.stop,
             logprobs=logprobs,
@@ -134,7 +134,7 @@ def _params(req, max_tokens: int, logprobs: int | None, index: int) -> SamplingP
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
-        )
+        ).for_choice(index)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
