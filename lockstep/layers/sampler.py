@@ -173,7 +173,8 @@ def adjust_row(logits: torch.Tensor, params: SamplingParams, token_ids: list[int
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int | None, position: int) -> int:
-    """The token for one row of fp32 logits ``[V]``. ``seed`` is required when ``params.temperature > 0``."""
+    """The token for one row of fp32 logits ``[V]`` (already adjusted: penalties and bias are ``Sampler``'s work).
+    ``seed`` is required when ``params.temperature > 0``."""
     if params.greedy:
         return int(argmax_lowest(logits))
     return _gumbel_max(logits[None], [params], [seed], [position])[0]
