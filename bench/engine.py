@@ -58,11 +58,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the engine's CPU path needs no Triton; set before lockstep
 
 from lockstep.config import EngineConfig  # noqa: E402
-from lockstep.engine.llm_engine import RequestOutput  # noqa: E402
 from lockstep.engine.scheduler import Scheduler  # noqa: E402
 from lockstep.layers.kernels import DEFAULT, INVARIANT  # noqa: E402
 from lockstep.llm import LLM  # noqa: E402
 from lockstep.models import llama  # noqa: E402
+from lockstep.outputs import RequestOutput  # noqa: E402
 from lockstep.sampling_params import SamplingParams  # noqa: E402
 
 START = time.perf_counter()

@@ -4,7 +4,8 @@ import dataclasses
 from collections.abc import Sequence as SequenceABC
 
 from lockstep.config import EngineConfig
-from lockstep.engine.llm_engine import CompletionOutput, LLMEngine, RequestOutput
+from lockstep.engine.llm_engine import LLMEngine
+from lockstep.outputs import CompletionOutput, RequestOutput
 from lockstep.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]

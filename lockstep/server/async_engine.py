@@ -17,7 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lockstep.engine.llm_engine import LLMEngine, RequestOutput
+from lockstep.engine.llm_engine import LLMEngine
+from lockstep.outputs import RequestOutput
 from lockstep.sampling_params import SamplingParams
 from lockstep.server.metrics import Metrics
 

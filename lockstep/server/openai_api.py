@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lockstep.engine.detokenizer import IncrementalDetokenizer
-from lockstep.engine.llm_engine import RequestOutput
+from lockstep.outputs import RequestOutput
 from lockstep.sampling_params import SamplingParams
 from lockstep.server.async_engine import AsyncEngine
 from lockstep.server.metrics import Metrics

@@ -99,7 +99,7 @@ def test_stream_deltas_add_up_to_the_final_text(embedded_model_dir: Path) -> Non
     # The server's streamed pieces from outputs that grow a token at a time, as the engine makes them: with stop
     # strings, each unfinished output carries the engine's incremental text and the request finishes at the first
     # hit; the finished output carries the whole decode, cut at the earliest stop.
-    from lockstep.engine.llm_engine import CompletionOutput, RequestOutput
+    from lockstep.outputs import CompletionOutput, RequestOutput
     from lockstep.server.openai_api import _TextStream
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from tiny_models import TINY_VOCAB
 
-from lockstep.engine.llm_engine import RequestOutput
 from lockstep.llm import LLM
+from lockstep.outputs import RequestOutput
 from lockstep.sampling_params import SamplingParams, choice_seed
 
 BLOCK = 4
