@@ -21,6 +21,10 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="noise seed for temperature > 0 (default: drawn, printed)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--logprobs", action="store_true", help="print each token with its logprob")
@@ -38,6 +42,10 @@ def run_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
         seed=args.seed,
         max_tokens=args.max_tokens,
     )

@@ -37,6 +37,11 @@ def test_parser_has_generate_options() -> None:
         "cpu",
         "m",
     )
+    args = build_parser().parse_args(
+        ["generate", "hi", "--min-p", "0.1", "--repetition-penalty", "1.2", "--presence-penalty", "0.5"]
+        + ["--frequency-penalty", "-0.5"]
+    )
+    assert (args.min_p, args.repetition_penalty, args.presence_penalty, args.frequency_penalty) == (0.1, 1.2, 0.5, -0.5)
     with pytest.raises(SystemExit):
         build_parser().parse_args([])
 
@@ -54,6 +59,8 @@ def test_generate_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtur
     folder = save_tiny_model(tmp_path / "tiny")
     assert main(["generate", "--raw", "x", "--model", str(folder), "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+    assert main(["generate", "--raw", "x", "--model", str(folder), "--repetition-penalty", "0"]) == 2
+    assert "repetition_penalty" in capsys.readouterr().err
 
 
 def test_generate_on_the_embedded_model(embedded_model_dir: Path) -> None:
