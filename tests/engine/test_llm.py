@@ -275,6 +275,9 @@ def test_bad_inputs_raise_and_the_engine_keeps_working(tiny_llm: LLM) -> None:
         tiny_llm.generate([[1]], [ok, ok], use_tqdm=False)
     with pytest.raises(TypeError, match="prompt 0"):
         tiny_llm.generate([3.5], ok, use_tqdm=False)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(tiny_llm.engine.config.model, gpu_memory_utilization=1.5)
+    assert tiny_llm.get_tokenizer() is tiny_llm.tokenizer
     with pytest.raises(TypeError, match="prompt 1: a dict prompt"):
         tiny_llm.generate(["a", {"prompt": "b", "multi_modal_data": {}}], ok, use_tqdm=False)
     assert not tiny_llm.engine.has_unfinished_requests()
