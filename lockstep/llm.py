@@ -127,7 +127,7 @@ class LLM:
                 for i in range(p.n):
                     rid = str(self._next_id)
                     self._next_id += 1
-                    self.engine.add_request(rid, token_ids, p.for_choice(i) if p.n > 1 else p, prompt=text)
+                    self.engine.add_request(rid, token_ids, p.for_choice(i), prompt=text)
                     groups[-1].append(rid)
                     ids.append(rid)
         except Exception:

@@ -22,6 +22,7 @@ from lockstep.sampling_params import SamplingParams
 class _Request:
     seq: Sequence
     prompt: str | None
+    prompt_token_ids: list[int]  # shared by every output of the request: no per-step copy of the prompt
     seed: int | None
     text: str = ""
     detokenizer: IncrementalDetokenizer | None = None  # made on the first stop-string check
@@ -109,7 +110,7 @@ class LLMEngine:
             seed = self._seed_rng.getrandbits(63)
         seq = Sequence(request_id, ids, params, block_size=self.config.block_size)
         self.scheduler.add(seq)
-        self._requests[request_id] = _Request(seq, prompt, seed)
+        self._requests[request_id] = _Request(seq, prompt, ids, seed)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its output so far, finished with reason "abort". None if it is unknown."""
@@ -189,7 +190,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             seed=request.seed,
         )
-        return RequestOutput(seq.request_id, request.prompt, seq.prompt_token_ids, [completion])
+        return RequestOutput(seq.request_id, request.prompt, request.prompt_token_ids, [completion])
 
 
 def _load_tokenizer_or_none(folder: str):

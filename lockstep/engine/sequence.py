@@ -118,4 +118,5 @@ class Sequence:
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs.logprob)
-            self.output_top_logprobs.append(dict(logprobs.top))
+            if self.params.logprobs is not None:  # only requests that asked for top logprobs report them
+                self.output_top_logprobs.append(dict(logprobs.top))

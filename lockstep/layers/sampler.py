@@ -85,9 +85,14 @@ def uniform_noise(seed: int, position: int, vocab_size: int, device: torch.devic
     return _uniform(_row_keys([seed], [position], device), vocab_size)[0]
 
 
+def _gumbel(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``-log(-log(u))``, fp64 ``[rows, vocab_size]``, from the row keys ``[rows, 1]``."""
+    return -torch.log(-torch.log(_uniform(keys, vocab_size)))
+
+
 def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Gumbel(0, 1) noise ``-log(-log(u))``, fp64 ``[vocab_size]``."""
-    return -torch.log(-torch.log(uniform_noise(seed, position, vocab_size, device)))
+    return _gumbel(_row_keys([seed], [position], device), vocab_size)[0]
 
 
 def argmax_lowest(x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +150,7 @@ def _gumbel_max(
     for i, p in enumerate(params):
         if p.top_p < 1.0:
             x[i] = _top_p(x[i], p.top_p)
-    noise = -torch.log(-torch.log(_uniform(_row_keys(seeds, positions, logits.device), logits.shape[-1])))
+    noise = _gumbel(_row_keys(seeds, positions, logits.device), logits.shape[-1])
     return argmax_lowest(x.double() + noise).tolist()
 
 
@@ -219,10 +224,16 @@ class Sampler:
             rows = torch.tensor(greedy_rows, device=logits.device)
             for i, t in zip(greedy_rows, argmax_lowest(scores[rows]).tolist(), strict=True):
                 token_ids[i] = t
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
         batched = logits.device.type in BATCHED_DEVICES
-        together = [i for i in sampled if batched and params[i].top_p >= 1.0]
-        alone = [[i] for i in sampled if not (batched and params[i].top_p >= 1.0)]
+        together: list[int] = []
+        alone: list[list[int]] = []
+        for i, p in enumerate(params):
+            if p.greedy:
+                continue
+            if batched and p.top_p >= 1.0:
+                together.append(i)
+            else:
+                alone.append([i])
         chunks = [together[j : j + ROWS_PER_CALL] for j in range(0, len(together), ROWS_PER_CALL)]
         for rows in chunks + alone:
             index = torch.tensor(rows, device=logits.device)
