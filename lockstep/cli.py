@@ -7,6 +7,13 @@ import sys
 from collections.abc import Sequence
 
 
+def add_kernel_args(p: argparse.ArgumentParser) -> None:
+    """The options that pick the kernels and where they run, shared by generate and serve."""
+    p.add_argument("--no-batch-invariant", action="store_true", help="torch's default kernels (not invariant)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+
+
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
@@ -28,9 +35,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="noise seed for temperature > 0 (default: drawn, printed)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--logprobs", action="store_true", help="print each token with its logprob")
-    p.add_argument("--no-batch-invariant", action="store_true", help="torch's default kernels (not invariant)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_kernel_args(p)
     p.set_defaults(func=run_generate)
 
 
@@ -80,9 +85,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
-    p.add_argument("--no-batch-invariant", action="store_true", help="torch's default kernels (not invariant)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_kernel_args(p)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -9,6 +9,15 @@ from lockstep.layers.activation import silu_and_mul, torch_silu_and_mul
 from lockstep.layers.rotary import inverse_frequencies
 from lockstep.models.loader import load_model
 
+# Llama 3.1's rope scaling (its config.json values).
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 KERNELS = pytest.mark.parametrize("batch_invariant", [True, False], ids=["invariant", "default"])
 
 
@@ -64,14 +73,7 @@ TINY_CASES = {
     "llama3-rope": dict(
         arch="llama",
         tie_word_embeddings=True,
-        rope_parameters=dict(
-            rope_type="llama3",
-            rope_theta=500000.0,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=64,
-        ),
+        rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 64},
     ),
     "llama-linear-rope-bias": dict(
         arch="llama", attention_bias=True, mlp_bias=True, rope_parameters=dict(rope_type="linear", factor=2.0)
@@ -131,16 +133,8 @@ def test_rope_frequencies_match_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    llama3 = dict(
-        rope_type="llama3",
-        rope_theta=500000.0,
-        factor=8.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=8192,
-    )
-    for params in (llama3, dict(rope_type="linear", rope_theta=10000.0, factor=4.0)):
-        hf_config = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters=params)
+    for params in (LLAMA3_ROPE, dict(rope_type="linear", rope_theta=10000.0, factor=4.0)):
+        hf_config = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters=dict(params))
         expected, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config)
         ours = inverse_frequencies(128, params["rope_theta"], params)
         assert torch.equal(ours, expected)
