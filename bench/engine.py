@@ -59,9 +59,7 @@ if not torch.cuda.is_available():
 
 from lockstep.config import EngineConfig  # noqa: E402
 from lockstep.engine.scheduler import Scheduler  # noqa: E402
-from lockstep.layers.kernels import DEFAULT, INVARIANT  # noqa: E402
 from lockstep.llm import LLM  # noqa: E402
-from lockstep.models import llama  # noqa: E402
 from lockstep.outputs import RequestOutput  # noqa: E402
 from lockstep.sampling_params import SamplingParams  # noqa: E402
 
@@ -558,18 +556,7 @@ def verdict(report: dict) -> str:
 
 
 def build_llm(mode: str, **kwargs) -> LLM:
-    if mode != "torch-linear":
-        return LLM(batch_invariant=mode == "invariant", **kwargs)
-    mixed = dataclasses.replace(
-        DEFAULT, name="torch-linear", write_kv=INVARIANT.write_kv, attention=INVARIANT.attention
-    )
-    # The model picks its kernel set when it is built; this mode exists only here, so patch the lookup meanwhile.
-    original = llama.get_kernels
-    llama.get_kernels = lambda batch_invariant: mixed
-    try:
-        return LLM(batch_invariant=False, **kwargs)
-    finally:
-        llama.get_kernels = original
+    return LLM(kernels=mode, **kwargs)  # every mode is a kernel set registered by name (layers.kernels)
 
 
 def make_plan(args: argparse.Namespace) -> Plan:

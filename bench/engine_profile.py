@@ -47,7 +47,7 @@ def main() -> None:
         decode_steps = args.warm_steps + 2 * args.output_len + KERNEL_STEPS
         seq_len = args.input_len + decode_steps + 1
         llm = LLM(
-            str(workdir), batch_invariant=mode == "invariant", device=str(device), dtype="bfloat16",
+            str(workdir), kernels=mode, device=str(device), dtype="bfloat16",
             max_num_seqs=args.batch, num_kv_blocks=args.batch * (seq_len // 16 + 1) + 64,
             max_model_len=seq_len + 16, enable_prefix_caching=False,
         )  # fmt: skip

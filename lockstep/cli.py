@@ -203,7 +203,7 @@ def run_audit(args: argparse.Namespace) -> int:
         print("\n".join(summary_lines("  overall", overall.get(title, overall.get("all levels")))))
     print(f"report: {out / 'report.json'}, plot: {out / 'distinct_prefixes.png'}")
     if args.expect_deterministic:
-        checked = overall.get("batch_invariant", overall.get("all levels"))
+        checked = overall.get("invariant", overall.get("all levels"))
         if checked.get("unique_completions", 0) != 1 or checked.get("errors", 0):
             print("lockstep: audit: not deterministic (expected exactly one completion, no errors)", file=sys.stderr)
             return 1

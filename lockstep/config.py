@@ -40,6 +40,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # The kernel set, by registered name (layers.kernels). ``batch_invariant`` is the shorthand: True picks
+    # "invariant", False "default"; after construction both are set and agree.
+    kernels: str | None = None
+    batch_invariant: bool | None = None
+    seed: int | None = None  # seeds the draw of per-request seeds for sampled requests that bring none
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -66,6 +71,9 @@ class EngineConfig:
         if not isinstance(mem, (int, float)) or isinstance(mem, bool) or not 0 < mem <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {mem!r}")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        self._resolve_kernels()
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_model_len is not None and self.num_kv_blocks is not None:
             capacity = self.num_kv_blocks * self.block_size
             # The longest sequence holds KV for max_model_len - 1 tokens (its last token is never fed back).
@@ -74,3 +82,18 @@ class EngineConfig:
                     f"num_kv_blocks * block_size = {self.num_kv_blocks} * {self.block_size} = {capacity} KV "
                     f"slots cannot hold one sequence of max_model_len={self.max_model_len} tokens"
                 )
+
+    def _resolve_kernels(self) -> None:
+        from lockstep.layers.kernels import get_kernels  # imports torch and the kernels: only when a config is made
+
+        if self.batch_invariant is not None:
+            _check_bool("batch_invariant", self.batch_invariant)
+        if self.kernels is None:
+            self.kernels = "default" if self.batch_invariant is False else "invariant"
+        invariant = get_kernels(self.kernels).batch_invariant
+        if self.batch_invariant is not None and self.batch_invariant != invariant:
+            raise ValueError(
+                f"batch_invariant={self.batch_invariant} contradicts kernels={self.kernels!r}, a kernel set that is "
+                f"{'' if invariant else 'not '}batch-invariant"
+            )
+        self.batch_invariant = invariant

@@ -2,6 +2,7 @@
 
 import dataclasses
 from collections.abc import Sequence as SequenceABC
+from typing import Any
 
 from lockstep.config import EngineConfig
 from lockstep.engine.llm_engine import LLMEngine
@@ -21,42 +22,21 @@ def _is_token_ids(x: object) -> bool:
 class LLM:
     """A model and an engine that batches requests without changing their answers.
 
-    ``model`` is a Hugging Face checkpoint folder, or None for the embedded SmolLM2-135M-Instruct.
-    ``batch_invariant=False`` runs torch's default kernels instead (faster; results then depend on the batch).
+    ``model`` is a Hugging Face checkpoint folder, or None for the embedded SmolLM2-135M-Instruct. Every other
+    keyword is a field of ``EngineConfig`` (``max_num_seqs``, ``max_model_len``, ``dtype``, ``device``, ...),
+    as vLLM's ``LLM`` takes its engine arguments. ``batch_invariant=False`` runs torch's default kernels instead
+    (faster; results then depend on the batch); ``kernels="name"`` picks any registered kernel set.
     ``num_kv_blocks=None`` sizes the KV cache from free memory times ``gpu_memory_utilization`` (CUDA) or a
     fixed budget (CPU). ``seed`` makes the seeds drawn for sampled requests without one reproducible (each
     output reports the seed it used).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        batch_invariant: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        dtype: str = "auto",
-        device: str | None = None,
-        seed: int | None = None,
-    ) -> None:
-        config = EngineConfig(
-            model=None if model is None else str(model),
-            dtype=dtype,
-            device=device,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-        )
-        self.engine = LLMEngine(config, batch_invariant=batch_invariant, seed=seed)
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        unknown = sorted(set(engine_args) - fields)
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; it takes {', '.join(sorted(fields))}")
+        self.engine = LLMEngine(EngineConfig(model=None if model is None else str(model), **engine_args))
         self._next_id = 0
 
     @property

@@ -160,8 +160,8 @@ def audit_local(model: str | None, cfg: AuditConfig, device: str | None = None, 
 
     modes: dict[str, dict] = {}
     for invariant in (True, False):
-        name = "batch_invariant" if invariant else "torch_default"
         llm = LLM(model, batch_invariant=invariant, device=device, max_num_seqs=max(cfg.concurrency))
+        name = llm.engine.runner.model.kernels.name
         params = SamplingParams(
             temperature=cfg.temperature, seed=cfg.seed, max_tokens=cfg.max_tokens, logprobs=0 if cfg.logprobs else None
         )

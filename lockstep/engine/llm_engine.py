@@ -5,6 +5,7 @@ the sampled tokens, detects stop strings (by detokenising) and reports every req
 finished. The engine never looks at how the batch was formed: the kernels make that irrelevant to the bits.
 """
 
+import dataclasses
 import random
 import secrets
 from dataclasses import dataclass
@@ -23,7 +24,6 @@ class _Request:
     seq: Sequence
     prompt: str | None
     prompt_token_ids: list[int]  # shared by every output of the request: no per-step copy of the prompt
-    seed: int | None
     text: str = ""
     detokenizer: IncrementalDetokenizer | None = None  # made on the first stop-string check
 
@@ -31,18 +31,16 @@ class _Request:
 class LLMEngine:
     """Owns the ``ModelRunner``, the ``Scheduler`` and the tokenizer.
 
-    ``config.model`` is a checkpoint folder (None: the embedded default model). ``seed`` seeds the draw of
+    ``config.model`` is a checkpoint folder (None: the embedded default model). ``config.seed`` seeds the draw of
     per-request seeds for sampled requests that bring none (default: fresh ones from the OS).
     """
 
-    def __init__(self, config: EngineConfig, *, batch_invariant: bool = True, seed: int | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         if config.model is None:
-            from dataclasses import replace
-
             from lockstep.models.embedded import default_model_path
 
-            config = replace(config, model=str(default_model_path()))
-        self.runner = ModelRunner(config, batch_invariant=batch_invariant)
+            config = dataclasses.replace(config, model=str(default_model_path()))
+        self.runner = ModelRunner(config)
         self.config = self.runner.config
         self.tokenizer = _load_tokenizer_or_none(config.model)
         eos = tuple(self.runner.model.config.eos_token_ids)
@@ -50,6 +48,7 @@ class LLMEngine:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.config, eos_token_ids=eos)
+        seed = config.seed
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom(secrets.randbits(64))
         self._requests: dict[str, _Request] = {}  # lookup only; batch order comes from the scheduler
 
@@ -105,12 +104,12 @@ class LLMEngine:
             )
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seed = params.seed
-        if seed is None and not params.greedy:
-            seed = self._seed_rng.getrandbits(63)
+        if params.seed is None and not params.greedy:
+            # The request's noise comes from its own seed alone (the output reports it).
+            params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
         seq = Sequence(request_id, ids, params, block_size=self.config.block_size)
         self.scheduler.add(seq)
-        self._requests[request_id] = _Request(seq, prompt, ids, seed)
+        self._requests[request_id] = _Request(seq, prompt, ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its output so far, finished with reason "abort". None if it is unknown."""
@@ -139,8 +138,7 @@ class LLMEngine:
             if batch.preempted or not self.scheduler.has_unfinished():
                 return []
             raise RuntimeError("the scheduler made no progress with requests waiting (cache too small?)")
-        seeds = [self._requests[e.seq.request_id].seed for e in batch.entries if e.sample]
-        token_ids, logprobs = self.runner.run(batch, seeds)
+        token_ids, logprobs = self.runner.run(batch)
         self.scheduler.postprocess(batch, token_ids, logprobs)
         outputs: list[RequestOutput] = []
         for entry in batch.entries:
@@ -188,7 +186,7 @@ class LLMEngine:
             logprobs=list(seq.output_logprobs),
             top_logprobs=list(seq.output_top_logprobs) if want_top else None,
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
-            seed=request.seed,
+            seed=seq.params.seed,
         )
         return RequestOutput(seq.request_id, request.prompt, request.prompt_token_ids, [completion])
 

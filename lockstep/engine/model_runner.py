@@ -12,9 +12,8 @@ import torch
 
 from lockstep.config import EngineConfig
 from lockstep.engine.scheduler import ScheduledBatch
-from lockstep.engine.sequence import TokenLogprobs
-from lockstep.layers.attention import AttentionMetadata
-from lockstep.layers.sampler import Sampler
+from lockstep.layers.attention import flatten_batch
+from lockstep.layers.sampler import Sampler, TokenLogprobs
 from lockstep.models.loader import load_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,7 +36,7 @@ class ModelRunner:
     ``num_kv_blocks`` filled in (from the model and from memory when they were None).
     """
 
-    def __init__(self, config: EngineConfig, batch_invariant: bool = True) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         if config.model is None:
             raise ValueError("ModelRunner needs config.model, a checkpoint folder")
         self.device = resolve_device(config.device)
@@ -46,7 +45,7 @@ class ModelRunner:
             config.model,
             dtype=dtype,
             device=self.device,
-            batch_invariant=batch_invariant,
+            kernels=config.kernels,
             max_model_len=config.max_model_len,
         )
         limit = self.model.config.max_position_embeddings
@@ -61,7 +60,7 @@ class ModelRunner:
         self.config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
         self.block_size = config.block_size
         self.kv_caches = self.model.allocate_kv_cache(num_kv_blocks, config.block_size)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.model.kernels.log_softmax)
 
     @property
     def vocab_size(self) -> int:
@@ -78,39 +77,6 @@ class ModelRunner:
         else:
             budget = CPU_KV_CACHE_BYTES
         return max(one_seq, min(most, budget // per_block))
-
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        starts = [0]
-        sample_rows: list[int] = []
-        for e in batch.entries:
-            table = e.seq.block_table
-            input_ids += e.token_ids
-            positions += range(e.start, e.end)
-            slots += [table[p // bs] * bs + p % bs for p in range(e.start, e.end)]
-            seq_lens.append(e.end)
-            starts.append(starts[-1] + e.num_new_tokens)
-            if e.sample:
-                sample_rows.append(starts[-1] - 1)
-        width = max(-(-n // bs) for n in seq_lens)
-        tables = [e.seq.block_table[:width] + [0] * (width - min(width, len(e.seq.block_table))) for e in batch.entries]
-        dev = self.device
-
-        def as_tensor(xs: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.tensor(xs, dtype=dtype).to(dev, non_blocking=True)
-
-        attn = AttentionMetadata(
-            slot_mapping=as_tensor(slots, torch.int64),
-            block_tables=as_tensor(tables),
-            seq_lens=as_tensor(seq_lens),
-            query_start_loc=as_tensor(starts),
-            kv_caches=self.kv_caches,
-        )
-        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), attn, sample_rows
 
     @torch.inference_mode()
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -136,15 +102,18 @@ class ModelRunner:
         return [name for name, _, _ in todo]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, seeds: list[int | None]) -> tuple[list[int], list[TokenLogprobs]]:
-        """Run one step. ``seeds`` holds one seed per sampling entry (None for greedy), in batch order."""
+    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprobs]]:
+        """Run one step: a token and its logprobs for each entry that samples, in batch order."""
         if not batch:
             return [], []
-        input_ids, positions, attn, sample_rows = self._prepare(batch)
+        flat = flatten_batch(((e.token_ids, e.start, e.seq.block_table) for e in batch.entries), self.block_size)
+        input_ids, positions, attn = flat.to(self.device, self.kv_caches)
         hidden = self.model(input_ids, positions, attn)  # [num_tokens, hidden_size]
-        if not sample_rows:
+        samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
+        if not samplers:
             return [], []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        samplers = [e for e in batch.entries if e.sample]
-        histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e in samplers]
-        return self.sampler(logits, [e.seq.params for e in samplers], seeds, [e.end for e in samplers], histories)
+        rows = torch.tensor([row for _, row in samplers], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        params = [e.seq.params for e, _ in samplers]
+        histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e, _ in samplers]
+        return self.sampler(logits, params, [e.end for e, _ in samplers], histories)

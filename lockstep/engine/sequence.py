@@ -1,8 +1,8 @@
 """One request as the engine sees it: its tokens, where its KV lives, and how far it has got."""
 
-from dataclasses import dataclass
 from enum import Enum
 
+from lockstep.layers.sampler import TokenLogprobs
 from lockstep.sampling_params import SamplingParams
 
 
@@ -18,17 +18,6 @@ class FinishReason(str, Enum):
     STOP = "stop"  # EOS, a stop token id, or a stop string (the engine detects those)
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Logprobs for one generated token: the sampled token's own, then the top-``n`` alternatives.
-
-    ``top`` holds ``(token_id, logprob)`` pairs, highest logprob first, ties broken by the lower token id.
-    """
-
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 class Sequence:

@@ -17,12 +17,6 @@ _ATEN_GRAIN = 32768
 _SIMD_STEP = 64
 
 
-def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate) * up`` in one call: torch's default, batch-dependent on the CPU."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def _cpu_tile(width: int) -> tuple[int, int]:
     """(rows, padded width) of the one shape the CPU path calls ATen on."""
     padded = -(-width // _SIMD_STEP) * _SIMD_STEP

@@ -1,12 +1,15 @@
-"""The kernel set a model runs on, chosen once when the model is built.
+"""Kernel sets: the ops a model runs on, chosen by name once when the model is built.
 
-``INVARIANT`` is lockstep's contract: every reduction in ``lockstep.ops`` combines one output element's terms in
-an order fixed by the reduction length alone. ``DEFAULT`` runs the same model on torch's fast kernels
-(``F.linear``, ``F.rms_norm``, SDPA over K/V gathered from the paged cache): the negative control that shows the
-batch changing the bits, and the speed baseline. Layers call ``self.kernels.<op>``; nothing in the forward pass
-branches on the mode.
+``invariant`` is lockstep's contract: every reduction in ``lockstep.ops`` combines one output element's terms in
+an order fixed by the reduction length alone. ``default`` runs the same model on torch's fast kernels
+(``layers.torch_kernels``): the negative control that shows the batch changing the bits, and the speed
+baseline. ``torch-linear`` mixes the two (torch's matmul, norm and activation, lockstep's attention) to price
+invariance outside attention. Layers call ``self.kernels.<op>``; nothing in the forward pass branches on the set.
+
+Register another set with ``register_kernels``; ``EngineConfig.kernels`` and ``LLM(kernels=...)`` take its name.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,9 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from lockstep import ops
-from lockstep.layers.activation import silu_and_mul, torch_silu_and_mul
-from lockstep.layers.attention import torch_paged_attention, torch_write_kv
-from lockstep.layers.norm import torch_rms_norm
+from lockstep.layers import torch_kernels
+from lockstep.layers.activation import silu_and_mul
 
 if TYPE_CHECKING:
     from lockstep.layers.attention import AttentionMetadata
@@ -27,7 +29,7 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class Kernels:
-    """The ops a Llama-family forward needs.
+    """The ops a Llama-family forward and its sampler need.
 
     - ``linear(x, weight, bias)``: ``x: [n, K]``, ``weight: [N, K]``, ``bias: [N] | None`` -> ``[n, N]``.
     - ``rms_norm(x, weight, eps, residual)``: ``out``, or ``(out, x + residual)`` when ``residual`` is given.
@@ -35,18 +37,19 @@ class Kernels:
     - ``write_kv(k, v, k_cache, v_cache, slot_mapping)``: scatter new K/V into one layer's paged cache.
     - ``attention(q, k_cache, v_cache, attn, scale)``: causal GQA over the cache,
       ``q: [num_tokens, num_heads, head_dim]`` -> same shape.
+    - ``log_softmax(logits)``: ``[n, vocab]`` -> fp32 logprobs, the sampler's and the RL trainer's.
+
+    ``batch_invariant`` says whether the set keeps the contract (a row's bits never depend on its batch).
     """
 
     name: str
+    batch_invariant: bool
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]
     rms_norm: Callable[[Tensor, Tensor, float, Tensor | None], Tensor | tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]
     write_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
     attention: Callable[[Tensor, Tensor, Tensor, "AttentionMetadata", float], Tensor]
-
-    @property
-    def batch_invariant(self) -> bool:
-        return self is INVARIANT
+    log_softmax: Callable[[Tensor], Tensor]
 
 
 def _invariant_attention(  # adapts ops.paged_attention to the metadata object
@@ -55,23 +58,55 @@ def _invariant_attention(  # adapts ops.paged_attention to the metadata object
     return ops.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale)
 
 
-INVARIANT = Kernels(
-    name="invariant",
-    linear=ops.linear,
-    rms_norm=ops.rms_norm,
-    silu_and_mul=silu_and_mul,
-    write_kv=ops.write_kv,
-    attention=_invariant_attention,
-)
-DEFAULT = Kernels(
-    name="default",
-    linear=F.linear,
-    rms_norm=torch_rms_norm,
-    silu_and_mul=torch_silu_and_mul,
-    write_kv=torch_write_kv,
-    attention=torch_paged_attention,
-)
+_REGISTRY: dict[str, Kernels] = {}
 
 
-def get_kernels(batch_invariant: bool) -> Kernels:
-    return INVARIANT if batch_invariant else DEFAULT
+def register_kernels(kernels: Kernels) -> Kernels:
+    """Make ``kernels`` available by its name (``get_kernels(kernels.name)``); returns it. A name is taken once."""
+    if not isinstance(kernels, Kernels):
+        raise TypeError(f"register_kernels takes a Kernels, got {kernels!r}")
+    if kernels.name in _REGISTRY and _REGISTRY[kernels.name] is not kernels:
+        raise ValueError(f"a kernel set named {kernels.name!r} is already registered")
+    _REGISTRY[kernels.name] = kernels
+    return kernels
+
+
+def get_kernels(name: str) -> Kernels:
+    """The kernel set registered as ``name``; ValueError naming the registered ones otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown kernel set {name!r}; registered: {', '.join(kernel_set_names())}") from None
+
+
+def kernel_set_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+INVARIANT = register_kernels(
+    Kernels(
+        name="invariant",
+        batch_invariant=True,
+        linear=ops.linear,
+        rms_norm=ops.rms_norm,
+        silu_and_mul=silu_and_mul,
+        write_kv=ops.write_kv,
+        attention=_invariant_attention,
+        log_softmax=ops.log_softmax,
+    )
+)
+DEFAULT = register_kernels(
+    Kernels(
+        name="default",
+        batch_invariant=False,
+        linear=F.linear,
+        rms_norm=torch_kernels.torch_rms_norm,
+        silu_and_mul=torch_kernels.torch_silu_and_mul,
+        write_kv=torch_kernels.torch_write_kv,
+        attention=torch_kernels.torch_paged_attention,
+        log_softmax=torch_kernels.torch_log_softmax,
+    )
+)
+TORCH_LINEAR = register_kernels(
+    dataclasses.replace(DEFAULT, name="torch-linear", write_kv=INVARIANT.write_kv, attention=INVARIANT.attention)
+)

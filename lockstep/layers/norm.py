@@ -3,24 +3,10 @@
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
     from lockstep.layers.kernels import Kernels
-
-
-def torch_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """torch's fused ``F.rms_norm`` with HF's rounding: normalize in fp32, round to the input dtype, then scale.
-
-    With ``residual`` it returns ``(rms_norm(x + residual), x + residual)``, the sum taken in the input dtype.
-    """
-    if residual is not None:
-        x = x + residual
-    out = weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return out if residual is None else (out, x)
 
 
 class RMSNorm(nn.Module):

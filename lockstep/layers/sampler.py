@@ -20,11 +20,12 @@ computes its vector-width tail with scalar code, and which elements fall in the 
 """
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from lockstep import ops
-from lockstep.engine.sequence import TokenLogprobs
 from lockstep.sampling_params import SamplingParams
 
 # Devices whose temperature rows without top-p share calls (the module docstring says why not the CPU), at most
@@ -35,6 +36,17 @@ _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs for one generated token: the sampled token's own, then the top-``n`` alternatives.
+
+    ``top`` holds ``(token_id, logprob)`` pairs, highest logprob first, ties broken by the lower token id.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 def _as_signed(x: int) -> int:
@@ -137,11 +149,10 @@ def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
     return x.masked_fill(probs < sorted_probs[num_kept - 1], float("-inf"))
 
 
-def _gumbel_max(
-    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None], positions: list[int]
-) -> list[int]:
-    """Tokens for ``logits: [rows, V]`` fp32 at temperature > 0; the module docstring says which rows may share
-    a call (top-p only ever comes one row at a time)."""
+def _gumbel_max(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    """Tokens for ``logits: [rows, V]`` fp32 at temperature > 0, each row's noise from its ``params.seed``; the
+    module docstring says which rows may share a call (top-p only ever comes one row at a time)."""
+    seeds = [p.seed for p in params]
     if any(s is None for s in seeds):
         raise ValueError("sampling with temperature > 0 needs a seed (the engine draws one per request)")
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
@@ -177,36 +188,37 @@ def adjust_row(logits: torch.Tensor, params: SamplingParams, token_ids: list[int
     return x
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int | None, position: int) -> int:
+def sample_row(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     """The token for one row of fp32 logits ``[V]`` (already adjusted: penalties and bias are ``Sampler``'s work).
-    ``seed`` is required when ``params.temperature > 0``."""
+    ``params.seed`` is required when ``params.temperature > 0``."""
     if params.greedy:
         return int(argmax_lowest(logits))
-    return _gumbel_max(logits[None], [params], [seed], [position])[0]
+    return _gumbel_max(logits[None], [params], [position])[0]
 
 
 class Sampler:
     """Samples one token per logits row and reports its logprobs.
 
-    ``__call__(logits, params, seeds, positions, histories)`` with ``logits: [num_rows, vocab]`` fp32 and one
-    entry per row in the lists; ``positions[i]`` is the index, in its sequence, of the token row ``i`` samples;
-    ``histories[i]`` is ``(token_ids, num_prompt_tokens)`` of row ``i``'s sequence (needed only when a row has
-    penalties). Returns the token ids and a ``TokenLogprobs`` per row.
+    ``__call__(logits, params, positions, histories)`` with ``logits: [num_rows, vocab]`` fp32 and one entry per
+    row in the lists; a sampled row's noise comes from ``params[i].seed``; ``positions[i]`` is the index, in its
+    sequence, of the token row ``i`` samples; ``histories[i]`` is ``(token_ids, num_prompt_tokens)`` of row
+    ``i``'s sequence (needed only when a row has penalties). Returns the token ids and a ``TokenLogprobs`` per
+    row. Logprobs come from ``log_softmax`` (the kernel set's; default ``ops.log_softmax``).
     """
+
+    def __init__(self, log_softmax: Callable[[torch.Tensor], torch.Tensor] = ops.log_softmax) -> None:
+        self.log_softmax = log_softmax
 
     def __call__(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        seeds: list[int | None],
         positions: list[int],
         histories: list[tuple[list[int], int]] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs]]:
         num_rows = logits.shape[0]
-        if logits.dim() != 2 or not len(params) == len(seeds) == len(positions) == num_rows:
-            raise ValueError(
-                f"logits {tuple(logits.shape)} for {len(params)} params, {len(seeds)} seeds, {len(positions)} positions"
-            )
+        if logits.dim() != 2 or not len(params) == len(positions) == num_rows:
+            raise ValueError(f"logits {tuple(logits.shape)} for {len(params)} params, {len(positions)} positions")
         if num_rows == 0:
             return [], []
         logits = logits.float()
@@ -237,13 +249,11 @@ class Sampler:
         chunks = [together[j : j + ROWS_PER_CALL] for j in range(0, len(together), ROWS_PER_CALL)]
         for rows in chunks + alone:
             index = torch.tensor(rows, device=logits.device)
-            tokens = _gumbel_max(
-                scores[index], [params[i] for i in rows], [seeds[i] for i in rows], [positions[i] for i in rows]
-            )
+            tokens = _gumbel_max(scores[index], [params[i] for i in rows], [positions[i] for i in rows])
             for i, t in zip(rows, tokens, strict=True):
                 token_ids[i] = t
 
-        logprobs = ops.log_softmax(logits)  # [num_rows, vocab] fp32
+        logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
         chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
         max_top = max((p.logprobs or 0) for p in params)
         top_ids = top_vals = None

@@ -6,8 +6,9 @@ A forward takes every scheduled token of every sequence at once, prefill chunks 
 belongs to and where its K/V live in the paged cache. It returns the final (normed) hidden states for every
 token; ``compute_logits`` applies the LM head to just the rows the caller wants.
 
-All arithmetic runs through the ``Kernels`` set picked at construction: ``INVARIANT`` (lockstep.ops, the bits of
-a token's output depend only on its own sequence) or ``DEFAULT`` (torch's kernels, for comparison).
+All arithmetic runs through the kernel set picked at construction (``layers.kernels``): "invariant"
+(lockstep.ops, the bits of a token's output depend only on its own sequence), "default" (torch's kernels, for
+comparison), or any other registered set.
 """
 
 from dataclasses import dataclass
@@ -237,19 +238,20 @@ class LlamaForCausalLM(nn.Module):
         self,
         config: ModelConfig,
         *,
-        batch_invariant: bool = True,
+        kernels: str | Kernels = "invariant",
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
     ):
-        """``max_model_len`` caps the positions the rotary table covers (default: the config's maximum)."""
+        """``kernels`` is a kernel set or its registered name (``layers.kernels``); ``max_model_len`` caps the
+        positions the rotary table covers (default: the config's maximum)."""
         super().__init__()
         dtype = dtype or config.dtype
         if dtype not in _DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; expected one of {list(_DTYPES.values())}")
         max_position = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.config = config
-        self.kernels = get_kernels(batch_invariant)
+        self.kernels = kernels if isinstance(kernels, Kernels) else get_kernels(kernels)
         self.dtype = dtype
         self.max_model_len = max_position
         self.model = LlamaModel(config, self.kernels, dtype, device, max_position)

@@ -96,11 +96,11 @@ def load_model(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
-    batch_invariant: bool = True,
+    kernels: str = "invariant",
     max_model_len: int | None = None,
 ) -> LlamaForCausalLM:
     """Build the model a checkpoint folder describes and load its weights, converted to ``dtype`` (default: the
-    checkpoint's ``dtype``/``torch_dtype``). ``batch_invariant=False`` runs on torch's default kernels instead."""
+    checkpoint's ``dtype``/``torch_dtype``), on the kernel set registered as ``kernels`` (``layers.kernels``)."""
     folder = _folder(path)
     config = read_config(folder)
     files = weight_files(folder)
@@ -110,9 +110,7 @@ def load_model(
         # A checkpoint without a head shares the embedding (what transformers does too).
         config = dataclasses.replace(config, tie_word_embeddings=True)
 
-    model = LlamaForCausalLM(
-        config, batch_invariant=batch_invariant, dtype=dtype, device=device, max_model_len=max_model_len
-    )
+    model = LlamaForCausalLM(config, kernels=kernels, dtype=dtype, device=device, max_model_len=max_model_len)
     slots = model.checkpoint_tensors()
     loaded: set[str] = set()
     for file, names in names_by_file.items():

@@ -12,12 +12,9 @@ size or packing.
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.attention import AttentionMetadata, flatten_batch
 from lockstep.models.llama import LlamaForCausalLM
-from lockstep.ops import autograd
-from lockstep.rl.policy import TRAINABLE
 
 __all__ = ["micro_batches", "token_logprobs"]
 
@@ -54,38 +51,16 @@ def micro_batches(
 def _pack(
     model: LlamaForCausalLM, seqs: list[list[int]], block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """One flattened prefill of ``seqs`` over a fresh, zeroed paged cache that holds exactly them."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    starts = [0]
-    tables: list[list[int]] = []
+    """One flattened prefill of ``seqs`` over a fresh, zeroed paged cache that holds exactly them, laid out by the
+    engine's own ``flatten_batch``."""
+    tables: list[range] = []
     next_block = 0
     for tokens in seqs:
-        n = len(tokens)
-        num_blocks = -(-n // block_size)
-        table = list(range(next_block, next_block + num_blocks))
+        num_blocks = -(-len(tokens) // block_size)
+        tables.append(range(next_block, next_block + num_blocks))
         next_block += num_blocks
-        input_ids += tokens
-        positions += range(n)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(n)]
-        starts.append(starts[-1] + n)
-        tables.append(table)
-    width = max(len(t) for t in tables)
-    tables = [t + [0] * (width - len(t)) for t in tables]
-    dev = model.device
-
-    def as_tensor(xs: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.tensor(xs, dtype=dtype, device=dev)
-
-    attn = AttentionMetadata(
-        slot_mapping=as_tensor(slots, torch.int64),
-        block_tables=as_tensor(tables),
-        seq_lens=as_tensor([len(s) for s in seqs]),
-        query_start_loc=as_tensor(starts),
-        kv_caches=model.allocate_kv_cache(next_block, block_size),
-    )
-    return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), attn
+    flat = flatten_batch(zip(seqs, [0] * len(seqs), tables, strict=True), block_size)
+    return flat.to(model.device, model.allocate_kv_cache(next_block, block_size))
 
 
 def _micro_batch_logprobs(
@@ -102,10 +77,7 @@ def _micro_batch_logprobs(
         offset += len(s)
     targets = torch.tensor([t for c in completions for t in c], dtype=torch.int64, device=model.device)
     logits = model.lm_head(hidden[torch.tensor(rows, device=model.device)])  # [num_completion_tokens, vocab] fp32
-    if model.kernels is TRAINABLE:
-        logprobs = autograd.log_softmax(logits)
-    else:  # torch's kernels: the usual trainer's log_softmax
-        logprobs = F.log_softmax(logits, dim=-1)
+    logprobs = model.kernels.log_softmax(logits)  # TRAINABLE's: the engine's with autograd
     chosen = logprobs.gather(1, targets[:, None])[:, 0]
     return list(chosen.split([len(c) for c in completions]))
 

@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 
 from lockstep.layers.activation import silu_and_mul as _silu_and_mul
-from lockstep.layers.attention import torch_write_kv
-from lockstep.layers.kernels import INVARIANT, Kernels
+from lockstep.layers.kernels import INVARIANT, Kernels, get_kernels
 from lockstep.models.llama import LlamaForCausalLM
 from lockstep.models.loader import load_model
 from lockstep.ops import autograd
@@ -45,11 +44,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 TRAINABLE = Kernels(
     name="invariant-trainable",
+    batch_invariant=True,
     linear=autograd.linear,
     rms_norm=autograd.rms_norm,
     silu_and_mul=silu_and_mul,
-    write_kv=torch_write_kv,  # index_copy_ into the cache: exact, and recorded by autograd
+    write_kv=get_kernels("default").write_kv,  # index_copy_ into the cache: exact, and recorded by autograd
     attention=attention.paged_attention,
+    log_softmax=autograd.log_softmax,
 )
 
 
@@ -76,5 +77,6 @@ def load_policy(
     max_model_len: int | None = None,
 ) -> LlamaForCausalLM:
     """Load a checkpoint folder as a trainable policy (see ``make_trainable``)."""
-    model = load_model(path, dtype=dtype, device=device, batch_invariant=batch_invariant, max_model_len=max_model_len)
+    kernels = "invariant" if batch_invariant else "default"
+    model = load_model(path, dtype=dtype, device=device, kernels=kernels, max_model_len=max_model_len)
     return make_trainable(model)

@@ -534,8 +534,8 @@ def create_state(
         name = served_model_name or "SmolLM2-135M-Instruct"
     else:
         name = served_model_name or Path(model).resolve().name
-    config = EngineConfig(model=model, dtype=dtype, device=device, **engine_kwargs)
-    engine = LLMEngine(config, batch_invariant=batch_invariant)
+    config = EngineConfig(model=model, dtype=dtype, device=device, batch_invariant=batch_invariant, **engine_kwargs)
+    engine = LLMEngine(config)
     dev = engine.runner.device
     device_name = f"cuda:{torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else "cpu"
     parts = {
@@ -543,7 +543,7 @@ def create_state(
         "lockstep": lockstep.__version__,
         "device": device_name,
         "dtype": str(engine.runner.model.dtype).removeprefix("torch."),
-        "kernels": "batch_invariant" if batch_invariant else "torch_default",
+        "kernels": engine.runner.model.kernels.name,
     }
     tokenizer = load_tokenizer(model) if engine.tokenizer is not None else None
     return ServerState(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.attention import flatten_batch
 from lockstep.models.llama import LlamaForCausalLM
 
 
@@ -29,36 +29,20 @@ class PagedRunner:
         self.kv_caches = self.model.allocate_kv_cache(self.num_blocks, self.block_size)
         self.free = list(self.block_order if self.block_order is not None else range(self.num_blocks))
 
-    def _slot(self, seq: str, pos: int) -> int:
+    def _table(self, seq: str, num_tokens: int) -> list[int]:
         table = self.tables.setdefault(seq, [])
-        while len(table) <= pos // self.block_size:
+        while len(table) * self.block_size < num_tokens:
             table.append(self.free.pop(0))
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return table
 
     def forward(self, chunks: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
-        """Run ``(seq_id, new_token_ids, start_position)`` chunks as one flattened batch.
-
-        Returns each chunk's final hidden states, ``[len(new_token_ids), hidden_size]``.
+        """Run ``(seq_id, new_token_ids, start_position)`` chunks as one flattened batch, laid out by the engine's
+        ``flatten_batch``. Returns each chunk's final hidden states, ``[len(new_token_ids), hidden_size]``.
         """
-        device = self.model.device
-        ids, positions, slots, starts, lens = [], [], [], [0], []
-        for seq, tokens, start in chunks:
-            ids += tokens
-            positions += range(start, start + len(tokens))
-            slots += [self._slot(seq, p) for p in range(start, start + len(tokens))]
-            starts.append(starts[-1] + len(tokens))
-            lens.append(start + len(tokens))
-        width = max(len(self.tables[seq]) for seq, _, _ in chunks)
-        tables = [self.tables[seq] + [0] * (width - len(self.tables[seq])) for seq, _, _ in chunks]
-        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)
-        attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=as_int(tables),
-            seq_lens=as_int(lens),
-            query_start_loc=as_int(starts),
-            kv_caches=self.kv_caches,
-        )
-        hidden = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), attn)
+        layout = [(tokens, start, self._table(seq, start + len(tokens))) for seq, tokens, start in chunks]
+        flat = flatten_batch(layout, self.block_size)
+        hidden = self.model(*flat.to(self.model.device, self.kv_caches))
+        starts = flat.query_start_loc
         return [hidden[starts[i] : starts[i + 1]] for i in range(len(chunks))]
 
     def prefill_logits(self, seq: str, tokens: list[int]) -> torch.Tensor:

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lockstep.layers.attention import AttentionMetadata, torch_write_kv
+from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.torch_kernels import torch_write_kv
 from lockstep.ops import autograd
 from lockstep.rl import attention, load_policy, token_logprobs
 from lockstep.rl.policy import silu_and_mul

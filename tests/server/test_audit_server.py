@@ -61,7 +61,7 @@ def test_audit_cli_with_expect_deterministic(server: Server, tmp_path) -> None:
 
 def test_auditor_against_default_kernels_reports_what_it_finds(default_kernels_server: Server) -> None:
     s = default_kernels_server
-    assert json.loads(__import__("httpx").get(s.url + "/health").text)["kernels"] == "torch_default"
+    assert json.loads(__import__("httpx").get(s.url + "/health").text)["kernels"] == "default"
     cfg = AuditConfig(prompt="audit me", n=48, concurrency=(1, 48), max_tokens=10, filler=16)
     report = asyncio.run(audit_endpoint(s.base_url, None, cfg, progress=False))
     overall = report["overall"]

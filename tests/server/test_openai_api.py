@@ -92,7 +92,7 @@ def test_models_and_health(server: Server) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == [server.model]
     health = httpx.get(server.url + "/health").json()
-    assert health["status"] == "ok" and health["kernels"] == "batch_invariant" and health["device"] == "cpu"
+    assert health["status"] == "ok" and health["kernels"] == "invariant" and health["device"] == "cpu"
 
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.8, 1234)])

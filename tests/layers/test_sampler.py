@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import random
 
@@ -17,6 +18,14 @@ from lockstep.layers.sampler import (
 from lockstep.sampling_params import SamplingParams
 
 VOCABS = (1, 3, 17, 127, 1000)
+
+
+def sample(x: torch.Tensor, params: SamplingParams, seed: int | None, position: int) -> int:
+    return sample_row(x, dataclasses.replace(params, seed=seed), position)
+
+
+def seeded(params: list[SamplingParams], seeds: list[int | None]) -> list[SamplingParams]:
+    return [dataclasses.replace(p, seed=s) for p, s in zip(params, seeds, strict=True)]
 
 
 def logits_batch(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -43,7 +52,7 @@ def test_greedy_ties_go_to_lowest_id(vocab: int) -> None:
     assert argmax_lowest(x).tolist() == [vocab // 2] * 5
     x[2, 0] = x.max() + 1
     assert argmax_lowest(x).tolist()[2] == 0
-    ids, _ = Sampler()(x, [SamplingParams(temperature=0)] * 5, [None] * 5, [0] * 5)
+    ids, _ = Sampler()(x, [SamplingParams(temperature=0)] * 5, [0] * 5)
     assert ids == argmax_lowest(x).tolist()
 
 
@@ -56,24 +65,25 @@ def test_seeded_noise_is_a_pure_function_of_seed_and_position() -> None:
     ]
     seeds = [100 + i for i in range(rows)]
     positions = [7 * i for i in range(rows)]
-    ids, lps = Sampler()(x, params, seeds, positions)
+    params = seeded(params, seeds)
+    ids, lps = Sampler()(x, params, positions)
     # Any row order, any sub-batch, alone: the same token and the same logprob bits.
     perm = list(range(rows))
     random.Random(0).shuffle(perm)
-    pids, plps = Sampler()(x[perm], [params[i] for i in perm], [seeds[i] for i in perm], [positions[i] for i in perm])
+    pids, plps = Sampler()(x[perm], [params[i] for i in perm], [positions[i] for i in perm])
     for j, i in enumerate(perm):
         assert pids[j] == ids[i] and plps[j] == lps[i]
     for i in range(rows):
-        one_id, one_lp = Sampler()(x[i : i + 1].clone(), [params[i]], [seeds[i]], [positions[i]])
+        one_id, one_lp = Sampler()(x[i : i + 1].clone(), [params[i]], [positions[i]])
         assert one_id == [ids[i]] and one_lp == [lps[i]]
-        assert sample_row(x[i].clone(), params[i], seeds[i], positions[i]) == ids[i]
+        assert sample_row(x[i].clone(), params[i], positions[i]) == ids[i]
 
 
 def test_different_seeds_and_positions_differ() -> None:
     x = torch.zeros(1000)  # uniform: the sample is decided by the noise alone
     p = SamplingParams(temperature=1.0)
-    by_seed = {sample_row(x, p, s, 0) for s in range(50)}
-    by_pos = {sample_row(x, p, 1, pos) for pos in range(50)}
+    by_seed = {sample(x, p, s, 0) for s in range(50)}
+    by_pos = {sample(x, p, 1, pos) for pos in range(50)}
     assert len(by_seed) > 40 and len(by_pos) > 40
     assert not torch.equal(gumbel_noise(1, 2, 64), gumbel_noise(1, 3, 64))
     assert not torch.equal(gumbel_noise(1, 2, 64), gumbel_noise(2, 2, 64))
@@ -84,7 +94,7 @@ def test_gumbel_max_matches_the_distribution() -> None:
     x = torch.tensor([0.0, 1.0, 2.0, -1.0])
     p = SamplingParams(temperature=0.7)
     n = 4000
-    counts = torch.bincount(torch.tensor([sample_row(x, p, s, 3) for s in range(n)]), minlength=4).double()
+    counts = torch.bincount(torch.tensor([sample(x, p, s, 3) for s in range(n)]), minlength=4).double()
     expected = torch.softmax(x.double() / 0.7, 0) * n
     assert ((counts - expected).abs() / expected.sqrt()).max() < 4.5
 
@@ -94,7 +104,7 @@ def test_top_k_and_top_p_restrict_the_support(vocab: int) -> None:
     x = logits_batch(1, vocab, seed=vocab)[0]
     order = torch.argsort(x.double(), descending=True, stable=True).tolist()
     k = max(1, vocab // 4)
-    samples = {sample_row(x, SamplingParams(temperature=2.0, top_k=k), s, 0) for s in range(300)}
+    samples = {sample(x, SamplingParams(temperature=2.0, top_k=k), s, 0) for s in range(300)}
     assert samples <= set(order[:k])
     if vocab >= 17:
         assert len(samples) > 1
@@ -102,16 +112,16 @@ def test_top_k_and_top_p_restrict_the_support(vocab: int) -> None:
     probs = torch.softmax(x.double() / 2.0, 0)
     cum = torch.cumsum(probs[order], 0)
     head = int((cum < 0.5).sum()) + 1
-    samples = {sample_row(x, SamplingParams(temperature=2.0, top_p=0.5), s, 0) for s in range(300)}
+    samples = {sample(x, SamplingParams(temperature=2.0, top_p=0.5), s, 0) for s in range(300)}
     assert samples <= set(order[:head])
-    assert sample_row(x, SamplingParams(temperature=2.0, top_p=1e-9), 5, 0) == order[0]
+    assert sample(x, SamplingParams(temperature=2.0, top_p=1e-9), 5, 0) == order[0]
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_logprobs_match_fp64_reference(vocab: int) -> None:
     x = logits_batch(4, vocab, seed=1)
     params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=1.0, logprobs=0)] * 2
-    ids, lps = Sampler()(x, params, [None, 1, None, 2], [3, 4, 5, 6])
+    ids, lps = Sampler()(x, seeded(params, [None, 1, None, 2]), [3, 4, 5, 6])
     ref = torch.log_softmax(x.double(), -1)
     for i in range(4):
         assert math.isclose(lps[i].logprob, ref[i, ids[i]].item(), rel_tol=1e-5, abs_tol=1e-5)
@@ -126,13 +136,13 @@ def test_logprobs_match_fp64_reference(vocab: int) -> None:
 def test_top_logprob_ties_go_to_lower_id() -> None:
     x = torch.zeros(1, 10)
     x[0, 7] = 1.0
-    _, lps = Sampler()(x, [SamplingParams(temperature=0, logprobs=4)], [None], [0])
+    _, lps = Sampler()(x, [SamplingParams(temperature=0, logprobs=4)], [0])
     assert [t for t, _ in lps[0].top] == [7, 0, 1, 2]
 
 
 def test_sampling_needs_a_seed() -> None:
     with pytest.raises(ValueError, match="seed"):
-        sample_row(torch.zeros(5), SamplingParams(temperature=1.0), None, 0)
+        sample(torch.zeros(5), SamplingParams(temperature=1.0), None, 0)
 
 
 @pytest.mark.parametrize("vocab", (3, 127, 1000))
@@ -151,14 +161,15 @@ def test_rows_sampled_together_equal_rows_alone(vocab: int, monkeypatch: pytest.
     ]
     seeds = [1000 + 7 * i for i in range(rows)]
     positions = [i * 13 % 50 for i in range(rows)]
-    alone = [sample_row(x[i].clone(), params[i], seeds[i], positions[i]) for i in range(rows)]
+    alone = [sample(x[i].clone(), params[i], seeds[i], positions[i]) for i in range(rows)]
     monkeypatch.setattr(sampler, "BATCHED_DEVICES", ("cpu", "cuda"))
     monkeypatch.setattr(sampler, "ROWS_PER_CALL", 5)  # several calls, the last one short
-    together, _ = Sampler()(x, params, seeds, positions)
+    params = seeded(params, seeds)
+    together, _ = Sampler()(x, params, positions)
     assert together == alone
     perm = list(range(rows))
     random.Random(vocab).shuffle(perm)
-    shuffled, _ = Sampler()(x[perm], [params[i] for i in perm], [seeds[i] for i in perm], [positions[i] for i in perm])
+    shuffled, _ = Sampler()(x[perm], [params[i] for i in perm], [positions[i] for i in perm])
     assert shuffled == [alone[i] for i in perm]
 
 
@@ -189,20 +200,20 @@ def test_penalties_and_bias_match_an_fp64_reference(vocab: int) -> None:
 def test_penalties_steer_the_choice_but_logprobs_stay_raw() -> None:
     x = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     history = [([3, 1, 1], 1)]  # prompt [3], output [1, 1]
-    raw_ids, raw_lps = Sampler()(x, [SamplingParams(temperature=0, logprobs=4)], [None], [3], history)
+    raw_ids, raw_lps = Sampler()(x, [SamplingParams(temperature=0, logprobs=4)], [3], history)
     assert raw_ids == [1]
-    ids, lps = Sampler()(x, [SamplingParams(temperature=0, logprobs=4, frequency_penalty=2.0)], [None], [3], history)
+    ids, lps = Sampler()(x, [SamplingParams(temperature=0, logprobs=4, frequency_penalty=2.0)], [3], history)
     assert ids == [3]  # token 1 drops to 3 - 2 * 2 = -1; token 3 (only in the prompt) keeps 2
     assert lps[0].top == raw_lps[0].top  # the same raw distribution
-    ids, _ = Sampler()(x, [SamplingParams(temperature=0, logit_bias={0: 10.0})], [None], [3], history)
+    ids, _ = Sampler()(x, [SamplingParams(temperature=0, logit_bias={0: 10.0})], [3], history)
     assert ids == [0]
     with pytest.raises(ValueError, match="penalties need"):
-        Sampler()(x, [SamplingParams(temperature=0, presence_penalty=1.0)], [None], [3])
+        Sampler()(x, [SamplingParams(temperature=0, presence_penalty=1.0)], [3])
 
 
 def test_min_p_keeps_tokens_within_the_ratio() -> None:
     # Probabilities (T=1) proportional to exp(x): min_p 0.3 keeps tokens with p >= 0.3 * p_max: ids 0 and 1 only.
     x = torch.tensor([2.0, 1.0, 0.0, -1.0]) + 0.5
-    kept = {sample_row(x, SamplingParams(temperature=1.0, min_p=0.3), s, 0) for s in range(300)}
+    kept = {sample(x, SamplingParams(temperature=1.0, min_p=0.3), s, 0) for s in range(300)}
     assert kept == {0, 1}
-    assert {sample_row(x, SamplingParams(temperature=1.0, min_p=1.0), s, 0) for s in range(50)} == {0}
+    assert {sample(x, SamplingParams(temperature=1.0, min_p=1.0), s, 0) for s in range(50)} == {0}

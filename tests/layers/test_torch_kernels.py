@@ -5,8 +5,9 @@ baseline (one SDPA call for all decodes, one per group of same-shape chunks)."""
 import pytest
 import torch
 
-from lockstep.layers import attention
-from lockstep.layers.attention import AttentionMetadata, sdpa_groups, torch_paged_attention
+from lockstep.layers import torch_kernels
+from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.torch_kernels import sdpa_groups, torch_paged_attention
 
 SCALE = 0.17
 
@@ -95,7 +96,7 @@ def test_decodes_share_one_call_and_chunks_group_by_shape():
 
 def test_groups_split_at_the_gather_cap(monkeypatch):
     # 150 key positions of 2 KV heads x 32 fp32 values, for K and V.
-    monkeypatch.setitem(attention.MAX_GATHER_BYTES, "cpu", 150 * 2 * 2 * 32 * 4)
+    monkeypatch.setitem(torch_kernels.MAX_GATHER_BYTES, "cpu", 150 * 2 * 2 * 32 * 4)
     q, k_cache, v_cache, attn, seqs = make_batch(MIXED, 4, 2, 32, 4, torch.float32)
     groups = sdpa_groups(attn, k_cache)
     # Decodes of 37, 1, 130, 5, 17 keys: 2 x 37, then 130 alone (over the cap by itself), then 2 x 17.
