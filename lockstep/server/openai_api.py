@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -64,6 +65,13 @@ def make_fingerprint(parts: dict) -> str:
 
 
 # -- requests to engine requests ---------------------------------------------------------------------------------
+
+
+class ChoiceSpec(NamedTuple):
+    """One engine request of an API call: a prompt's token ids and the sampling params of one of its choices."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
 
 
 async def _parse(request: Request, model: type):
@@ -296,7 +304,7 @@ def build_app(state: ServerState) -> FastAPI:
         prompts = _completion_prompts(state, req)
         max_tokens = [_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts]
         specs = [
-            (p, _params(req, m, req.logprobs, i), len(p))
+            ChoiceSpec(p, _params(req, m, req.logprobs, i))
             for p, m in zip(prompts, max_tokens, strict=True)
             for i in range(req.n)
         ]
@@ -311,7 +319,7 @@ def build_app(state: ServerState) -> FastAPI:
         prompt = _chat_prompt(state, req)
         max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        specs = [(prompt, _params(req, max_tokens, logprobs, i), len(prompt)) for i in range(req.n)]
+        specs = [ChoiceSpec(prompt, _params(req, max_tokens, logprobs, i)) for i in range(req.n)]
         return await _run(state, request, req, specs, chat=True)
 
     return app
@@ -330,13 +338,13 @@ async def _collect(state: ServerState, group, arrival: float) -> dict[str, Reque
     return finals
 
 
-async def _run(state: ServerState, request: Request, req, specs: list, chat: bool) -> Response:
+async def _run(state: ServerState, request: Request, req, specs: list[ChoiceSpec], chat: bool) -> Response:
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
     ids = [f"{response_id}-{i}" for i in range(len(specs))]
     index = {rid: i for i, rid in enumerate(ids)}
     try:
-        group = await state.engine.submit([(rid, s[0], s[1]) for rid, s in zip(ids, specs, strict=True)])
+        group = await state.engine.submit([(rid, s.prompt_ids, s.params) for rid, s in zip(ids, specs, strict=True)])
     except ValueError as e:
         raise APIError(400, str(e)) from None
     arrival = time.perf_counter()
@@ -347,9 +355,9 @@ async def _run(state: ServerState, request: Request, req, specs: list, chat: boo
         "model": state.model_name,
         "system_fingerprint": state.fingerprint,
     }
-    prompt_lens = [s[2] for s in specs]
+    prompt_lens = [len(s.prompt_ids) for s in specs]
     tok = state.tokenizer
-    want_logprobs = specs[0][1].logprobs is not None
+    want_logprobs = specs[0].params.logprobs is not None
 
     if not req.stream:
         collector = asyncio.ensure_future(_collect(state, group, arrival))
@@ -379,7 +387,7 @@ async def _run(state: ServerState, request: Request, req, specs: list, chat: boo
         return JSONResponse(base | {"choices": choices, "usage": _usage(prompt_lens, ordered)})
 
     base["object"] = "chat.completion.chunk" if chat else "text_completion"
-    streams = [_TextStream(tok, s[1].stop) for s in specs]
+    streams = [_TextStream(tok, s.params.stop) for s in specs]
 
     async def events() -> AsyncIterator[bytes]:
         finals: list[RequestOutput] = []
