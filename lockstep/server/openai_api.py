@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.outputs import RequestOutput
 from lockstep.sampling_params import SamplingParams
-from lockstep.server.async_engine import AsyncEngine
+from lockstep.server.async_engine import AsyncEngine, RequestGroup
 from lockstep.server.metrics import Metrics
 from lockstep.server.protocol import (
     APIError,
@@ -240,12 +240,6 @@ def _chat_logprobs(tok, out: RequestOutput, start: int) -> dict:
     return {"content": content}
 
 
-def _usage(prompt_lens: list[int], finals: list[RequestOutput]) -> dict:
-    prompt = sum(prompt_lens)
-    completion = sum(len(o.token_ids) for o in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 def _sse(obj: dict | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
 
@@ -325,115 +319,141 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _collect(state: ServerState, group, arrival: float) -> dict[str, RequestOutput]:
-    """Every request's final output, for a non-streaming reply."""
-    finals: dict[str, RequestOutput] = {}
-    first = True
-    async for out in group:
-        if first:
-            state.metrics.first_token_seconds.observe(time.perf_counter() - arrival)
-            first = False
-        if out.finished:
-            finals[out.request_id] = out
-    return finals
+@dataclass(frozen=True)
+class _Response:
+    """What the reply and the stream of one API call share: its requests, their outputs and how a choice looks."""
+
+    state: ServerState
+    group: RequestGroup
+    id: str
+    request_ids: list[str]  # choice i is request_ids[i]
+    specs: list[ChoiceSpec]
+    chat: bool
+    arrival: float  # perf_counter() when the requests were submitted
+    created: int  # unix time, as OpenAI's "created"
+
+    @property
+    def logprobs(self) -> bool:
+        return self.specs[0].params.logprobs is not None
+
+    def head(self, stream: bool) -> dict:
+        if self.chat:
+            obj = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            obj = "text_completion"  # OpenAI names completion chunks the same as whole completions
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.state.model_name,
+            "system_fingerprint": self.state.fingerprint,
+        }
+
+    def choice(
+        self, index: int, out: RequestOutput, text: str, start: int = 0, offset: int = 0, delta: bool = False
+    ) -> dict:
+        """Choice ``index`` of a reply (``text`` is the whole text), or of a stream chunk (``delta``: ``text`` is
+        the new piece, which begins at character ``offset`` of the choice; logprobs from token ``start`` on)."""
+        tok = self.state.tokenizer
+        if self.chat:
+            lp = _chat_logprobs(tok, out, start) if self.logprobs else None
+            if delta:
+                body = {"delta": {"content": text} if text else {}}
+            else:
+                body = {"message": {"role": "assistant", "content": text}}
+        else:
+            lp = _completion_logprobs(tok, out, start, offset) if self.logprobs else None
+            body = {"text": text}
+        return {"index": index, **body, "logprobs": lp, "finish_reason": out.finish_reason}
+
+    def usage(self, finals: list[RequestOutput]) -> dict:
+        prompt = sum(len(s.prompt_ids) for s in self.specs)
+        completion = sum(len(o.token_ids) for o in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The group's outputs as steps make them, timing the first one and the whole call."""
+        metrics, first = self.state.metrics, True
+        async for out in self.group:
+            if first:
+                metrics.first_token_seconds.observe(time.perf_counter() - self.arrival)
+                first = False
+            yield out
+        metrics.request_seconds.observe(time.perf_counter() - self.arrival)
 
 
-async def _run(state: ServerState, request: Request, req, specs: list[ChoiceSpec], chat: bool) -> Response:
-    kind = "chatcmpl" if chat else "cmpl"
-    response_id = f"{kind}-{uuid.uuid4().hex}"
+async def _run(
+    state: ServerState,
+    request: Request,
+    req: CompletionRequest | ChatCompletionRequest,
+    specs: list[ChoiceSpec],
+    chat: bool,
+) -> Response:
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     ids = [f"{response_id}-{i}" for i in range(len(specs))]
-    index = {rid: i for i, rid in enumerate(ids)}
     try:
         group = await state.engine.submit([(rid, s.prompt_ids, s.params) for rid, s in zip(ids, specs, strict=True)])
     except ValueError as e:
         raise APIError(400, str(e)) from None
-    arrival = time.perf_counter()
-    base = {
-        "id": response_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": state.model_name,
-        "system_fingerprint": state.fingerprint,
-    }
-    prompt_lens = [len(s.prompt_ids) for s in specs]
-    tok = state.tokenizer
-    want_logprobs = specs[0].params.logprobs is not None
+    r = _Response(state, group, response_id, ids, specs, chat, arrival=time.perf_counter(), created=int(time.time()))
+    return _stream(r, req.include_usage) if req.stream else await _reply(r, request)
 
-    if not req.stream:
-        collector = asyncio.ensure_future(_collect(state, group, arrival))
-        while not collector.done():
-            await asyncio.wait({collector}, timeout=DISCONNECT_POLL_SECONDS)
-            if not collector.done() and await request.is_disconnected():
-                collector.cancel()  # leaving the group's iteration aborts its requests and frees their blocks
-                return Response(status_code=499)
-        finals = collector.result()
-        state.metrics.request_seconds.observe(time.perf_counter() - arrival)
-        ordered = [finals[rid] for rid in ids]
-        choices = []
-        for i, out in enumerate(ordered):
-            if chat:
-                lp = _chat_logprobs(tok, out, 0) if want_logprobs else None
-                choices.append(
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": out.text},
-                        "logprobs": lp,
-                        "finish_reason": out.finish_reason,
-                    }
-                )
-            else:
-                lp = _completion_logprobs(tok, out, 0, 0) if want_logprobs else None
-                choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason})
-        return JSONResponse(base | {"choices": choices, "usage": _usage(prompt_lens, ordered)})
 
-    base["object"] = "chat.completion.chunk" if chat else "text_completion"
-    streams = [_TextStream(tok, s.params.stop) for s in specs]
+async def _reply(r: _Response, request: Request) -> Response:
+    """One JSON body once every choice has finished, or 499 if the client leaves first."""
+
+    async def collect() -> dict[str, RequestOutput]:
+        return {out.request_id: out async for out in r.outputs() if out.finished}
+
+    collector = asyncio.ensure_future(collect())
+    while not collector.done():
+        await asyncio.wait({collector}, timeout=DISCONNECT_POLL_SECONDS)
+        if not collector.done() and await request.is_disconnected():
+            collector.cancel()  # leaving the group's iteration aborts its requests and frees their blocks
+            return Response(status_code=499)
+    finals = collector.result()
+    ordered = [finals[rid] for rid in r.request_ids]
+    choices = [r.choice(i, out, out.text) for i, out in enumerate(ordered)]
+    return JSONResponse(r.head(stream=False) | {"choices": choices, "usage": r.usage(ordered)})
+
+
+def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
+    """Server-sent events: a chunk whenever a choice gains text (or logprobs, or finishes), then the usage if asked
+    for, then ``[DONE]``."""
+    head = r.head(stream=True)
+    index = {rid: i for i, rid in enumerate(r.request_ids)}
+    streams = [_TextStream(r.state.tokenizer, s.params.stop) for s in r.specs]
 
     async def events() -> AsyncIterator[bytes]:
         finals: list[RequestOutput] = []
-        first = True
         try:
-            if chat:
-                for i in range(len(specs)):
+            if r.chat:  # a chat stream opens each choice with the assistant's role
+                for i in range(len(r.specs)):
                     delta = {"role": "assistant", "content": ""}
                     yield _sse(
-                        base | {"choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
+                        head | {"choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
                     )
-            async for out in group:
-                if first:
-                    state.metrics.first_token_seconds.observe(time.perf_counter() - arrival)
-                    first = False
+            async for out in r.outputs():
                 i = index[out.request_id]
                 stream = streams[i]
                 start = stream.num_tokens
                 text = stream.delta(out)
                 stream.num_tokens = len(out.token_ids)
-                if not text and not out.finished and not want_logprobs:
+                if not text and not out.finished and not r.logprobs:
                     continue
-                if chat:
-                    lp = _chat_logprobs(tok, out, start) if want_logprobs else None
-                    choice = {
-                        "index": i,
-                        "delta": {"content": text} if text else {},
-                        "logprobs": lp,
-                        "finish_reason": out.finish_reason,
-                    }
-                else:
-                    lp = _completion_logprobs(tok, out, start, len(stream.sent) - len(text)) if want_logprobs else None
-                    choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
                 if out.finished:
                     finals.append(out)
-                yield _sse(base | {"choices": [choice]})
-            state.metrics.request_seconds.observe(time.perf_counter() - arrival)
-            if req.include_usage:
-                yield _sse(base | {"choices": [], "usage": _usage(prompt_lens, finals)})
+                choice = r.choice(i, out, text, start, offset=len(stream.sent) - len(text), delta=True)
+                yield _sse(head | {"choices": [choice]})
+            if include_usage:
+                yield _sse(head | {"choices": [], "usage": r.usage(finals)})
             yield _sse("[DONE]")
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:  # the engine failed mid-stream: tell the client in-band
             yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
         finally:
-            group.abort()  # a client that went away: its requests stop and their KV blocks are freed
+            r.group.abort()  # a client that went away: its requests stop and their KV blocks are freed
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
