@@ -7,14 +7,12 @@ OpenAI-style JSON bodies; nothing a client sends can take the server down.
 """
 
 import asyncio
-import hashlib
 import hmac
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 from fastapi import FastAPI, Request
@@ -25,43 +23,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.outputs import RequestOutput
 from lockstep.sampling_params import SamplingParams
-from lockstep.server.async_engine import AsyncEngine, RequestGroup
-from lockstep.server.metrics import Metrics
+from lockstep.server.async_engine import RequestGroup
 from lockstep.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
 )
+from lockstep.server.state import ServerState
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 # How often a non-streaming request checks that its client is still connected.
 DISCONNECT_POLL_SECONDS = 0.25
-
-
-@dataclass
-class ServerState:
-    engine: AsyncEngine
-    tokenizer: object | None  # the server's own instance: the engine thread uses the engine's
-    model_name: str
-    model_path: str
-    fingerprint: str
-    fingerprint_parts: dict
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-
-    @property
-    def metrics(self) -> Metrics:
-        return self.engine.metrics
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
-
-
-def make_fingerprint(parts: dict) -> str:
-    blob = json.dumps(parts, sort_keys=True).encode()
-    return "fp_" + hashlib.blake2b(blob, digest_size=8).hexdigest()
 
 
 # -- requests to engine requests ---------------------------------------------------------------------------------
@@ -534,49 +506,6 @@ class Gatekeeper:
 
 
 # -- serve -------------------------------------------------------------------------------------------------------
-
-
-def create_state(
-    model: str | None,
-    *,
-    batch_invariant: bool = True,
-    device: str | None = None,
-    dtype: str = "auto",
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    **engine_kwargs,
-) -> ServerState:
-    import torch
-
-    import lockstep
-    from lockstep.config import EngineConfig
-    from lockstep.engine.llm_engine import LLMEngine
-    from lockstep.models.loader import load_tokenizer
-    from lockstep.server.async_engine import weights_hash
-
-    if model is None:
-        from lockstep.models.embedded import default_model_path
-
-        model = str(default_model_path())
-        name = served_model_name or "SmolLM2-135M-Instruct"
-    else:
-        name = served_model_name or Path(model).resolve().name
-    config = EngineConfig(model=model, dtype=dtype, device=device, **engine_kwargs)
-    engine = LLMEngine(config, batch_invariant=batch_invariant)
-    dev = engine.runner.device
-    device_name = f"cuda:{torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else "cpu"
-    parts = {
-        "weights_blake2b": weights_hash(model),
-        "lockstep": lockstep.__version__,
-        "device": device_name,
-        "dtype": str(engine.runner.model.dtype).removeprefix("torch."),
-        "kernels": "batch_invariant" if batch_invariant else "torch_default",
-    }
-    tokenizer = load_tokenizer(model) if engine.tokenizer is not None else None
-    return ServerState(
-        AsyncEngine(engine), tokenizer, name, model, make_fingerprint(parts), parts, api_key, max_body_bytes
-    )
 
 
 def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
