@@ -12,16 +12,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.outputs import RequestOutput
-from lockstep.sampling_params import SamplingParams
 from lockstep.server.async_engine import RequestGroup
 from lockstep.server.middleware import Gatekeeper
 from lockstep.server.protocol import (
@@ -30,117 +27,11 @@ from lockstep.server.protocol import (
     CompletionRequest,
     error_body,
 )
+from lockstep.server.requests import ChoiceSpec, chat_specs, completion_specs, parse_body
 from lockstep.server.state import ServerState
 
 # How often a non-streaming request checks that its client is still connected.
 DISCONNECT_POLL_SECONDS = 0.25
-
-
-# -- requests to engine requests ---------------------------------------------------------------------------------
-
-
-class ChoiceSpec(NamedTuple):
-    """One engine request of an API call: a prompt's token ids and the sampling params of one of its choices."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-
-
-async def _parse(request: Request, model: type):
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"]) or None
-        raise APIError(400, f"invalid parameter {param}: {err['msg']}", param=param) from None
-
-
-def _check_common(state: ServerState, req) -> None:
-    if req.model not in (state.model_name, state.model_path):
-        raise APIError(
-            404,
-            f"The model '{req.model}' does not exist; this server serves '{state.model_name}'",
-            param="model",
-            code="model_not_found",
-        )
-    bad = req.unsupported()
-    if bad:
-        raise APIError(400, f"unsupported parameter(s) with non-default values: {', '.join(bad)}", param=bad[0])
-
-
-def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, what: str) -> int:
-    limit = state.max_model_len
-    if prompt_len >= limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limit} tokens, but the {what} has {prompt_len} tokens "
-            f"(at most {limit - 1} leave room for one generated token).",
-            param="messages" if what == "messages" else "prompt",
-            code="context_length_exceeded",
-        )
-    if max_tokens is None:
-        return limit - prompt_len
-    if prompt_len + max_tokens > limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} for the completion).",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return max_tokens
-
-
-def _params(req, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
-    try:
-        return SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=req.seed,
-            max_tokens=max_tokens,
-            stop=req.stop,
-            logprobs=logprobs,
-            ignore_eos=req.ignore_eos,
-            min_p=req.min_p,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
-            logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
-        ).for_choice(index)
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-
-
-def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
-    p = req.prompt
-    if isinstance(p, str) or (p and isinstance(p[0], str)):
-        if state.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        texts = [p] if isinstance(p, str) else p
-        return [list(state.tokenizer.encode(t)) for t in texts]
-    if not p:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    return [p] if isinstance(p[0], int) else p
-
-
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    tok = state.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # a template that rejects the conversation
-        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-    return list(tok.encode(text, add_special_tokens=False))
 
 
 # -- outputs to response bodies ----------------------------------------------------------------------------------
@@ -265,28 +156,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest)
-        _check_common(state, req)
-        prompts = _completion_prompts(state, req)
-        max_tokens = [_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts]
-        specs = [
-            ChoiceSpec(p, _params(req, m, req.logprobs, i))
-            for p, m in zip(prompts, max_tokens, strict=True)
-            for i in range(req.n)
-        ]
-        return await _run(state, request, req, specs, chat=False)
+        req = await parse_body(request, CompletionRequest)
+        return await _run(state, request, req, completion_specs(state, req), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest)
-        _check_common(state, req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        prompt = _chat_prompt(state, req)
-        max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        specs = [ChoiceSpec(prompt, _params(req, max_tokens, logprobs, i)) for i in range(req.n)]
-        return await _run(state, request, req, specs, chat=True)
+        req = await parse_body(request, ChatCompletionRequest)
+        return await _run(state, request, req, chat_specs(state, req), chat=True)
 
     return app
 
