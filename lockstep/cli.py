@@ -96,7 +96,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from lockstep.server.openai_api import create_state, serve
+    from lockstep.server.openai_api import serve
+    from lockstep.server.state import create_state
 
     state = create_state(
         args.model,

@@ -100,7 +100,7 @@ def test_stream_deltas_add_up_to_the_final_text(embedded_model_dir: Path) -> Non
     # strings, each unfinished output carries the engine's incremental text and the request finishes at the first
     # hit; the finished output carries the whole decode, cut at the earliest stop.
     from lockstep.outputs import CompletionOutput, RequestOutput
-    from lockstep.server.openai_api import _TextStream
+    from lockstep.server.responses import _TextStream
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir)
     for i, ids in enumerate([tok.encode(t) for t in TEXTS] + random_lists(len(tok), 100, seed=1)):

@@ -1,0 +1,144 @@
+"""From an API request to engine requests: parse and validate the body against the served model, tokenize the
+prompt(s), fit ``max_tokens`` to the context and build one ``ChoiceSpec`` per choice of each prompt."""
+
+import json
+from typing import NamedTuple, TypeVar
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from lockstep.sampling_params import SamplingParams
+from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from lockstep.server.state import ServerState
+
+AnyRequest = TypeVar("AnyRequest", CompletionRequest, ChatCompletionRequest)
+
+
+class ChoiceSpec(NamedTuple):
+    """One engine request of an API call: a prompt's token ids and the sampling params of one of its choices."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+async def parse_body(request: Request, model: type[AnyRequest]) -> AnyRequest:
+    """The request body as ``model``; 400 with an OpenAI-style error for bad JSON or an invalid field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        raise APIError(400, f"invalid parameter {param}: {err['msg']}", param=param) from None
+
+
+def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceSpec]:
+    """A /v1/completions call's engine requests: the ``n`` choices of the first prompt, then of the next, ..."""
+    _check_common(state, req)
+    prompts = _completion_prompts(state, req)
+    max_tokens = [_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts]
+    return [
+        ChoiceSpec(p, _params(req, m, req.logprobs, i))
+        for p, m in zip(prompts, max_tokens, strict=True)
+        for i in range(req.n)
+    ]
+
+
+def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpec]:
+    """A /v1/chat/completions call's engine requests: the ``n`` choices of the templated conversation."""
+    _check_common(state, req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    prompt = _chat_prompt(state, req)
+    max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return [ChoiceSpec(prompt, _params(req, max_tokens, logprobs, i)) for i in range(req.n)]
+
+
+def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.model not in (state.model_name, state.model_path):
+        raise APIError(
+            404,
+            f"The model '{req.model}' does not exist; this server serves '{state.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+    bad = req.unsupported()
+    if bad:
+        raise APIError(400, f"unsupported parameter(s) with non-default values: {', '.join(bad)}", param=bad[0])
+
+
+def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, what: str) -> int:
+    limit = state.max_model_len
+    if prompt_len >= limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens, but the {what} has {prompt_len} tokens "
+            f"(at most {limit - 1} leave room for one generated token).",
+            param="messages" if what == "messages" else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return limit - prompt_len
+    if prompt_len + max_tokens > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} for the completion).",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _params(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None, index: int
+) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=req.stop,
+            logprobs=logprobs,
+            ignore_eos=req.ignore_eos,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+        ).for_choice(index)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    p = req.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], str)):
+        if state.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        texts = [p] if isinstance(p, str) else p
+        return [list(state.tokenizer.encode(t)) for t in texts]
+    if not p:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return [p] if isinstance(p[0], int) else p
+
+
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    tok = state.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # a template that rejects the conversation
+        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+    return list(tok.encode(text, add_special_tokens=False))

@@ -1,0 +1,232 @@
+"""From engine outputs to an OpenAI response: one JSON body once every choice has finished (``_reply``), or a
+server-sent event stream of deltas (``_stream``). Both build their choices with ``_Response.choice``."""
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lockstep.engine.detokenizer import IncrementalDetokenizer
+from lockstep.outputs import RequestOutput
+from lockstep.server.async_engine import RequestGroup
+from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from lockstep.server.requests import ChoiceSpec
+from lockstep.server.state import ServerState
+
+# How often a non-streaming request checks that its client is still connected.
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+class _TextStream:
+    """Incremental text of one choice: holds back a trailing partial UTF-8 character and any tail that could
+    begin a stop string, so the deltas add up to the final (stop-cut) text."""
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.stops, self.sent = stops, ""
+        self.num_tokens = 0  # tokens whose logprobs were sent
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+
+    def delta(self, out: RequestOutput) -> str:
+        if self.detokenizer is None:
+            return ""
+        if out.finished:
+            text = out.text
+        else:
+            # With stop strings the engine keeps the text up to date; otherwise decode only the newest tokens.
+            # Either way a partial UTF-8 character is held back until its last byte arrives.
+            if self.stops:
+                text = out.text
+            else:
+                self.detokenizer.update(out.token_ids)
+                text = self.detokenizer.text
+            keep = len(text)
+            for s in self.stops:
+                for k in range(min(len(s) - 1, keep), 0, -1):
+                    if text[keep - k : keep] == s[:k]:
+                        keep -= k
+                        break
+            text = text[:keep]
+        if not text.startswith(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent) :], text
+        return piece
+
+
+def _token_str(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def _completion_logprobs(tok, out: RequestOutput, start: int, offset: int) -> dict:
+    tokens = [_token_str(tok, t) for t in out.token_ids[start:]]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    tops = out.top_logprobs[start:] if out.top_logprobs is not None else [{} for _ in tokens]
+    return {
+        "tokens": tokens,
+        "token_logprobs": out.logprobs[start:],
+        "top_logprobs": [{_token_str(tok, t): lp for t, lp in top.items()} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tok, out: RequestOutput, start: int) -> dict:
+    def entry(t: int, lp: float) -> dict:
+        s = _token_str(tok, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    content = []
+    tops = out.top_logprobs if out.top_logprobs is not None else [{}] * len(out.token_ids)
+    for t, lp, top in zip(out.token_ids[start:], out.logprobs[start:], tops[start:], strict=True):
+        content.append(entry(t, lp) | {"top_logprobs": [entry(k, v) for k, v in top.items()]})
+    return {"content": content}
+
+
+def _sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+@dataclass(frozen=True)
+class _Response:
+    """What the reply and the stream of one API call share: its requests, their outputs and how a choice looks."""
+
+    state: ServerState
+    group: RequestGroup
+    id: str
+    request_ids: list[str]  # choice i is request_ids[i]
+    specs: list[ChoiceSpec]
+    chat: bool
+    arrival: float  # perf_counter() when the requests were submitted
+    created: int  # unix time, as OpenAI's "created"
+
+    @property
+    def logprobs(self) -> bool:
+        return self.specs[0].params.logprobs is not None
+
+    def head(self, stream: bool) -> dict:
+        if self.chat:
+            obj = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            obj = "text_completion"  # OpenAI names completion chunks the same as whole completions
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.state.model_name,
+            "system_fingerprint": self.state.fingerprint,
+        }
+
+    def choice(
+        self, index: int, out: RequestOutput, text: str, start: int = 0, offset: int = 0, delta: bool = False
+    ) -> dict:
+        """Choice ``index`` of a reply (``text`` is the whole text), or of a stream chunk (``delta``: ``text`` is
+        the new piece, which begins at character ``offset`` of the choice; logprobs from token ``start`` on)."""
+        tok = self.state.tokenizer
+        if self.chat:
+            lp = _chat_logprobs(tok, out, start) if self.logprobs else None
+            if delta:
+                body = {"delta": {"content": text} if text else {}}
+            else:
+                body = {"message": {"role": "assistant", "content": text}}
+        else:
+            lp = _completion_logprobs(tok, out, start, offset) if self.logprobs else None
+            body = {"text": text}
+        return {"index": index, **body, "logprobs": lp, "finish_reason": out.finish_reason}
+
+    def usage(self, finals: list[RequestOutput]) -> dict:
+        prompt = sum(len(s.prompt_ids) for s in self.specs)
+        completion = sum(len(o.token_ids) for o in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The group's outputs as steps make them, timing the first one and the whole call."""
+        metrics, first = self.state.metrics, True
+        async for out in self.group:
+            if first:
+                metrics.first_token_seconds.observe(time.perf_counter() - self.arrival)
+                first = False
+            yield out
+        metrics.request_seconds.observe(time.perf_counter() - self.arrival)
+
+
+async def respond(
+    state: ServerState,
+    request: Request,
+    req: CompletionRequest | ChatCompletionRequest,
+    specs: list[ChoiceSpec],
+    chat: bool,
+) -> Response:
+    """Submit one engine request per choice of ``specs`` and answer the call, streaming if it asked to."""
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    ids = [f"{response_id}-{i}" for i in range(len(specs))]
+    try:
+        group = await state.engine.submit([(rid, s.prompt_ids, s.params) for rid, s in zip(ids, specs, strict=True)])
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    r = _Response(state, group, response_id, ids, specs, chat, arrival=time.perf_counter(), created=int(time.time()))
+    return _stream(r, req.include_usage) if req.stream else await _reply(r, request)
+
+
+async def _reply(r: _Response, request: Request) -> Response:
+    """One JSON body once every choice has finished, or 499 if the client leaves first."""
+
+    async def collect() -> dict[str, RequestOutput]:
+        return {out.request_id: out async for out in r.outputs() if out.finished}
+
+    collector = asyncio.ensure_future(collect())
+    while not collector.done():
+        await asyncio.wait({collector}, timeout=DISCONNECT_POLL_SECONDS)
+        if not collector.done() and await request.is_disconnected():
+            collector.cancel()  # leaving the group's iteration aborts its requests and frees their blocks
+            return Response(status_code=499)
+    finals = collector.result()
+    ordered = [finals[rid] for rid in r.request_ids]
+    choices = [r.choice(i, out, out.text) for i, out in enumerate(ordered)]
+    return JSONResponse(r.head(stream=False) | {"choices": choices, "usage": r.usage(ordered)})
+
+
+def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
+    """Server-sent events: a chunk whenever a choice gains text (or logprobs, or finishes), then the usage if asked
+    for, then ``[DONE]``."""
+    head = r.head(stream=True)
+    index = {rid: i for i, rid in enumerate(r.request_ids)}
+    streams = [_TextStream(r.state.tokenizer, s.params.stop) for s in r.specs]
+
+    async def events() -> AsyncIterator[bytes]:
+        finals: list[RequestOutput] = []
+        try:
+            if r.chat:  # a chat stream opens each choice with the assistant's role
+                for i in range(len(r.specs)):
+                    delta = {"role": "assistant", "content": ""}
+                    yield _sse(
+                        head | {"choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
+                    )
+            async for out in r.outputs():
+                i = index[out.request_id]
+                stream = streams[i]
+                start = stream.num_tokens
+                text = stream.delta(out)
+                stream.num_tokens = len(out.token_ids)
+                if not text and not out.finished and not r.logprobs:
+                    continue
+                if out.finished:
+                    finals.append(out)
+                choice = r.choice(i, out, text, start, offset=len(stream.sent) - len(text), delta=True)
+                yield _sse(head | {"choices": [choice]})
+            if include_usage:
+                yield _sse(head | {"choices": [], "usage": r.usage(finals)})
+            yield _sse("[DONE]")
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:  # the engine failed mid-stream: tell the client in-band
+            yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
+        finally:
+            r.group.abort()  # a client that went away: its requests stop and their KV blocks are freed
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,85 @@
+"""What the server serves: the engine, the server's own tokenizer, the model's names and ``system_fingerprint``.
+
+The fingerprint is a hash of the weights, lockstep's version, the device, the dtype and the kernel set: the key
+under which a request's output is reproducible. ``create_state`` loads the model and computes it once at start.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from lockstep.server.async_engine import AsyncEngine, weights_hash
+from lockstep.server.metrics import Metrics
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass
+class ServerState:
+    """Everything the routes and the middleware read; built once by ``create_state``."""
+
+    engine: AsyncEngine
+    tokenizer: object | None  # the server's own instance: the engine thread uses the engine's
+    model_name: str
+    model_path: str
+    fingerprint: str
+    fingerprint_parts: dict
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.engine.metrics
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+
+def make_fingerprint(parts: dict) -> str:
+    blob = json.dumps(parts, sort_keys=True).encode()
+    return "fp_" + hashlib.blake2b(blob, digest_size=8).hexdigest()
+
+
+def create_state(
+    model: str | None,
+    *,
+    batch_invariant: bool = True,
+    device: str | None = None,
+    dtype: str = "auto",
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    **engine_kwargs,
+) -> ServerState:
+    """Load ``model`` (default: the embedded SmolLM2) into an engine thread and fingerprint what it serves."""
+    import torch
+
+    import lockstep
+    from lockstep.config import EngineConfig
+    from lockstep.engine.llm_engine import LLMEngine
+    from lockstep.models.loader import load_tokenizer
+
+    if model is None:
+        from lockstep.models.embedded import default_model_path
+
+        model = str(default_model_path())
+        name = served_model_name or "SmolLM2-135M-Instruct"
+    else:
+        name = served_model_name or Path(model).resolve().name
+    config = EngineConfig(model=model, dtype=dtype, device=device, batch_invariant=batch_invariant, **engine_kwargs)
+    engine = LLMEngine(config)
+    dev = engine.runner.device
+    device_name = f"cuda:{torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else "cpu"
+    parts = {
+        "weights_blake2b": weights_hash(model),
+        "lockstep": lockstep.__version__,
+        "device": device_name,
+        "dtype": str(engine.runner.model.dtype).removeprefix("torch."),
+        "kernels": engine.runner.model.kernels.name,
+    }
+    tokenizer = load_tokenizer(model) if engine.tokenizer is not None else None
+    return ServerState(
+        AsyncEngine(engine), tokenizer, name, model, make_fingerprint(parts), parts, api_key, max_body_bytes
+    )
