@@ -2,7 +2,7 @@
 
 Every layer first writes the new tokens' K/V into its paged cache, then attends over the whole cache with one
 code path. A query token at position p therefore reads the same cache blocks, in the same order, whether it
-arrives in a prefill, a chunk, a decode step or after a prefix-cache hit (DESIGN.md).
+arrives in a prefill, a chunk, a decode step or after a prefix-cache hit (docs/design.md, "The engine").
 
 The torch path (``torch_write_kv``, ``torch_paged_attention``) gathers K/V out of the cache into dense padded
 tensors and calls ``F.scaled_dot_product_attention`` once for all the step's decodes and once per group of
