@@ -113,8 +113,8 @@ def write_kv(
 # paths ran. By construction every per-row reduction here is a tl.dot (QK over head_dim; P@V and the
 # denominator P@1 over the KV tile) or exact (max, where, elementwise): the row sum is a dot with a ones
 # matrix rather than tl.sum, because tl.sum's order follows the register layout, which follows BLOCK_M (the
-# one tl.sum, picking a tile's block ids, adds integers of which all but one are 0). DESIGN.md measured that
-# tl.dot's bits do not follow the tile shape on the H200 (Triton 3.6); that must hold for this kernel too.
+# one tl.sum, picking a tile's block ids, adds integers of which all but one are 0). docs/design.md ("Matmul")
+# records that tl.dot's bits did not follow the tile shape on the H200 (Triton 3.6); that must hold here too.
 
 
 @triton.jit
@@ -427,7 +427,7 @@ def _paged_attention_triton(
 # on the number of entries or an entry's slot in the batch (tests check this alongside the whole path), and the
 # other ops are elementwise, exact (max) or per-row sums over a fixed TILE. torch.exp, not exp2: CPU exp2
 # rounds a tensor's scalar tail differently from its vector body. Unlike the GPU, P stays fp32 for P@V (the
-# CPU computes in fp32 anyway), so CPU and GPU bits differ, as DESIGN.md allows.
+# CPU computes in fp32 anyway), so CPU and GPU bits differ, as docs/design.md ("What is not invariant") allows.
 
 
 def _merge_cpu(run, part, rows):

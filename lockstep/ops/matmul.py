@@ -4,7 +4,7 @@ The contract: every output element is accumulated over K in one sequential loop 
 so its bits depend only on its own row and column and on K. No split-K, stream-K or atomics.
 
 CUDA runs a persistent-tile Triton kernel. The tile shape comes from a fixed table keyed by (dtype, N, K) and an
-M bucket: on the H200 the tile shape did not change the bits (DESIGN.md), and bench/ops.py re-checks every M.
+M bucket: on the H200 the tile shape did not change the bits (docs/design.md, "Matmul"); bench/ops.py re-checks every M.
 The CPU runs the vendor BLAS on fixed-shape row tiles (see ``_common.map_row_tiles``); bf16/fp16 are upcast to
 fp32 there and rounded once at the end.
 """

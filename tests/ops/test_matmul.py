@@ -71,7 +71,7 @@ def test_bmm_entries_are_batch_invariant():
 
 def test_negative_control_torch_cpu_mm_varies_with_m():
     # Proof that the invariance harness can see a difference: MKL picks another kernel at M=1 than at M>=16
-    # (DESIGN.md: 3 distinct row-0 results over M=1..129).
+    # (docs/design.md, "Matmul": 3 distinct row-0 results over M=1..129).
     x, w = randn(64, 576, seed=1), randn(1536, 576, seed=2)
     full = x @ w.t()
     assert any(not torch.equal((x[:m] @ w.t())[0], full[0]) for m in [1, 2, 3, 7, 17])
@@ -80,7 +80,7 @@ def test_negative_control_torch_cpu_mm_varies_with_m():
 # The Triton kernel, run by the interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1).
 
 # One BK: the interpreter's dot sums a whole BK slice at once (numpy), so BK changes its bits; on the H200 the
-# MMA accumulates in fixed k-steps and BK did not (DESIGN.md), which bench/ops.py re-checks at every M.
+# MMA accumulates in fixed k-steps and BK did not (docs/design.md, "Matmul"); bench/ops.py re-checks every M.
 TRITON_CONFIGS = [MatmulConfig(16, 32, 32), MatmulConfig(32, 64, 32, group_m=2), MatmulConfig(64, 16, 32)]
 
 
