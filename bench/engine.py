@@ -244,6 +244,7 @@ def fresh_scheduler(llm: LLM, **overrides) -> Scheduler:
     config = dataclasses.replace(engine.runner.config, **overrides)
     engine.config = config
     engine.scheduler = Scheduler(config, eos_token_ids=engine.eos_token_ids)
+    engine.runner.use_graphs = engine.runner.graphs is not None and not config.enforce_eager
     return engine.scheduler
 
 
@@ -283,6 +284,7 @@ def matrix_cases(plan: Plan, n_short: int, n_long: int) -> list[tuple[str, dict,
         ("max_num_seqs_1", {"max_num_seqs": 1}, short, 3),
         ("max_num_seqs_4", {"max_num_seqs": 4}, short, 9),
         ("no_prefix_caching", {"enable_prefix_caching": False}, short, 8),
+        ("eager_vs_graphs", {"enforce_eager": True}, short, 8),  # on CUDA the references replay CUDA graphs
         ("preemption", {"num_kv_blocks": -1, "max_num_batched_tokens": 256, "max_num_seqs": 64}, short, 16),
         (f"long_pair_chunked_{plan.long_chunk // 2}", {"max_num_batched_tokens": plan.long_chunk // 2}, longs, 0),
     ]

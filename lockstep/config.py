@@ -45,6 +45,7 @@ class EngineConfig:
     kernels: str | None = None
     batch_invariant: bool | None = None
     seed: int | None = None  # seeds the draw of per-request seeds for sampled requests that bring none
+    enforce_eager: bool = False  # True: no CUDA graphs (on CUDA, decode steps replay captured graphs)
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -71,6 +72,7 @@ class EngineConfig:
         if not isinstance(mem, (int, float)) or isinstance(mem, bool) or not 0 < mem <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {mem!r}")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_bool("enforce_eager", self.enforce_eager)
         self._resolve_kernels()
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")

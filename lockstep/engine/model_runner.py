@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from lockstep.config import EngineConfig
+from lockstep.engine.cuda_graph import DecodeGraphs
 from lockstep.engine.scheduler import ScheduledBatch
 from lockstep.layers.attention import flatten_batch
 from lockstep.layers.sampler import Sampler, TokenLogprobs
@@ -61,6 +62,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_caches = self.model.allocate_kv_cache(num_kv_blocks, config.block_size)
         self.sampler = Sampler(self.model.kernels.log_softmax)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.model.kernels.capturable:
+            max_blocks = -(-self.config.max_model_len // config.block_size)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_blocks)
+            self.graphs.capture()
+        self.use_graphs = self.graphs is not None  # bench/engine.py turns them off to compare
 
     @property
     def vocab_size(self) -> int:
@@ -107,8 +114,10 @@ class ModelRunner:
         if not batch:
             return [], []
         flat = flatten_batch(((e.token_ids, e.start, e.seq.block_table) for e in batch.entries), self.block_size)
-        input_ids, positions, attn = flat.to(self.device, self.kv_caches)
-        hidden = self.model(input_ids, positions, attn)  # [num_tokens, hidden_size]
+        if self.use_graphs and self.graphs.can_run(flat):
+            hidden = self.graphs.run(flat)
+        else:
+            hidden = self.model(*flat.to(self.device, self.kv_caches))  # [num_tokens, hidden_size]
         samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
         if not samplers:
             return [], []

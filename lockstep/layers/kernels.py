@@ -39,7 +39,9 @@ class Kernels:
       ``q: [num_tokens, num_heads, head_dim]`` -> same shape.
     - ``log_softmax(logits)``: ``[n, vocab]`` -> fp32 logprobs, the sampler's and the RL trainer's.
 
-    ``batch_invariant`` says whether the set keeps the contract (a row's bits never depend on its batch).
+    ``batch_invariant`` says whether the set keeps the contract (a row's bits never depend on its batch);
+    ``capturable`` whether a decode forward on it can be captured in a CUDA graph (no host syncs, a launch grid
+    fixed by the shapes).
     """
 
     name: str
@@ -50,6 +52,7 @@ class Kernels:
     write_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
     attention: Callable[[Tensor, Tensor, Tensor, "AttentionMetadata", float], Tensor]
     log_softmax: Callable[[Tensor], Tensor]
+    capturable: bool = False
 
 
 def _invariant_attention(  # adapts ops.paged_attention to the metadata object
@@ -93,6 +96,7 @@ INVARIANT = register_kernels(
         write_kv=ops.write_kv,
         attention=_invariant_attention,
         log_softmax=ops.log_softmax,
+        capturable=True,
     )
 )
 DEFAULT = register_kernels(
@@ -108,5 +112,7 @@ DEFAULT = register_kernels(
     )
 )
 TORCH_LINEAR = register_kernels(
-    dataclasses.replace(DEFAULT, name="torch-linear", write_kv=INVARIANT.write_kv, attention=INVARIANT.attention)
+    dataclasses.replace(
+        DEFAULT, name="torch-linear", write_kv=INVARIANT.write_kv, attention=INVARIANT.attention, capturable=True
+    )
 )

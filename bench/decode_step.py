@@ -1,0 +1,131 @@
+"""Decode-step time at several batch sizes, per kernel set, CUDA graphs on and off, with start-up time.
+
+    python bench/decode_step.py --layers 36 --batches 1,16,128,256 --modes invariant,torch-linear,default
+
+Builds a random-weight Qwen3-8B-shaped checkpoint (bench/engine.py's ``build_checkpoint``), loads one ``LLM`` per
+kernel set (the load, graph capture included, is the start-up time), and for each batch size: prefills
+``--batch`` requests of ``--input-len`` random tokens, runs ``--warm-steps`` decode steps, then times
+``--steps`` decode steps of the whole engine (schedule, forward, sample, outputs), with graphs and, for sets
+that have them, again eagerly (``runner.use_graphs = False``). Also checks that the graph and eager steps give
+the same tokens and logprob bits. The batch-1 line gives the ratio to the weight-read floor (weights bytes over
+the measured copy bandwidth). Prints a table last; JSON to ``--out``.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine import QWEN3_8B, build_checkpoint  # noqa: E402
+
+from lockstep import LLM, SamplingParams  # noqa: E402
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus written), over 4 GiB."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - t0)
+
+
+def time_steps(llm: LLM, batch: int, args, graphs: bool, rng: random.Random) -> tuple[float, list]:
+    """Mean seconds per decode step at ``batch``, and the outputs (token ids, logprobs) of the timed run."""
+    engine = llm.engine
+    engine.runner.use_graphs = graphs and engine.runner.graphs is not None
+    steps = args.warm_steps + args.steps
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    prompts = [[rng.randrange(1000, 100_000) for _ in range(args.input_len)] for _ in range(batch)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{batch}-{graphs}-{i}", p, params)
+    sched = engine.scheduler
+    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
+        engine.step()
+    for _ in range(args.warm_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    per_step = (time.perf_counter() - t0) / args.steps
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    outs.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+    return per_step, [(o.token_ids, o.logprobs) for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batches", default="1,16,128,256")
+    ap.add_argument("--modes", default="invariant,torch-linear,default")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--warm-steps", type=int, default=4)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    batches = [int(b) for b in args.batches.split(",")]
+    workdir = Path(tempfile.mkdtemp(prefix="lockstep-decode-"))
+    build_checkpoint(workdir, QWEN3_8B, args.layers, device)
+    bandwidth = copy_bandwidth(device)
+    rows, report = [], {"args": vars(args), "copy_bandwidth": bandwidth, "results": []}
+    for mode in args.modes.split(","):
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        llm = LLM(
+            str(workdir), kernels=mode, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
+            max_model_len=4096, enable_prefix_caching=False, gpu_memory_utilization=0.85,
+        )  # fmt: skip
+        startup = time.perf_counter() - t0
+        weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+        floor = weight_bytes / bandwidth
+        has_graphs = llm.engine.runner.graphs is not None
+        for batch in batches:
+            r = {"mode": mode, "batch": batch, "startup_s": startup, "floor_ms": floor * 1e3}
+            r["graph_ms"] = r["eager_ms"] = None
+            rng_seed = 7 * batch
+            if has_graphs:
+                t_graph, out_graph = time_steps(llm, batch, args, True, random.Random(rng_seed))
+                r["graph_ms"] = t_graph * 1e3
+            t_eager, out_eager = time_steps(llm, batch, args, False, random.Random(rng_seed))
+            r["eager_ms"] = t_eager * 1e3
+            r["graph_equals_eager"] = out_graph == out_eager if has_graphs else None
+            r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            rows.append(r)
+            report["results"].append(r)
+            print(json.dumps(r), flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    report["versions"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    out = Path(args.out)
+    (out if out.suffix == ".json" else out / "decode_step.json").write_text(json.dumps(report, indent=2))
+    print(f"\ndecode step, Qwen3-8B shape {args.layers} layers, {args.input_len}-token prompts, "
+          f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
+    print(f"{'mode':14s}{'batch':>6s}{'graph ms':>10s}{'eager ms':>10s}{'x floor':>9s}{'same bits':>10s}"
+          f"{'start s':>9s}{'peak GiB':>9s}")  # fmt: skip
+    for r in rows:
+        best = r["graph_ms"] if r["graph_ms"] is not None else r["eager_ms"]
+        g = f"{r['graph_ms']:.2f}" if r["graph_ms"] is not None else "-"
+        print(f"{r['mode']:14s}{r['batch']:>6d}{g:>10s}{r['eager_ms']:>10.2f}{best / r['floor_ms']:>9.2f}"
+              f"{str(r['graph_equals_eager']):>10s}{r['startup_s']:>9.1f}{r['peak_gib']:>9.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

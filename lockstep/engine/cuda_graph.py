@@ -1,0 +1,98 @@
+"""CUDA graphs for decode steps: the model's forward captured once per batch-size bucket, replayed every step.
+
+A decode step launches hundreds of small kernels; launched one by one from Python, the host is the bottleneck
+at small batch. Each bucket's graph runs the forward over preallocated input and metadata buffers; a step
+copies its batch into the first rows, pads the rest up to the bucket and replays the graph.
+
+Why the bits stay the same (docs/design.md, "CUDA graphs"): every kernel is row-invariant, so the padding
+rows cannot change a real row; the matmul gives a row the same bits at every M, so the bucket's M does not
+matter either; and the attention kernel's grid depends only on shapes (the block-table buffer is as wide as
+the longest sequence allowed), while the reduction order of a row is fixed by the split size, not by the
+grid. Padding rows write no K/V (slot -1) and attend over one position of whatever block their table row
+names; their outputs are never read.
+"""
+
+import torch
+
+from lockstep.layers.attention import AttentionMetadata, FlatBatch
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The buckets: 1, 2, 4, 8, then steps of 8 to 64 and of 16 beyond, and ``max_num_seqs`` itself."""
+    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, max_num_seqs + 1, 16)]
+    return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
+
+
+class DecodeGraphs:
+    """One captured decode forward per bucket, over shared static buffers (``capture`` builds them)."""
+
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int, max_blocks: int):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.max_batch = self.sizes[-1]
+        device = model.device
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        # One token per sequence: query_start_loc is 0, 1, 2, ... for every decode step.
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _forward(self, size: int) -> torch.Tensor:
+        attn = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            kv_caches=self.kv_caches,
+        )
+        return self.model(self.input_ids[:size], self.positions[:size], attn)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, in one memory pool. Each is run once eagerly first, so every
+        kernel is compiled before capture (and none while serving)."""
+        pool = None
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):
+                self._forward(size)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[size] = self._forward(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize(self.model.device)
+
+    def can_run(self, flat: FlatBatch) -> bool:
+        """Whether ``flat`` is a decode step (one token per sequence) that fits a bucket."""
+        num_seqs = len(flat.seq_lens)
+        return flat.num_tokens == num_seqs and 0 < num_seqs <= self.max_batch
+
+    def run(self, flat: FlatBatch) -> torch.Tensor:
+        """Replay the smallest bucket that holds ``flat``; its hidden states ``[num_seqs, hidden]`` (a view into
+        the graph's output, valid until the next replay)."""
+        n = len(flat.seq_lens)
+        size = next(s for s in self.sizes if s >= n)
+        # One host tensor for the per-row values, copied in one transfer.
+        rows = torch.tensor([flat.input_ids, flat.positions, flat.slot_mapping, flat.seq_lens], dtype=torch.int64)
+        rows = rows.pin_memory().to(self.input_ids.device, non_blocking=True)
+        self.input_ids[:n].copy_(rows[0])
+        self.positions[:n].copy_(rows[1])
+        self.slot_mapping[:n].copy_(rows[2])
+        self.seq_lens[:n].copy_(rows[3])
+        if size > n:  # padding rows: write nothing, attend over one position
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(1)
+        width = len(flat.block_tables[0])
+        tables = torch.tensor(flat.block_tables, dtype=torch.int32).pin_memory()
+        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
