@@ -14,6 +14,20 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's batch and cache sizes, shared by serve and bench (``engine_args`` reads them back)."""
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields ``add_engine_args`` parsed."""
+    names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks")
+    return {name: getattr(args, name) for name in names}
+
+
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
@@ -86,10 +100,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
     add_kernel_args(p)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
+    add_engine_args(p)
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
@@ -107,10 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks,
+        **engine_args(args),
     )
     print(
         f"lockstep: serving {state.model_name!r} on http://{args.host}:{args.port}/v1 "
