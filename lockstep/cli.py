@@ -1,5 +1,6 @@
 """The ``lockstep`` command: ``generate`` prints a completion, ``serve`` runs the OpenAI-compatible server,
-``audit`` measures how deterministic an endpoint is. Each subcommand is one ``add_<name>_parser`` +
+``audit`` measures how deterministic an endpoint is, ``bench latency`` / ``bench throughput`` measure speed. Each
+subcommand is one ``add_<name>_parser`` +
 ``run_<name>`` pair registered in ``build_parser``."""
 
 import argparse
@@ -8,10 +9,24 @@ from collections.abc import Sequence
 
 
 def add_kernel_args(p: argparse.ArgumentParser) -> None:
-    """The options that pick the kernels and where they run, shared by generate and serve."""
+    """The options that pick the kernels and where they run, shared by generate, serve and bench."""
     p.add_argument("--no-batch-invariant", action="store_true", help="torch's default kernels (not invariant)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's batch and cache sizes, shared by serve and bench (``engine_args`` reads them back)."""
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields ``add_engine_args`` parsed."""
+    names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks")
+    return {name: getattr(args, name) for name in names}
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -86,10 +101,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
     add_kernel_args(p)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
+    add_engine_args(p)
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
@@ -107,10 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks,
+        **engine_args(args),
     )
     print(
         f"lockstep: serving {state.model_name!r} on http://{args.host}:{args.port}/v1 "
@@ -211,6 +220,111 @@ def run_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_at_least(least: int):
+    """An argparse type: an int >= ``least``, else a usage error naming the option."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}")
+        return value
+
+    return parse
+
+
+_BENCH_SIZES = {  # option: (least value, help)
+    "--input-len": (1, "prompt tokens per request"),
+    "--output-len": (1, "generated tokens per request"),
+    "--batch-size": (1, "requests per run"),
+    "--num-prompts": (1, "requests submitted at once"),
+    "--num-iters-warmup": (0, "untimed runs first"),
+    "--num-iters": (1, "timed runs"),
+}
+
+
+def add_bench_args(p: argparse.ArgumentParser, sizes: dict[str, int]) -> None:
+    """A benchmark's options: the model, ``sizes`` (options of ``_BENCH_SIZES`` and their defaults), sampling,
+    the report, and the kernel and engine options of generate and serve."""
+    p.add_argument("--model", default=None, help="checkpoint folder (default: embedded SmolLM2-135M)")
+    for option, default in sizes.items():
+        least, text = _BENCH_SIZES[option]
+        p.add_argument(option, type=_int_at_least(least), default=default, help=f"{text} (default {default})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="draws the prompts and the requests' sampling seeds (default 0)")
+    p.add_argument("--output-json", default=None, metavar="PATH", help="write every figure and the setup here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_kernel_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run_bench)
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="measure latency or throughput on random prompts",
+        description="Measure lockstep on your hardware, like vllm bench: random token-id prompts (seeded, special "
+        "tokens left out), each generating exactly --output-len tokens (EOS ignored).",
+    )
+    kinds = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    latency = kinds.add_parser(
+        "latency",
+        help="end-to-end time of one batch of requests",
+        description="Run one batch of --batch-size requests end to end --num-iters times after --num-iters-warmup "
+        "untimed runs; report the time per run (mean, p50, p90, p99), time to first token (TTFT) and inter-token "
+        "latency (ITL).",
+    )
+    sizes = {"--input-len": 32, "--output-len": 128, "--batch-size": 8, "--num-iters-warmup": 10, "--num-iters": 30}
+    add_bench_args(latency, sizes)
+    throughput = kinds.add_parser(
+        "throughput",
+        help="requests and tokens per second for many requests at once",
+        description="Submit --num-prompts requests at once and step them to completion; report requests/s, total "
+        "and output tokens/s, time to first token (TTFT) and inter-token latency (ITL). Warm-up runs send the same "
+        "requests cut to 4 output tokens, to compile the kernels.",
+    )
+    add_bench_args(
+        throughput, {"--input-len": 1024, "--output-len": 128, "--num-prompts": 1000, "--num-iters-warmup": 1}
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from lockstep.benchmark import BenchConfig, run_benchmark, summary_lines
+    from lockstep.llm import LLM
+
+    latency = args.bench == "latency"
+    cfg = BenchConfig(
+        kind=args.bench,
+        num_requests=args.batch_size if latency else args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_iters=args.num_iters if latency else 1,
+        num_iters_warmup=args.num_iters_warmup,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    llm = LLM(
+        args.model,
+        batch_invariant=not args.no_batch_invariant,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        **engine_args(args),
+    )
+    report = run_benchmark(llm, cfg, progress=not args.quiet)
+    print("\n".join(summary_lines(report)))
+    if args.output_json:
+        path = Path(args.output_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lockstep", description="LLM inference whose answers do not depend on how requests are batched."
@@ -219,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_serve_parser(subparsers)
     add_audit_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
 
 
