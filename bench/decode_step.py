@@ -69,6 +69,40 @@ def time_steps(llm: LLM, batch: int, args, graphs: bool, rng: random.Random) -> 
     return per_step, [(o.token_ids, o.logprobs) for o in outs]
 
 
+def profile_steps(llm: LLM, batch: int, args, rng: random.Random) -> dict:
+    """GPU kernel time by kernel over ``PROFILE_STEPS`` graph-replayed decode steps at ``batch``, and how much of
+    a step's wall time the GPU is busy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + PROFILE_STEPS + 2, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{batch}-{i}", [rng.randrange(1000, 100_000) for _ in range(args.input_len)], params)
+    for _ in range(args.warm_steps + 1):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(PROFILE_STEPS):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / PROFILE_STEPS
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    busy = sum(e.self_device_time_total for e in events) / 1e3 / PROFILE_STEPS
+    top = [(e.key[:70], e.self_device_time_total / 1e3 / PROFILE_STEPS, e.count // PROFILE_STEPS) for e in events]
+    print(f"\n--- {llm.engine.runner.model.kernels.name}, batch {batch}: step {wall * 1e3:.2f} ms (profiled), "
+          f"GPU busy {busy:.2f} ms ---")  # fmt: skip
+    for name, ms, count in top[:18]:
+        print(f"  {ms:8.3f} ms {count:5d}x  {name}")
+    return {"batch": batch, "wall_ms": wall * 1e3, "gpu_busy_ms": busy, "kernels": top[:40]}
+
+
+PROFILE_STEPS = 8
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=36)
@@ -77,6 +111,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warm-steps", type=int, default=4)
+    ap.add_argument("--profile", default="", help="batch sizes to profile with torch.profiler (graphs on)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -110,6 +145,10 @@ def main() -> None:
             rows.append(r)
             report["results"].append(r)
             print(json.dumps(r), flush=True)
+        if has_graphs and args.profile:
+            report.setdefault("profiles", {})[mode] = [
+                profile_steps(llm, int(b), args, random.Random(3)) for b in args.profile.split(",")
+            ]
         del llm
         torch.cuda.empty_cache()
     report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -25,11 +25,13 @@ from triton.testing import do_bench_cudagraph
 from lockstep import ops
 from lockstep.ops.matmul import MatmulConfig, _bmm_triton, matmul_config
 
-SHAPES = [(4096, 4096), (4096, 1024), (4096, 24576), (12288, 4096), (4096, 151936)]  # (K, N)
+# (K, N) of every linear the Qwen3-8B shape runs: o_proj, fused qkv_proj, fused gate_up_proj, down_proj, lm_head.
+SHAPES = [(4096, 4096), (4096, 6144), (4096, 24576), (12288, 4096), (4096, 151936)]
 CHECK_MS = list(range(1, 513)) + [1000, 2048, 4096, 8192]
 TIME_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2048, 4096, 8192]
 L2_BYTES = 60 * 2**20
 TMA_ONLY = os.environ.get("SWEEP_LARGE_M") == "1"
+SWEEP_MS = [int(m) for m in os.environ.get("SWEEP_MS", "").split(",") if m]  # e.g. SWEEP_MS=1,16: only these M
 
 
 def bench(fn) -> float:
@@ -73,7 +75,8 @@ def time_matmul(k: int, n: int, dtype) -> list[dict]:
 def sweep_candidates(m: int) -> list[MatmulConfig]:
     C = MatmulConfig
     if m <= 16:
-        return [C(16, bn, 256, num_stages=5) for bn in (16, 32, 64)] + [C(16, 128, 256, num_stages=3)]
+        return [C(16, bn, bk, num_warps=w, num_stages=s) for bn in (16, 32, 64) for bk, s in ((256, 5), (512, 4))
+                for w in (4, 8)] + [C(16, 128, 256, num_stages=3)]  # fmt: skip
     if m <= 64:
         return [C(min(m, 64), bn, bk, num_stages=4) for bn, bk in ((32, 256), (64, 128), (128, 64))]
     big = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
@@ -87,7 +90,7 @@ def sweep_matmul(k: int, n: int, dtype) -> list[dict]:
     x_all = torch.randn(8192, k, device="cuda", dtype=dtype)
     ref = ops.linear(x_all, ws[0])
     rows = []
-    for m in [128, 256, 512, 2048, 8192] if TMA_ONLY else [1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192]:
+    for m in SWEEP_MS or ([128, 256, 512, 2048, 8192] if TMA_ONLY else [1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192]):
         x = x_all[:m]
         for cfg in sweep_candidates(m):
             try:
@@ -144,6 +147,26 @@ def check_and_time_rows(dtype) -> list[dict]:
     return results
 
 
+def check_and_time_rotary() -> list[dict]:
+    """ops.rotary (one fused kernel) against torch's formula: the same bits, and the time of each."""
+    from lockstep.ops.rotary import rotary_torch
+
+    results = []
+    for m in [1, 128, 8192]:
+        qkv = torch.randn(m, 48 * 128, device="cuda", dtype=torch.bfloat16)  # Qwen3-8B: 32 q + 8 k + 8 v heads
+        q, k = qkv[:, : 32 * 128].view(m, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(m, 8, 128)
+        angles = torch.randn(m, 64, device="cuda") * 100
+        cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None].to(torch.bfloat16)
+        sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None].to(torch.bfloat16)
+        ours, theirs = ops.rotary(q, k, cos, sin), rotary_torch(q, k, cos, sin)
+        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(ours, theirs, strict=True))
+        t_ours = bench(lambda: ops.rotary(q, k, cos, sin))
+        t_torch = bench(lambda: rotary_torch(q, k, cos, sin))
+        results.append({"op": "rotary", "M": m, "same_bits": same, "ours_us": t_ours, "torch_us": t_torch})
+        print(f"  rotary M={m:5d} ours {t_ours:7.1f} us  torch {t_torch:7.1f} us  same bits {same}")
+    return results
+
+
 def markdown(result: dict) -> str:
     """The tables for docs/perf.md."""
     lines = ["| K x N | M | lockstep us | cuBLAS us | ratio | lockstep TFLOP/s |", "|---|---|---|---|---|---|"]
@@ -164,6 +187,7 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true", help="only the config sweep")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     parser.add_argument("--rows-only", action="store_true", help="only rms_norm/softmax")
+    parser.add_argument("--rotary", action="store_true", help="also check and time the fused rotary kernel")
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -187,6 +211,8 @@ def main() -> None:
             result["sweep"] += sweep_matmul(k, n, dtype)
         result["timings"] += time_matmul(k, n, dtype)
         torch.cuda.empty_cache()
+    if args.rotary:
+        result["rotary"] = check_and_time_rotary()
     if not args.sweep_only:
         result["rows"] = check_and_time_rows(dtype)
     with open(os.path.join(args.out, "ops.json"), "w") as f:

@@ -37,6 +37,7 @@ class Kernels:
     - ``write_kv(k, v, k_cache, v_cache, slot_mapping)``: scatter new K/V into one layer's paged cache.
     - ``attention(q, k_cache, v_cache, attn, scale)``: causal GQA over the cache,
       ``q: [num_tokens, num_heads, head_dim]`` -> same shape.
+    - ``rotary(q, k, cos, sin)``: rotary embedding of ``q, k: [n, heads, head_dim]`` by ``cos, sin: [n, 1, head_dim]``.
     - ``log_softmax(logits)``: ``[n, vocab]`` -> fp32 logprobs, the sampler's and the RL trainer's.
 
     ``batch_invariant`` says whether the set keeps the contract (a row's bits never depend on its batch);
@@ -50,6 +51,7 @@ class Kernels:
     rms_norm: Callable[[Tensor, Tensor, float, Tensor | None], Tensor | tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]
     write_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
+    rotary: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     attention: Callable[[Tensor, Tensor, Tensor, "AttentionMetadata", float], Tensor]
     log_softmax: Callable[[Tensor], Tensor]
     capturable: bool = False
@@ -94,6 +96,7 @@ INVARIANT = register_kernels(
         rms_norm=ops.rms_norm,
         silu_and_mul=silu_and_mul,
         write_kv=ops.write_kv,
+        rotary=ops.rotary,  # elementwise, with torch's bits: the default set uses it too
         attention=_invariant_attention,
         log_softmax=ops.log_softmax,
         capturable=True,
@@ -107,6 +110,7 @@ DEFAULT = register_kernels(
         rms_norm=torch_kernels.torch_rms_norm,
         silu_and_mul=torch_kernels.torch_silu_and_mul,
         write_kv=torch_kernels.torch_write_kv,
+        rotary=ops.rotary,
         attention=torch_kernels.torch_paged_attention,
         log_softmax=torch_kernels.torch_log_softmax,
     )

@@ -2,7 +2,8 @@
 
 cos/sin come from one fp32 table built once on the CPU for every position, then rounded to the model dtype and
 moved to the device: a token's rotation is a lookup, the same bits whatever batch it arrives in and on every
-device. Applying it is elementwise multiplies and adds in the model dtype, in HF's order.
+device. Applying it (the kernel set's ``rotary``, ``ops.rotary``) is elementwise multiplies and adds in the model
+dtype, in HF's order.
 """
 
 import math
@@ -38,11 +39,6 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
     raise ValueError(f"unsupported rope type {rope_type!r}; lockstep supports {', '.join(ROPE_TYPES)}")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -69,10 +65,3 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions]  # [num_tokens, head_dim // 2]
         sin = self.sin[positions]
         return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
-
-    @staticmethod
-    def apply(
-        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q: [num_tokens, num_heads, head_dim]`` and ``k: [num_tokens, num_kv_heads, head_dim]``."""
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

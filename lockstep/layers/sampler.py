@@ -149,7 +149,7 @@ def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
     return x.masked_fill(probs < sorted_probs[num_kept - 1], float("-inf"))
 
 
-def _gumbel_max(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+def _gumbel_max(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
     """Tokens for ``logits: [rows, V]`` fp32 at temperature > 0, each row's noise from its ``params.seed``; the
     module docstring says which rows may share a call (top-p only ever comes one row at a time)."""
     seeds = [p.seed for p in params]
@@ -162,7 +162,7 @@ def _gumbel_max(logits: torch.Tensor, params: list[SamplingParams], positions: l
         if p.top_p < 1.0:
             x[i] = _top_p(x[i], p.top_p)
     noise = _gumbel(_row_keys(seeds, positions, logits.device), logits.shape[-1])
-    return argmax_lowest(x.double() + noise).tolist()
+    return argmax_lowest(x.double() + noise)  # [rows] int64, on the device
 
 
 def adjust_row(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int) -> torch.Tensor:
@@ -193,7 +193,7 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, position: int) -> i
     ``params.seed`` is required when ``params.temperature > 0``."""
     if params.greedy:
         return int(argmax_lowest(logits))
-    return _gumbel_max(logits[None], [params], [position])[0]
+    return int(_gumbel_max(logits[None], [params], [position])[0])
 
 
 class Sampler:
@@ -230,12 +230,14 @@ class Sampler:
             scores = logits.clone()
             for i in adjusted:
                 scores[i] = adjust_row(logits[i], params[i], *histories[i])
+        # Tokens stay on the device until one copy brings them back with their logprobs: one sync a step.
+        tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        token_ids = [0] * num_rows
-        if greedy_rows:
+        if len(greedy_rows) == num_rows:
+            tokens = argmax_lowest(scores)
+        elif greedy_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
-            for i, t in zip(greedy_rows, argmax_lowest(scores[rows]).tolist(), strict=True):
-                token_ids[i] = t
+            tokens[rows] = argmax_lowest(scores[rows])
         batched = logits.device.type in BATCHED_DEVICES
         together: list[int] = []
         alone: list[list[int]] = []
@@ -249,12 +251,13 @@ class Sampler:
         chunks = [together[j : j + ROWS_PER_CALL] for j in range(0, len(together), ROWS_PER_CALL)]
         for rows in chunks + alone:
             index = torch.tensor(rows, device=logits.device)
-            tokens = _gumbel_max(scores[index], [params[i] for i in rows], [positions[i] for i in rows])
-            for i, t in zip(rows, tokens, strict=True):
-                token_ids[i] = t
+            tokens[index] = _gumbel_max(scores[index], [params[i] for i in rows], [positions[i] for i in rows])
 
         logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
-        chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        back = torch.stack((tokens.double(), chosen.double())).tolist()  # fp64 holds both exactly
+        token_ids = [int(t) for t in back[0]]
+        chosen = back[1]
         max_top = max((p.logprobs or 0) for p in params)
         top_ids = top_vals = None
         if max_top > 0:

@@ -145,6 +145,7 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(layer_idx, c.num_heads, c.num_kv_heads, c.head_dim, kernels)
+        self.kernels = kernels
 
     def forward(
         self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
@@ -159,7 +160,7 @@ class LlamaAttention(nn.Module):
             # Qwen3: RMSNorm over each head's vector, before the rotation.
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(q, k, *rope)
+        q, k = self.kernels.rotary(q, k, *rope)
         out = self.attn(q, k, v, attn)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 

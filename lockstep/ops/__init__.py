@@ -4,6 +4,7 @@ from lockstep.ops.attention import paged_attention, write_kv
 from lockstep.ops.matmul import addmm, bmm, linear, mm
 from lockstep.ops.reduce import mean, sum
 from lockstep.ops.rms_norm import rms_norm, rms_norm_with_rstd
+from lockstep.ops.rotary import rotary
 from lockstep.ops.softmax import log_softmax, softmax
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rms_norm_with_rstd",
+    "rotary",
     "softmax",
     "sum",
     "write_kv",

@@ -15,6 +15,7 @@ from lockstep.layers.kernels import INVARIANT, Kernels, get_kernels
 from lockstep.models.llama import LlamaForCausalLM
 from lockstep.models.loader import load_model
 from lockstep.ops import autograd
+from lockstep.ops.rotary import rotary_torch
 from lockstep.rl import attention
 
 __all__ = ["TRAINABLE", "load_policy", "make_trainable"]
@@ -49,6 +50,7 @@ TRAINABLE = Kernels(
     rms_norm=autograd.rms_norm,
     silu_and_mul=silu_and_mul,
     write_kv=get_kernels("default").write_kv,  # index_copy_ into the cache: exact, and recorded by autograd
+    rotary=rotary_torch,  # torch's ops with autograd; ops.rotary gives the engine the same bits
     attention=attention.paged_attention,
     log_softmax=autograd.log_softmax,
 )

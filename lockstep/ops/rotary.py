@@ -1,0 +1,93 @@
+"""Rotary position embedding of q and k in one kernel, with the bits of Hugging Face's formula.
+
+``x * cos + rotate_half(x) * sin`` in the model dtype is, per element of the two halves ``x1, x2`` of a head,
+``round(round(x1 * c) - round(x2 * s))`` and ``round(round(x2 * c) + round(x1 * s))``: each product of two
+bf16/fp16 values is exact in fp32 and rounded once, as torch rounds each op, and the sum of two rounded values is
+rounded once more. The kernel computes exactly that, one token per program, so its output equals torch's bit for
+bit (the RL trainer, which runs torch's formula with autograd, relies on it) and, being elementwise, cannot
+depend on the batch. In fp32 the compiler could fuse a product into the sum (an FMA, other bits), so fp32 and the
+CPU run torch's formula itself. It replaces ten small kernels a layer (multiplies, negations, concatenations,
+adds) with one.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x_ptr, o_ptr, stride_h, num_heads, c, s, HALF: tl.constexpr, H_PAD: tl.constexpr):
+    heads = tl.arange(0, H_PAD)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    first = x_ptr + heads * stride_h + dims
+    x1 = tl.load(first, mask=mask).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
+    dtype = o_ptr.dtype.element_ty
+    a = (x1 * c).to(dtype).to(tl.float32)
+    b = (x2 * s).to(dtype).to(tl.float32)
+    out = o_ptr + heads * stride_h + dims
+    tl.store(out, (a - b).to(dtype), mask=mask)
+    a = (x2 * c).to(dtype).to(tl.float32)
+    b = (x1 * s).to(dtype).to(tl.float32)
+    tl.store(out + HALF, (a + b).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+    num_q_heads, num_kv_heads, stride_qt, stride_kt, stride_qot, stride_kot, stride_h, stride_ct,
+    HALF: tl.constexpr, QH_PAD: tl.constexpr, KH_PAD: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, HALF)[None, :]
+    c = tl.load(cos_ptr + token * stride_ct + dims).to(tl.float32)  # the first half of cat(c, c)
+    s = tl.load(sin_ptr + token * stride_ct + dims).to(tl.float32)
+    _rotate(q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, stride_h, num_q_heads, c, s, HALF, QH_PAD)
+    _rotate(k_ptr + token * stride_kt, k_out_ptr + token * stride_kot, stride_h, num_kv_heads, c, s, HALF, KH_PAD)
+
+
+def _rotary_triton(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    # Heads must be rows of head_dim contiguous values; the token stride is free (q, k are views of one QKV).
+    q = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
+    k = k if k.stride(2) == 1 and k.stride(1) == head_dim else k.contiguous()
+    cos = cos.reshape(num_tokens, head_dim).to(q.dtype)
+    sin = sin.reshape(num_tokens, head_dim).to(q.dtype)
+    q_out = q.new_empty(q.shape)
+    k_out = k.new_empty(k.shape)
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            q, k, q_out, k_out, cos, sin,
+            num_q_heads, num_kv_heads, q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0), head_dim,
+            cos.stride(0), HALF=head_dim // 2, QH_PAD=triton.next_power_of_2(num_q_heads),
+            KH_PAD=triton.next_power_of_2(num_kv_heads),
+        )  # fmt: skip
+    return q_out, k_out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_torch(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's formula in torch ops (differentiable): the reference the kernel matches."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q: [num_tokens, num_q_heads, head_dim]`` and ``k: [num_tokens, num_kv_heads, head_dim]`` by
+    ``cos, sin: [num_tokens, 1, head_dim]`` (each row ``cat(c, c)``, as ``RotaryEmbedding`` builds them).
+    Returns new tensors with the bits of ``rotary_torch``."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape[::2] != q.shape[::2] or cos.shape[0] != q.shape[0]:
+        raise ValueError(f"rotary: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do not fit")
+    head_dim = q.shape[2]
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not head_dim & (head_dim - 1):
+        return _rotary_triton(q, k, cos, sin)
+    return rotary_torch(q, k, cos, sin)
