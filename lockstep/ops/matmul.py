@@ -138,8 +138,10 @@ def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     if dtype == torch.float32:
         return C(bm=32 if m <= 32 else 64, bn=64, bk=32, num_warps=4, num_stages=3)
     wide = n > 8192
-    if m <= 16:
-        return C(16, 16 if n <= 2048 else 32 if not wide else 64, 256, num_stages=5)
+    if m <= 16:  # 2026-11-30 sweep (M = 1 and 16): bn 64 for the fused QKV (N = 6144), BK 512 for N = 4096
+        if n <= 2048:
+            return C(16, 16, 256, num_stages=5)
+        return C(16, 32, 512, num_stages=4) if n <= 4096 else C(16, 64, 256, num_stages=5)
     if m <= 32:
         return C(32, 64, 128, num_stages=4) if wide else C(16 if n <= 2048 else 32, 32, 256, num_stages=4)
     if m <= 64:

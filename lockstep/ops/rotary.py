@@ -24,13 +24,14 @@ def _rotate(x_ptr, o_ptr, stride_h, num_heads, c, s, HALF: tl.constexpr, H_PAD: 
     x1 = tl.load(first, mask=mask).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
     dtype = o_ptr.dtype.element_ty
-    a = (x1 * c).to(dtype).to(tl.float32)
-    b = (x2 * s).to(dtype).to(tl.float32)
+    # Round to nearest even, as torch does (a cast that names no rounding may truncate).
+    a = (x1 * c).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+    b = (x2 * s).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
     out = o_ptr + heads * stride_h + dims
-    tl.store(out, (a - b).to(dtype), mask=mask)
-    a = (x2 * c).to(dtype).to(tl.float32)
-    b = (x1 * s).to(dtype).to(tl.float32)
-    tl.store(out + HALF, (a + b).to(dtype), mask=mask)
+    tl.store(out, (a - b).to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+    a = (x2 * c).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+    b = (x1 * s).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+    tl.store(out + HALF, (a + b).to(dtype, fp_downcast_rounding="rtne"), mask=mask)
 
 
 @triton.jit
