@@ -1,13 +1,12 @@
-"""Rotary position embedding of q and k in one kernel, with the bits of Hugging Face's formula.
+"""Rotary position embedding of q and k in one kernel: Hugging Face's formula, elementwise.
 
-``x * cos + rotate_half(x) * sin`` in the model dtype is, per element of the two halves ``x1, x2`` of a head,
-``round(round(x1 * c) - round(x2 * s))`` and ``round(round(x2 * c) + round(x1 * s))``: each product of two
-bf16/fp16 values is exact in fp32 and rounded once, as torch rounds each op, and the sum of two rounded values is
-rounded once more. The kernel computes exactly that, one token per program, so its output equals torch's bit for
-bit (the RL trainer, which runs torch's formula with autograd, relies on it) and, being elementwise, cannot
-depend on the batch. In fp32 the compiler could fuse a product into the sum (an FMA, other bits), so fp32 and the
-CPU run torch's formula itself. It replaces ten small kernels a layer (multiplies, negations, concatenations,
-adds) with one.
+``x * cos + rotate_half(x) * sin`` is, per element of the two halves ``x1, x2`` of a head,
+``x1 * c - x2 * s`` and ``x2 * c + x1 * s``. The kernel computes each product in fp32, rounds it to the model
+dtype, and rounds the sum again, one token per program: elementwise, so a token's bits cannot depend on its batch.
+It replaces ten small kernels a layer (multiplies, negations, concatenations, adds) with one. On the H200 its
+bf16 bits differed from torch's eager ops for some elements (2026-11-30, bench/ops.py --rotary; not yet
+explained), so nothing may mix the two: the engine's kernel sets and the RL trainer (which wraps this op in
+autograd) all call ``rotary``. The CPU and fp32 run ``rotary_torch``.
 """
 
 import torch
@@ -78,14 +77,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rotary_torch(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face's formula in torch ops (differentiable): the reference the kernel matches."""
+    """Hugging Face's formula in torch ops (differentiable): what ``rotary`` runs on the CPU and in fp32."""
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q: [num_tokens, num_q_heads, head_dim]`` and ``k: [num_tokens, num_kv_heads, head_dim]`` by
     ``cos, sin: [num_tokens, 1, head_dim]`` (each row ``cat(c, c)``, as ``RotaryEmbedding`` builds them).
-    Returns new tensors with the bits of ``rotary_torch``."""
+    Returns new tensors."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[::2] != q.shape[::2] or cos.shape[0] != q.shape[0]:
         raise ValueError(f"rotary: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do not fit")
     head_dim = q.shape[2]

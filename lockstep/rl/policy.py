@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
+from lockstep import ops
 from lockstep.layers.activation import silu_and_mul as _silu_and_mul
 from lockstep.layers.kernels import INVARIANT, Kernels, get_kernels
 from lockstep.models.llama import LlamaForCausalLM
 from lockstep.models.loader import load_model
 from lockstep.ops import autograd
-from lockstep.ops.rotary import rotary_torch
 from lockstep.rl import attention
 
 __all__ = ["TRAINABLE", "load_policy", "make_trainable"]
@@ -38,6 +38,31 @@ class _SiluAndMul(torch.autograd.Function):
         return torch.cat((grad_gate, grad_up), dim=-1).to(gate_up.dtype)
 
 
+class _Rotary(torch.autograd.Function):
+    """``ops.rotary`` itself in the forward, so the trainer's bits are the engine's by construction."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        ctx.save_for_backward(cos, sin)
+        return ops.rotary(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):
+        # The transpose of a rotation is the rotation back: (g1, g2) -> (g1 c + g2 s, g2 c - g1 s).
+        cos, sin = (t.float() for t in ctx.saved_tensors)
+
+        def back(g: torch.Tensor) -> torch.Tensor:
+            g1, g2 = g.float().chunk(2, dim=-1)
+            return (g.float() * cos + torch.cat((g2, -g1), dim=-1) * sin).to(g.dtype)
+
+        return back(grad_q), back(grad_k), None, None
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ops.rotary`` with autograd."""
+    return _Rotary.apply(q, k, cos, sin)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``layers.activation.silu_and_mul`` with autograd."""
     return _SiluAndMul.apply(gate_up)
@@ -50,7 +75,7 @@ TRAINABLE = Kernels(
     rms_norm=autograd.rms_norm,
     silu_and_mul=silu_and_mul,
     write_kv=get_kernels("default").write_kv,  # index_copy_ into the cache: exact, and recorded by autograd
-    rotary=rotary_torch,  # torch's ops with autograd; ops.rotary gives the engine the same bits
+    rotary=rotary,
     attention=attention.paged_attention,
     log_softmax=autograd.log_softmax,
 )
