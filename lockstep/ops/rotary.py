@@ -4,8 +4,9 @@
 ``x1 * c - x2 * s`` and ``x2 * c + x1 * s``. The kernel computes each product in fp32, rounds it to the model
 dtype, and rounds the sum again, one token per program: elementwise, so a token's bits cannot depend on its batch.
 It replaces ten small kernels a layer (multiplies, negations, concatenations, adds) with one. On the H200 its
-bf16 bits differed from torch's eager ops for some elements (2026-11-30, bench/ops.py --rotary; not yet
-explained), so nothing may mix the two: the engine's kernel sets and the RL trainer (which wraps this op in
+bf16 bits differ from torch's eager ops for some elements (2026-11-30, bench/ops.py --rotary): the compiler turns
+the fp32 product, its rounding to bf16 and the sum into one ``fma.rn.bf16`` (one rounding where torch rounds
+twice; seen in the PTX). The bits stay a function of the element alone, but nothing may mix the two paths: the engine's kernel sets and the RL trainer (which wraps this op in
 autograd) all call ``rotary``. The CPU and fp32 run ``rotary_torch``.
 """
 
