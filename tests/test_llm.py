@@ -224,8 +224,6 @@ def test_n_choices_are_requests_of_their_own(tiny_llm: LLM) -> None:
         alone = SamplingParams(**{**vars(p), "n": 1, "seed": choice_seed(41, i)})
         [again] = tiny_llm.generate([[4, 5, 6]], alone, use_tqdm=False)
         assert again.outputs[0] == dataclasses.replace(choice, index=0)
-    with pytest.raises(ValueError, match="one sequence per request"):
-        tiny_llm.engine.add_request("direct", [1, 2], p)
 
 
 def test_stop_strings_and_eos(tiny_llm: LLM) -> None:
@@ -283,20 +281,6 @@ def test_bad_inputs_raise_and_the_engine_keeps_working(tiny_llm: LLM) -> None:
     assert not tiny_llm.engine.has_unfinished_requests()
     [after] = tiny_llm.generate([[1, 2, 3]], ok, use_tqdm=False)
     assert bits(after) == bits(before)
-
-
-def test_engine_abort(tiny_llm: LLM) -> None:
-    engine = tiny_llm.engine
-    engine.add_request("keep", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    engine.add_request("drop", [4, 5, 6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    engine.step()
-    aborted = engine.abort("drop")
-    assert aborted.finish_reason == "abort" and len(aborted.token_ids) == 1
-    assert engine.abort("drop") is None
-    finished = []
-    while engine.has_unfinished_requests():
-        finished += [o for o in engine.step() if o.finished]
-    assert [o.request_id for o in finished] == ["keep"] and len(finished[0].token_ids) == 4
 
 
 # -- the embedded model ----------------------------------------------------------------------------------------
