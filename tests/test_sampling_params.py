@@ -1,15 +1,42 @@
-import pytest
+"""SamplingParams: a default request does what vLLM's does, values are normalised, and a bad one is named with
+its field."""
 
+from pathlib import Path
+
+import pytest
+from tiny_models import TINY_EOS
+
+from lockstep.llm import LLM
 from lockstep.sampling_params import SamplingParams
 
+# What vLLM's SamplingParams() means, spelled out (top_k -1 and 0 both turn top-k off).
+VLLM_DEFAULTS = dict(
+    n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
+    repetition_penalty=1.0, max_tokens=16, stop=None, stop_token_ids=None, ignore_eos=False, logprobs=None,
+    logit_bias=None,
+)  # fmt: skip
 
-def test_defaults():
-    p = SamplingParams()
-    assert (p.temperature, p.top_p, p.top_k, p.seed, p.max_tokens) == (1.0, 1.0, -1, None, 16)
-    assert p.stop == [] and p.stop_token_ids == [] and p.logprobs is None and p.ignore_eos is False
-    assert (p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0, 0, 0, 1, None)
-    assert not p.greedy and not p.penalized
-    assert SamplingParams(repetition_penalty=1.1).penalized and SamplingParams(logit_bias={}).logit_bias is None
+
+def test_a_default_request_does_what_vllms_does(tiny_model_dir: Path) -> None:
+    # vLLM's SamplingParams() samples at temperature 1 with no top-k, top-p, min-p or penalty, for at most 16
+    # tokens, stopping at EOS. The default request here gives the same bits as those values spelled out with the
+    # seed the engine drew for it; changing any one of them changes the tokens, so the comparison can see each.
+    llm = LLM(str(tiny_model_dir), seed=0)
+    [out] = llm.generate("hello", SamplingParams(), use_tqdm=False)
+    assert out.seed is not None, "a default request is sampled: the engine draws it a seed"
+    assert out.finish_reason == "length" and len(out.token_ids) == 16 and out.top_logprobs is None
+    spelled = dict(VLLM_DEFAULTS, seed=out.seed)
+    [same] = llm.generate("hello", SamplingParams(**spelled), use_tqdm=False)
+    assert (same.token_ids, same.logprobs) == (out.token_ids, out.logprobs)
+    for change in ({"temperature": 0.5}, {"temperature": 0}, {"top_k": 5}, {"top_p": 0.5}, {"min_p": 0.2},
+                   {"presence_penalty": 1.0}, {"frequency_penalty": 1.0}, {"repetition_penalty": 1.3}):  # fmt: skip
+        [other] = llm.generate("hello", SamplingParams(**spelled | change), use_tqdm=False)
+        assert other.token_ids != out.token_ids, change
+    [longer] = llm.generate("hello", SamplingParams(**spelled | {"max_tokens": 40}), use_tqdm=False)
+    assert longer.token_ids[:16] == out.token_ids and len(longer.token_ids) == 40
+    # EOS ends a default request (ignore_eos is off): forced first, it is the whole output.
+    [eos] = llm.generate("hello", SamplingParams(logit_bias={TINY_EOS: 100}), use_tqdm=False)
+    assert (eos.token_ids, eos.finish_reason, eos.text) == ([TINY_EOS], "stop", "")
 
 
 def test_normalisation():
@@ -21,6 +48,8 @@ def test_normalisation():
     assert p.logprobs == 0 and p.seed == -3
     assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
     assert SamplingParams(top_k=5, top_p=0.5).top_k == 5
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(repetition_penalty=1.1).penalized and not SamplingParams(repetition_penalty=1.0).penalized
 
 
 @pytest.mark.parametrize(
