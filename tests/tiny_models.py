@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama checkpoints with a one-token-per-character tokenizer, for fast tests."""
+"""Tiny random-weight Hugging Face checkpoints (Llama, Qwen2, Qwen3), a one-token-per-character tokenizer, and
+transformers' logits to compare against, for fast tests."""
 
 import string
 from pathlib import Path
@@ -8,6 +9,27 @@ import torch
 TINY_CHARS = string.printable[:95]  # digits, letters, punctuation, space: 95 tokens, then <unk> and </s>
 TINY_VOCAB = len(TINY_CHARS) + 2
 TINY_EOS = TINY_VOCAB - 1
+
+TINY = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=80,  # not a multiple of 64: exercises the padded silu tile
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+# Llama 3.1's rope scaling (its config.json values).
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 
 
 def save_char_tokenizer(folder: Path) -> None:
@@ -24,32 +46,62 @@ def save_char_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def save_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
-    """A tiny random-weight Llama checkpoint (vocab 97, 2 layers, hidden 64, GQA 4/2) plus the char tokenizer."""
-    import transformers
-
-    kwargs = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        bos_token_id=None,
-        eos_token_id=TINY_EOS,
-        pad_token_id=None,
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).float().eval()
+def randomize_(model: torch.nn.Module, seed: int = 0, scale: float = 1.0) -> None:
+    """Give every parameter of an HF model non-trivial values (HF zeroes biases and sets norms to one): norms
+    near one, biases small, matrices ``scale`` times unit-variance outputs."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            # Large weights give a peaked distribution: greedy and sampled runs see real structure.
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 2.0 * noise / p.shape[-1] ** 0.5)
-    model.save_pretrained(folder)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(scale * noise / p.shape[-1] ** 0.5)
+
+
+def save_tiny_hf(
+    folder: Path, arch: str, seed: int = 0, max_shard_size: str | None = None, scale: float = 1.0, **overrides
+) -> Path:
+    """Save a tiny random-weight HF checkpoint of ``arch`` ("llama", "qwen2", "qwen3") to ``folder``."""
+    import transformers
+
+    cls_config, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    kwargs = dict(TINY)
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32  # Qwen3 decouples head_dim from hidden_size / heads
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = cls_model(cls_config(**kwargs)).float().eval()
+    randomize_(model, seed, scale)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **save_kwargs)
+    return folder
+
+
+def save_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random-weight Llama checkpoint (vocab 97, 2 layers, hidden 64, GQA 4/2) plus the char tokenizer."""
+    kwargs = dict(bos_token_id=None, eos_token_id=TINY_EOS, pad_token_id=None) | overrides
+    # Large weights give a peaked distribution: greedy and sampled runs see real structure.
+    save_tiny_hf(folder, "llama", seed, scale=2.0, **kwargs)
     save_char_tokenizer(folder)
     return folder
+
+
+def hf_logits(folder: Path, tokens: list[int]) -> torch.Tensor:
+    """Hugging Face transformers' fp32 logits for one sequence: ``[len(tokens), vocab]``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference, relative to the reference's largest magnitude."""
+    return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()

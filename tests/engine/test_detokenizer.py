@@ -93,29 +93,3 @@ def _update_without_context(self: IncrementalDetokenizer, token_ids: list[int]) 
     self.text += new
     self._read = len(token_ids)
     return new
-
-
-def test_stream_deltas_add_up_to_the_final_text(embedded_model_dir: Path) -> None:
-    # The server's streamed pieces from outputs that grow a token at a time, as the engine makes them: with stop
-    # strings, each unfinished output carries the engine's incremental text and the request finishes at the first
-    # hit; the finished output carries the whole decode, cut at the earliest stop.
-    from lockstep.outputs import CompletionOutput, RequestOutput
-    from lockstep.server.responses import _TextStream
-
-    tok = AutoTokenizer.from_pretrained(embedded_model_dir)
-    for i, ids in enumerate([tok.encode(t) for t in TEXTS] + random_lists(len(tok), 100, seed=1)):
-        whole = tok.decode(ids, skip_special_tokens=True)
-        stops = [whole[len(whole) // 2 : len(whole) // 2 + 2]] if i % 2 and len(whole) > 4 else []
-        stream, engine = _TextStream(tok, stops), IncrementalDetokenizer(tok)
-        pieces = []
-        for n in range(1, len(ids) + 1):
-            engine.update(ids[:n])
-            if n == len(ids) or any(s in engine.text for s in stops):
-                final = tok.decode(ids[:n], skip_special_tokens=True)
-                final = final[: min([final.find(s) for s in stops if s in final], default=len(final))]
-                done = CompletionOutput(0, final, ids[:n], finish_reason="stop")
-                pieces.append(stream.delta(RequestOutput("r", None, [], [done])))
-                break
-            step = CompletionOutput(0, engine.text if stops else "", ids[:n])
-            pieces.append(stream.delta(RequestOutput("r", None, [], [step])))
-        assert "".join(pieces) == final, ids

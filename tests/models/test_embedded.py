@@ -4,7 +4,7 @@ import json
 import time
 
 import pytest
-from conftest import PagedRunner
+from paged_runner import PagedRunner
 
 from lockstep.models import embedded
 from lockstep.models.loader import load_model, read_config

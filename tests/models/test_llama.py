@@ -2,23 +2,11 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import PagedRunner, hf_logits, max_rel_err, save_tiny_hf
+from paged_runner import PagedRunner
+from tiny_models import LLAMA3_ROPE, hf_logits, max_rel_err, save_tiny_hf
 
-from lockstep.layers.activation import silu_and_mul
-from lockstep.layers.rotary import inverse_frequencies
-from lockstep.layers.torch_kernels import torch_silu_and_mul
 from lockstep.models.loader import load_model
 
-# Llama 3.1's rope scaling (its config.json values).
-LLAMA3_ROPE = dict(
-    rope_type="llama3",
-    rope_theta=500000.0,
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=8192,
-)
 KERNELS = pytest.mark.parametrize("kernels", ["invariant", "default"])
 
 
@@ -130,17 +118,6 @@ def test_tiny_checkpoints_are_batch_invariant(tiny, dtype):
     assert torch.equal(alone, batched), f"{int((alone != batched).sum())} logits differ"
 
 
-def test_rope_frequencies_match_transformers():
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    for params in (LLAMA3_ROPE, dict(rope_type="linear", rope_theta=10000.0, factor=4.0)):
-        hf_config = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters=dict(params))
-        expected, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config)
-        ours = inverse_frequencies(128, params["rope_theta"], params)
-        assert torch.equal(ours, expected)
-
-
 # --- batch invariance --------------------------------------------------------------------------------------------
 
 
@@ -169,26 +146,3 @@ def test_default_kernels_do_depend_on_the_batch(smollm, smollm_prefill, chat_pro
     (last,) = runner.forward([("a", chat_prompt[-1:], len(chat_prompt) - 1)])
     decoded = smollm["default"].compute_logits(last)
     assert not torch.equal(decoded, smollm_prefill["default"][-1:])
-
-
-# --- SiLU-and-mul on the CPU -------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("width", [1, 17, 80, 1000, 1536, 40000])
-def test_silu_and_mul_rows_do_not_depend_on_the_batch(width):
-    gen = torch.Generator().manual_seed(width)
-    x = torch.randn(67 if width < 5000 else 9, 2 * width, generator=gen) * 4
-    full = silu_and_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    assert torch.allclose(full, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
-    for rows in (slice(0, 1), slice(5, 6), slice(3, 40), slice(-1, None)):
-        assert torch.equal(silu_and_mul(x[rows]), full[rows])
-
-
-def test_torch_silu_changes_bits_with_position():
-    # Negative control: ATen's scalar tail and its SIMD body round silu differently, so one element's result
-    # depends on where in the tensor it sits. silu_and_mul above exists because of this.
-    x = torch.randn(1, 2 * 4099, generator=torch.Generator().manual_seed(0)) * 4
-    whole = torch_silu_and_mul(x)[0]
-    singles = torch.stack([torch_silu_and_mul(x[:, [i, 4099 + i]])[0, 0] for i in range(2000)])
-    assert not torch.equal(whole[:2000], singles)

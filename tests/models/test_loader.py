@@ -5,8 +5,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import PagedRunner, hf_logits, max_rel_err, save_tiny_hf
+from paged_runner import PagedRunner
 from safetensors.torch import load_file, save_file
+from tiny_models import hf_logits, max_rel_err, save_tiny_hf
 
 from lockstep.models.llama import ModelConfig
 from lockstep.models.loader import load_model, load_tokenizer, read_config

@@ -55,13 +55,23 @@ def test_with_rstd_matches_aten_fused_rms_norm_layout(dtype):
         torch.testing.assert_close(out.float(), t_out.float(), rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
 
 
-def test_shapes_and_errors():
+def test_3d_strided_empty_and_mixed_dtype_inputs():
     x, w = randn(2, 3, 8, seed=1), randn(8, seed=2)
-    assert ops.rms_norm(x, w, EPS).shape == (2, 3, 8)
-    assert ops.rms_norm(x[..., ::2], w[:4], EPS).shape == (2, 3, 4)  # strided rows
+    # Leading dims are rows: the bits of the same rows flattened to 2-D, and of the HF-rounding reference's values.
+    out = ops.rms_norm(x, w, EPS)
+    assert same_bits(out, ops.rms_norm(x.reshape(6, 8), w, EPS).reshape(2, 3, 8))
+    check_close(out, reference(x, w)[0], ulps=2)
+    # Strided rows: the bits of the same rows made contiguous.
+    strided = x[..., ::2]
+    assert same_bits(ops.rms_norm(strided, w[:4], EPS), ops.rms_norm(strided.contiguous(), w[:4], EPS))
     assert ops.rms_norm(torch.empty(0, 8), w, EPS).shape == (0, 8)
-    # An fp32 weight with bf16 x: the output keeps x's dtype.
-    assert ops.rms_norm(x.bfloat16(), w, EPS).dtype == torch.bfloat16
+    # An fp32 weight with bf16 x: the output keeps x's dtype and rounds like the reference.
+    xb = x.bfloat16()
+    check_close(ops.rms_norm(xb, w, EPS), reference(xb, w)[0], ulps=2)
+
+
+def test_bad_shapes_and_dtypes_raise():
+    x, w = randn(2, 3, 8, seed=1), randn(8, seed=2)
     with pytest.raises(ValueError, match="weight must have shape"):
         ops.rms_norm(x, randn(7), EPS)
     with pytest.raises(ValueError, match="residual must match"):

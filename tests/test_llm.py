@@ -168,13 +168,14 @@ def test_negative_control_default_kernels_differ(tiny_model_dir: Path, reference
     for prompt, p in zip(TARGET_PROMPTS, TARGET_PARAMS, strict=True):
         [out] = make_llm(tiny_model_dir, batch_invariant=False).generate([prompt], p, use_tqdm=False)
         alone.append(bits(out))
-    differ = False
+    # On the CPU a decode step alone is a one-row matmul, another BLAS path than the same row among others; on
+    # the GPU neighbours alone change the bits. Either way the batched runs must differ somewhere.
+    differ = []
     for case in ("batch_of_34", "chunked_16"):
         kwargs, num_others, seed = MATRIX[case]
         outs = run_mixed(make_llm(tiny_model_dir, batch_invariant=False, **kwargs), num_others, seed)
-        differ |= [bits(o) for o in outs] != alone
-    if not differ:
-        pytest.skip("torch's CPU kernels happened to be batch-invariant at these tiny shapes")
+        differ += [case] if [bits(o) for o in outs] != alone else []
+    assert differ, "torch's default kernels gave the same bits alone and batched: the matrix above proves nothing"
 
 
 # -- the API -------------------------------------------------------------------------------------------------
@@ -224,8 +225,6 @@ def test_n_choices_are_requests_of_their_own(tiny_llm: LLM) -> None:
         alone = SamplingParams(**{**vars(p), "n": 1, "seed": choice_seed(41, i)})
         [again] = tiny_llm.generate([[4, 5, 6]], alone, use_tqdm=False)
         assert again.outputs[0] == dataclasses.replace(choice, index=0)
-    with pytest.raises(ValueError, match="one sequence per request"):
-        tiny_llm.engine.add_request("direct", [1, 2], p)
 
 
 def test_stop_strings_and_eos(tiny_llm: LLM) -> None:
@@ -283,20 +282,6 @@ def test_bad_inputs_raise_and_the_engine_keeps_working(tiny_llm: LLM) -> None:
     assert not tiny_llm.engine.has_unfinished_requests()
     [after] = tiny_llm.generate([[1, 2, 3]], ok, use_tqdm=False)
     assert bits(after) == bits(before)
-
-
-def test_engine_abort(tiny_llm: LLM) -> None:
-    engine = tiny_llm.engine
-    engine.add_request("keep", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    engine.add_request("drop", [4, 5, 6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    engine.step()
-    aborted = engine.abort("drop")
-    assert aborted.finish_reason == "abort" and len(aborted.token_ids) == 1
-    assert engine.abort("drop") is None
-    finished = []
-    while engine.has_unfinished_requests():
-        finished += [o for o in engine.step() if o.finished]
-    assert [o.request_id for o in finished] == ["keep"] and len(finished[0].token_ids) == 4
 
 
 # -- the embedded model ----------------------------------------------------------------------------------------

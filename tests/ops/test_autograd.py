@@ -1,0 +1,47 @@
+"""The autograd Functions over the batch-invariant ops (linear, rms_norm, log_softmax): each fp32 gradient,
+projected on a random direction, equals the central finite difference of a float64 reference of the same
+function along that direction."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gradients import check_directional, randn
+
+from lockstep.ops import autograd
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_grad(bias):
+    x, w, b = randn(17, 33), randn(19, 33, seed=2) * 0.2, randn(19, seed=3)
+    if bias:
+        check_directional(autograd.linear, F.linear, [x, w, b])
+    else:
+        check_directional(lambda x, w: autograd.linear(x, w), lambda x, w: F.linear(x, w), [x, w])
+
+
+def _rms_ref(x, w, eps=1e-6):
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def test_rms_norm_grad():
+    x, w, r = randn(17, 40), 1 + 0.1 * randn(40, seed=2), randn(17, 40, seed=3)
+    check_directional(lambda x, w: autograd.rms_norm(x, w, 1e-6), _rms_ref, [x, w])
+
+    def fused(x, w, r):  # both outputs: the normed sum and the residual stream
+        out, h = autograd.rms_norm(x, w, 1e-6, r)
+        return torch.cat((out, 0.5 * h), dim=-1)
+
+    def fused_ref(x, w, r):
+        return torch.cat((_rms_ref(x + r, w), 0.5 * (x + r)), dim=-1)
+
+    check_directional(fused, fused_ref, [x, w, r])
+
+
+def test_log_softmax_grad():
+    check_directional(autograd.log_softmax, lambda x: torch.log_softmax(x, -1), [3 * randn(7, 1000)])
+
+
+def test_negative_control_a_wrong_gradient_is_caught():
+    # A gradient 1% off (the fp32 function scaled against its fp64 reference) fails the check.
+    with pytest.raises(AssertionError):
+        check_directional(lambda x: 1.01 * autograd.log_softmax(x), lambda x: torch.log_softmax(x, -1), [randn(7, 50)])

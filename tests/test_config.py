@@ -1,0 +1,42 @@
+"""EngineConfig: validated when built, each bad field named with its value."""
+
+import pytest
+
+from lockstep.config import EngineConfig
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1, got 0"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="block_size must be a power of two, got 12"):
+        EngineConfig(block_size=12)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"):
+        EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=100"):
+        EngineConfig(block_size=16, num_kv_blocks=6, max_model_len=100)
+    EngineConfig(block_size=16, num_kv_blocks=7, max_model_len=100)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=0)
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="fp8")
+    with pytest.raises(ValueError, match="enable_prefix_caching must be a bool"):
+        EngineConfig(enable_prefix_caching="yes")
+
+
+def test_kernels_and_batch_invariant_resolve_to_one_kernel_set():
+    # batch_invariant is the shorthand for a kernel set; after construction both fields are set and agree.
+    for kwargs, expected in [
+        ({}, ("invariant", True)),
+        ({"batch_invariant": True}, ("invariant", True)),
+        ({"batch_invariant": False}, ("default", False)),
+        ({"kernels": "torch-linear"}, ("torch-linear", False)),
+        ({"kernels": "invariant", "batch_invariant": True}, ("invariant", True)),
+    ]:
+        config = EngineConfig(**kwargs)
+        assert (config.kernels, config.batch_invariant) == expected, kwargs
+    with pytest.raises(ValueError, match="batch_invariant=True contradicts kernels='default'"):
+        EngineConfig(kernels="default", batch_invariant=True)
+    with pytest.raises(ValueError, match="unknown kernel set 'fast'; registered: .*invariant"):
+        EngineConfig(kernels="fast")
+    with pytest.raises(ValueError, match="batch_invariant must be a bool"):
+        EngineConfig(batch_invariant=1)
