@@ -1,13 +1,14 @@
 """Rotary position embedding of q and k in one kernel: Hugging Face's formula, elementwise.
 
 ``x * cos + rotate_half(x) * sin`` is, per element of the two halves ``x1, x2`` of a head,
-``x1 * c - x2 * s`` and ``x2 * c + x1 * s``. The kernel computes each product in fp32, rounds it to the model
-dtype, and rounds the sum again, one token per program: elementwise, so a token's bits cannot depend on its batch.
-It replaces ten small kernels a layer (multiplies, negations, concatenations, adds) with one. On the H200 its
-bf16 bits differ from torch's eager ops for some elements (2026-11-30, bench/ops.py --rotary): the compiler turns
-the fp32 product, its rounding to bf16 and the sum into one ``fma.rn.bf16`` (one rounding where torch rounds
-twice; seen in the PTX). The bits stay a function of the element alone, but nothing may mix the two paths: the engine's kernel sets and the RL trainer (which wraps this op in
-autograd) all call ``rotary``. The CPU and fp32 run ``rotary_torch``.
+``x1 * c - x2 * s`` and ``x2 * c + x1 * s``, one token per program: elementwise, so a token's bits cannot depend
+on its batch. It replaces ten small kernels a layer (multiplies, negations, concatenations, adds) with one.
+
+The kernel asks for torch's roundings (each product rounded to the model dtype, then the sum), but on the H200 the
+compiler turns product, rounding and sum into one ``fma.rn.bf16`` (seen in the PTX), so some bf16 elements differ
+from torch's eager ops (2026-11-30, bench/ops.py --rotary). The bits are still a function of the element alone;
+what matters is that nothing mixes the two paths: the engine's kernel sets and the RL trainer (which wraps this op
+in autograd) all call ``rotary``. The CPU and fp32 run ``rotary_torch``.
 """
 
 import torch
