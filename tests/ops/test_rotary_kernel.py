@@ -7,9 +7,9 @@ from invariance import INVARIANCE_MS, MOVES, SIZES, check_moved_row, check_prefi
 from lockstep.ops.rotary import _rotary_triton, rotary_torch
 
 HALF_DTYPES = [torch.bfloat16, torch.float16]
-# Triton's interpreter truncates fp32 -> bf16 casts whatever rounding they name (the GPU rounds to nearest even as
-# asked), so torch's bf16 bits are checked on the GPU (bench/ops.py --rotary); here fp16, rounded as on the GPU.
-SAME_BITS_DTYPES = HALF_DTYPES if torch.cuda.is_available() else [torch.float16]
+# Whether the kernel has torch's bits, by dtype: Triton's interpreter rounds fp16 as asked but truncates bf16 casts;
+# on the H200 the compiler fuses products and sums into bf16 FMAs (ops/rotary.py), so there neither is claimed.
+SAME_BITS_DTYPES = () if torch.cuda.is_available() else (torch.float16,)
 
 
 def rope(n: int, head_dim: int, dtype: torch.dtype, seed: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,22 +27,24 @@ def qkv(n: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
     return q, k
 
 
-@pytest.mark.parametrize("dtype", SAME_BITS_DTYPES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("shape", [(4, 2, 16), (6, 2, 32), (3, 3, 64)])  # heads, kv heads, head_dim
-def test_kernel_has_torchs_bits_and_is_close_to_fp64(n, shape, dtype):
+def test_kernel_is_close_to_fp64_and_to_torchs_formula(n, shape, dtype):
     heads, kv_heads, head_dim = shape
     q, k = qkv(n, heads, kv_heads, head_dim, dtype)
     cos, sin = rope(n, head_dim, dtype)
     got_q, got_k = _rotary_triton(q, k, cos, sin)
     want_q, want_k = rotary_torch(q, k, cos, sin)
-    assert same_bits(got_q, want_q) and same_bits(got_k, want_k)
+    if dtype in SAME_BITS_DTYPES:
+        assert same_bits(got_q, want_q) and same_bits(got_k, want_k)
     half = head_dim // 2
-    x1, x2 = q.double()[..., :half], q.double()[..., half:]
     c, s = cos.double()[..., :half], sin.double()[..., :half]
-    ref = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
-    eps = torch.finfo(dtype).eps
-    assert ((got_q.double() - ref).abs() <= 3 * eps * (x1.abs() + x2.abs()).repeat(1, 1, 2) + 1e-6).all()
+    for x, got in ((q, got_q), (k, got_k)):
+        x1, x2 = x.double()[..., :half], x.double()[..., half:]
+        ref = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+        bound = 3 * torch.finfo(dtype).eps * (x1.abs() + x2.abs()).repeat(1, 1, 2) + 1e-6
+        assert ((got.double() - ref).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
