@@ -11,8 +11,17 @@ from collections.abc import Sequence
 def add_kernel_args(p: argparse.ArgumentParser) -> None:
     """The options that pick the kernels and where they run, shared by generate, serve and bench."""
     p.add_argument("--no-batch-invariant", action="store_true", help="torch's default kernels (not invariant)")
+    p.add_argument("--kernels", default=None, help="a registered kernel set by name (invariant, default, torch-linear)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (on CUDA, decode replays graphs)")
+
+
+def kernel_args(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields ``add_kernel_args`` parsed."""
+    invariant = False if args.no_batch_invariant else None  # None: whatever --kernels is (default "invariant")
+    return {"kernels": args.kernels, "batch_invariant": invariant, "device": args.device, "dtype": args.dtype,
+            "enforce_eager": args.enforce_eager}  # fmt: skip
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +78,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
-    llm = LLM(args.model, batch_invariant=not args.no_batch_invariant, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, **kernel_args(args))
     tokenizer = llm.tokenizer
     chat = not args.raw and tokenizer is not None and bool(tokenizer.chat_template)
     if chat:
@@ -113,12 +122,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     state = create_state(
         args.model,
-        batch_invariant=not args.no_batch_invariant,
-        device=args.device,
-        dtype=args.dtype,
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
+        **kernel_args(args),
         **engine_args(args),
     )
     print(
@@ -310,10 +317,8 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     llm = LLM(
         args.model,
-        batch_invariant=not args.no_batch_invariant,
-        device=args.device,
-        dtype=args.dtype,
         seed=args.seed,
+        **kernel_args(args),
         **engine_args(args),
     )
     report = run_benchmark(llm, cfg, progress=not args.quiet)

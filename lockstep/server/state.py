@@ -45,15 +45,13 @@ def make_fingerprint(parts: dict) -> str:
 def create_state(
     model: str | None,
     *,
-    batch_invariant: bool = True,
-    device: str | None = None,
-    dtype: str = "auto",
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     **engine_kwargs,
 ) -> ServerState:
-    """Load ``model`` (default: the embedded SmolLM2) into an engine thread and fingerprint what it serves."""
+    """Load ``model`` (default: the embedded SmolLM2) into an engine thread and fingerprint what it serves;
+    ``engine_kwargs`` are ``EngineConfig`` fields."""
     import torch
 
     import lockstep
@@ -68,7 +66,7 @@ def create_state(
         name = served_model_name or "SmolLM2-135M-Instruct"
     else:
         name = served_model_name or Path(model).resolve().name
-    config = EngineConfig(model=model, dtype=dtype, device=device, batch_invariant=batch_invariant, **engine_kwargs)
+    config = EngineConfig(model=model, **engine_kwargs)
     engine = LLMEngine(config)
     dev = engine.runner.device
     device_name = f"cuda:{torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else "cpu"
