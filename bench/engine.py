@@ -24,7 +24,8 @@ differences on a GPU.
 Throughput (the Qwen3 shape unless ``--tp-models``): N fresh random prompts x input tokens, fixed output length
 (ignore_eos), greedy unless ``--tp-temperature``; a warm-up run, a prefill-only run (max_tokens=1) and a full
 run, timed with the engine loop ``LLM.generate`` uses (stepped here so a run can stop at the time budget; a cut
-run is marked partial). Prefix caching is off for these runs. No CUDA graphs: the engine has none yet.
+run is marked partial). Prefix caching is off for these runs. On CUDA, decode replays CUDA graphs (kernel sets that
+can be captured; the ``eager_vs_graphs`` case checks them against eager steps).
 
 Time: ``--budget`` seconds for everything after start-up (checkpoints included); each (model, mode) section gets
 a weighted share of what is left (invariance cases first, then throughput in the section's last third; time a
@@ -498,7 +499,7 @@ def print_table(report: dict) -> None:
         p = report["plan"]
         print(
             f"throughput ({p['tp_requests']} req x {p['tp_in']} in / {p['tp_out']} out, "
-            f"T={report['args']['tp_temperature']}, eager, tok/s):"
+            f"T={report['args']['tp_temperature']}, tok/s):"
         )
         print(f"  {'':22s}{'total':>12s}{'output':>12s}{'prefill':>12s}{'decode':>12s}{'wall s':>9s}")
         for m, modes in report["throughput"].items():

@@ -76,14 +76,17 @@ class DecodeGraphs:
         num_seqs = len(flat.seq_lens)
         return flat.num_tokens == num_seqs and 0 < num_seqs <= self.max_batch
 
-    def run(self, flat: FlatBatch) -> torch.Tensor:
-        """Replay the smallest bucket that holds ``flat``; its hidden states ``[num_seqs, hidden]`` (a view into
-        the graph's output, valid until the next replay)."""
+    def fill(self, flat: FlatBatch) -> int:
+        """Copy a decode step into the buffers, padded up to its bucket; returns the bucket."""
         n = len(flat.seq_lens)
         size = next(s for s in self.sizes if s >= n)
+        device = self.input_ids.device
         # One host tensor for the per-row values, copied in one transfer.
         rows = torch.tensor([flat.input_ids, flat.positions, flat.slot_mapping, flat.seq_lens], dtype=torch.int64)
-        rows = rows.pin_memory().to(self.input_ids.device, non_blocking=True)
+        tables = torch.tensor(flat.block_tables, dtype=torch.int32)
+        if device.type == "cuda":
+            rows, tables = rows.pin_memory(), tables.pin_memory()
+        rows = rows.to(device, non_blocking=True)
         self.input_ids[:n].copy_(rows[0])
         self.positions[:n].copy_(rows[1])
         self.slot_mapping[:n].copy_(rows[2])
@@ -91,8 +94,12 @@ class DecodeGraphs:
         if size > n:  # padding rows: write nothing, attend over one position
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
-        width = len(flat.block_tables[0])
-        tables = torch.tensor(flat.block_tables, dtype=torch.int32).pin_memory()
-        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        self.block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+        return size
+
+    def run(self, flat: FlatBatch) -> torch.Tensor:
+        """Replay the smallest bucket that holds ``flat``; its hidden states ``[num_seqs, hidden]`` (a view into
+        the graph's output, valid until the next replay)."""
+        size = self.fill(flat)
         self.graphs[size].replay()
-        return self.outputs[size][:n]
+        return self.outputs[size][: len(flat.seq_lens)]
