@@ -49,6 +49,7 @@ class Metrics:
     request_seconds: Histogram = field(default_factory=Histogram)
     first_token_seconds: Histogram = field(default_factory=Histogram)
     step_seconds: Histogram = field(default_factory=Histogram)
+    info: dict[str, str] = field(default_factory=dict)  # what is served: kernel set, device, dtype, version
 
     def count_request(self, status: int) -> None:
         key = str(status)
@@ -61,6 +62,9 @@ class Metrics:
             f"# TYPE {p}requests_total counter",
         ]
         lines += [f'{p}requests_total{{code="{k}"}} {v}' for k, v in sorted(self.requests.items())]
+        if self.info:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(self.info.items()))
+            lines += [f"# HELP {p}info What this server runs.", f"# TYPE {p}info gauge", f"{p}info{{{labels}}} 1"]
         for name, kind, value, doc in (
             ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of accepted requests."),
             ("generation_tokens_total", "counter", self.generation_tokens, "Tokens generated."),

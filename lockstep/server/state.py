@@ -78,6 +78,6 @@ def create_state(
         "kernels": engine.runner.model.kernels.name,
     }
     tokenizer = load_tokenizer(model) if engine.tokenizer is not None else None
-    return ServerState(
-        AsyncEngine(engine), tokenizer, name, model, make_fingerprint(parts), parts, api_key, max_body_bytes
-    )
+    async_engine = AsyncEngine(engine)
+    async_engine.metrics.info = {k: v for k, v in parts.items() if k != "weights_blake2b"}
+    return ServerState(async_engine, tokenizer, name, model, make_fingerprint(parts), parts, api_key, max_body_bytes)

@@ -93,6 +93,8 @@ def test_models_and_health(server: Server) -> None:
     assert [m.id for m in models.data] == [server.model]
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["kernels"] == "invariant" and health["device"] == "cpu"
+    info = [name for name, value in server.metrics().items() if name.startswith("lockstep_info{") and value == 1]
+    assert len(info) == 1 and 'kernels="invariant"' in info[0] and 'device="cpu"' in info[0]
 
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.8, 1234)])
