@@ -1,10 +1,13 @@
 """Kernel sets: the ops a model runs on, chosen by name once when the model is built.
 
 ``invariant`` is lockstep's contract: every reduction in ``lockstep.ops`` combines one output element's terms in
-an order fixed by the reduction length alone. ``default`` runs the same model on torch's fast kernels
-(``layers.torch_kernels``): the negative control that shows the batch changing the bits, and the speed
-baseline. ``torch-linear`` mixes the two (torch's matmul, norm and activation, lockstep's attention) to price
-invariance outside attention. Layers call ``self.kernels.<op>``; nothing in the forward pass branches on the set.
+an order fixed by the reduction length alone. ``default`` (what ``batch_invariant=False`` runs) is the fast mode a
+non-deterministic engine would be: cuBLAS, torch's norms, and on CUDA a paged attention whose KV split follows the
+batch; CUDA graphs capture it like the invariant set. It is the negative control that shows the batch changing the
+bits, and the speed baseline. ``torch`` runs torch's own ops only (SDPA over K/V gathered from the cache),
+differentiable: the usual RL trainer. ``torch-linear`` mixes (torch's matmul, norm and activation, lockstep's
+attention) to price invariance outside attention. Layers call ``self.kernels.<op>``; nothing in the forward pass
+branches on the set.
 
 Register another set with ``register_kernels``; ``EngineConfig.kernels`` and ``LLM(kernels=...)`` take its name.
 """
@@ -102,21 +105,27 @@ INVARIANT = register_kernels(
         capturable=True,
     )
 )
-DEFAULT = register_kernels(
+TORCH = register_kernels(
     Kernels(
-        name="default",
+        name="torch",
         batch_invariant=False,
         linear=F.linear,
         rms_norm=torch_kernels.torch_rms_norm,
         silu_and_mul=torch_kernels.torch_silu_and_mul,
         write_kv=torch_kernels.torch_write_kv,
-        rotary=ops.rotary,
+        rotary=ops.rotary_torch,
         attention=torch_kernels.torch_paged_attention,
         log_softmax=torch_kernels.torch_log_softmax,
     )
 )
-TORCH_LINEAR = register_kernels(
+DEFAULT = register_kernels(
     dataclasses.replace(
-        DEFAULT, name="torch-linear", write_kv=INVARIANT.write_kv, attention=INVARIANT.attention, capturable=True
+        TORCH,
+        name="default",
+        write_kv=ops.write_kv,  # a copy: exact on every path, and it skips graph padding rows (slot -1)
+        rotary=ops.rotary,
+        attention=torch_kernels.fast_paged_attention,
+        capturable=True,
     )
 )
+TORCH_LINEAR = register_kernels(dataclasses.replace(DEFAULT, name="torch-linear", attention=INVARIANT.attention))

@@ -1,17 +1,22 @@
-"""torch's own kernels, the ``default`` kernel set (``layers.kernels``): fast, but their reduction order follows the
-batch. They are the negative control that shows the batch changing the bits, and the speed baseline; nothing
-here is part of the invariance contract. Only the kernel-set registry imports this module.
+"""The kernels of the sets that do not keep the contract (``layers.kernels``): ``default`` (fast, what
+``batch_invariant=False`` runs) and ``torch`` (torch's own ops only, differentiable: the usual trainer). Their
+reduction order follows the batch: they are the negative control and the speed baseline; nothing here is part of
+the invariance contract. Only the kernel-set registry and the RL trainer import this module.
 
-The attention gathers K/V out of the paged cache into dense padded tensors and calls
+``torch_paged_attention`` gathers K/V out of the paged cache into dense padded tensors and calls
 ``F.scaled_dot_product_attention`` once for all the step's decodes and once per group of same-shape chunks.
+``fast_paged_attention`` is what a non-deterministic engine runs on CUDA: a paged kernel (lockstep's own, with no
+gather) whose number of KV splits follows the batch.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from lockstep.layers.attention import AttentionMetadata
+from lockstep.ops.attention import TILE, _num_sms, _paged_attention_triton
 
 
 def torch_rms_norm(
@@ -192,3 +197,32 @@ def _attend(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, g: Sd
         causal = causal_lower_right(g.q_len, g.kv_len)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=True).transpose(1, 2)
     return out.reshape(-1, num_heads, head_dim)
+
+
+def split_for_batch(num_seqs: int, num_kv_heads: int, max_positions: int, num_sms: int) -> int:
+    """The KV split size a throughput-minded engine picks: enough splits that ``num_seqs * num_kv_heads * splits``
+    programs fill the GPU twice over, as few as that allows. Follows the batch, so the bits do too."""
+    wanted = max(1, math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads)))
+    tiles_per_split = max(1, math.ceil(max_positions / wanted / TILE))
+    return TILE * (1 << (tiles_per_split - 1).bit_length())  # TILE times a power of two, as the kernel needs
+
+
+def fast_paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The ``default`` set's attention: on CUDA lockstep's paged kernel straight over the cache, its split size
+    chosen from the batch (``split_for_batch``; decided from shapes alone, so CUDA graphs can capture it); on the
+    CPU ``torch_paged_attention``."""
+    if not q.is_cuda:
+        return torch_paged_attention(q, k_cache, v_cache, attn, scale)
+    return batch_split_attention(q, k_cache, v_cache, attn, scale, _num_sms(q.device))
+
+
+def batch_split_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, num_sms: int
+) -> torch.Tensor:
+    max_positions = attn.block_tables.shape[1] * k_cache.shape[1]
+    split = split_for_batch(attn.num_seqs, k_cache.shape[2], max_positions, num_sms)
+    return _paged_attention_triton(
+        q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale, split=split
+    )

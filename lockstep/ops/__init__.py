@@ -4,7 +4,7 @@ from lockstep.ops.attention import paged_attention, write_kv
 from lockstep.ops.matmul import addmm, bmm, linear, mm
 from lockstep.ops.reduce import mean, sum
 from lockstep.ops.rms_norm import rms_norm, rms_norm_with_rstd
-from lockstep.ops.rotary import rotary
+from lockstep.ops.rotary import rotary, rotary_torch
 from lockstep.ops.softmax import log_softmax, softmax
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_with_rstd",
     "rotary",
+    "rotary_torch",
     "softmax",
     "sum",
     "write_kv",

@@ -3,7 +3,7 @@
 ``TRAINABLE`` holds the same kernels as ``INVARIANT`` with the same forward bits, wrapped in autograd
 Functions (``lockstep.ops.autograd``, ``lockstep.rl.attention``). ``load_policy`` loads a checkpoint for
 training: the weights require grad, and the layers call ``TRAINABLE``. With ``batch_invariant=False`` the model
-keeps torch's default kernels (differentiable as they are): the usual trainer, for comparison.
+runs the ``torch`` kernel set (torch's own ops, differentiable as they are): the usual trainer, for comparison.
 """
 
 from pathlib import Path
@@ -13,6 +13,7 @@ import torch
 from lockstep import ops
 from lockstep.layers.activation import silu_and_mul as _silu_and_mul
 from lockstep.layers.kernels import INVARIANT, Kernels, get_kernels
+from lockstep.layers.torch_kernels import torch_write_kv
 from lockstep.models.llama import LlamaForCausalLM
 from lockstep.models.loader import load_model
 from lockstep.ops import autograd
@@ -74,7 +75,7 @@ TRAINABLE = Kernels(
     linear=autograd.linear,
     rms_norm=autograd.rms_norm,
     silu_and_mul=silu_and_mul,
-    write_kv=get_kernels("default").write_kv,  # index_copy_ into the cache: exact, and recorded by autograd
+    write_kv=torch_write_kv,  # index_copy_ into the cache: exact, and recorded by autograd
     rotary=rotary,
     attention=attention.paged_attention,
     log_softmax=autograd.log_softmax,
@@ -82,14 +83,14 @@ TRAINABLE = Kernels(
 
 
 def make_trainable(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """Switch ``model`` (in place) to gradients: weights require grad; an invariant model runs ``TRAINABLE``.
-
-    A model on torch's default kernels keeps them. Returns ``model``.
+    """Switch ``model`` (in place) to gradients: weights require grad; an invariant model runs ``TRAINABLE``, a
+    ``default`` one (whose CUDA attention has no backward) the ``torch`` set; others keep theirs. Returns ``model``.
     """
-    if model.kernels is INVARIANT:
+    swap = {INVARIANT.name: TRAINABLE, "default": get_kernels("torch")}.get(model.kernels.name)
+    if swap is not None:
         for module in model.modules():
             if isinstance(getattr(module, "kernels", None), Kernels):
-                module.kernels = TRAINABLE
+                module.kernels = swap
     for p in model.parameters():
         p.requires_grad_(True)
     return model
@@ -104,6 +105,6 @@ def load_policy(
     max_model_len: int | None = None,
 ) -> LlamaForCausalLM:
     """Load a checkpoint folder as a trainable policy (see ``make_trainable``)."""
-    kernels = "invariant" if batch_invariant else "default"
+    kernels = "invariant" if batch_invariant else "torch"
     model = load_model(path, dtype=dtype, device=device, kernels=kernels, max_model_len=max_model_len)
     return make_trainable(model)

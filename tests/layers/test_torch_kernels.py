@@ -7,7 +7,8 @@ import torch
 
 from lockstep.layers import torch_kernels
 from lockstep.layers.attention import AttentionMetadata
-from lockstep.layers.torch_kernels import sdpa_groups, torch_paged_attention
+from lockstep.layers.torch_kernels import batch_split_attention, sdpa_groups, split_for_batch, torch_paged_attention
+from lockstep.ops.attention import TILE
 
 SCALE = 0.17
 
@@ -134,3 +135,37 @@ def test_gradients_match_fp64_reference():
     total.backward()
     for ours, ref in [(q.grad, q64.grad), (k_cache.grad, k64.grad), (v_cache.grad, v64.grad)]:
         torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=0)
+
+
+# --- the default set's CUDA attention (lockstep's paged kernel, split size from the batch), via the interpreter
+
+
+@pytest.mark.parametrize("num_sms", [1, 132])
+def test_batch_split_attention_matches_fp64_reference(num_sms):
+    q, k_cache, v_cache, attn, seqs = make_batch(MIXED, 4, 2, 32, 4, torch.float32)
+    out = batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms)
+    for got, (qi, ki, vi) in zip(out.split([n for _, n in MIXED]), seqs, strict=True):
+        torch.testing.assert_close(got.double(), reference(qi, ki, vi), atol=2e-6, rtol=0)
+
+
+def test_split_size_follows_the_batch():
+    for max_positions in (1, 64, 600, 40960):
+        sizes = [split_for_batch(n, 8, max_positions, 132) for n in (1, 2, 16, 128, 256)]
+        assert all(s % TILE == 0 and (s // TILE) & (s // TILE - 1) == 0 for s in sizes)
+        assert sizes == sorted(sizes)  # more sequences, fewer (larger) splits
+    assert split_for_batch(1, 8, 40960, 132) < split_for_batch(256, 8, 40960, 132)
+
+
+def test_batch_split_attention_bits_follow_the_batch():
+    # Negative control for this set: a long decode alone (many splits) and the same decode among 39 others (fewer,
+    # larger splits) merge its softmax partials differently.
+    items = [(600, 1)] + [(30, 1)] * 39
+    q, k_cache, v_cache, attn, _ = make_batch(items, 4, 2, 32, 16, torch.float32)
+    batched = batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms=132)[0]
+    alone_attn = AttentionMetadata(
+        slot_mapping=attn.slot_mapping, block_tables=attn.block_tables[:1], seq_lens=attn.seq_lens[:1],
+        query_start_loc=attn.query_start_loc[:2], kv_caches=attn.kv_caches,
+    )  # fmt: skip
+    alone = batch_split_attention(q[:1], k_cache, v_cache, alone_attn, SCALE, num_sms=132)[0]
+    torch.testing.assert_close(alone, batched, atol=1e-5, rtol=0)
+    assert not torch.equal(alone, batched)
