@@ -69,9 +69,9 @@ BLOCK = 16
 SECTION_WEIGHTS = {("qwen3", "invariant"): 3.0, ("qwen3", "default"): 2.0, ("qwen3", "torch-linear"): 2.0,
                    ("smollm2", "invariant"): 2.0, ("smollm2", "default"): 1.5,
                    ("smollm2", "torch-linear"): 1.5}  # fmt: skip
-# How the table names the modes: batch_invariant=True, False, and the bench-only mix (torch's matmul, norm and
-# activation kernels with lockstep's attention) that prices invariance outside attention.
-LABELS = {"invariant": "on", "default": "off", "torch-linear": "lin"}
+# How the table names the modes (kernel sets): batch_invariant=True, False, the bench-only mix (torch's matmul,
+# norm and activation kernels with lockstep's attention) that prices invariance outside attention, torch's own ops.
+LABELS = {"invariant": "on", "default": "off", "torch-linear": "lin", "torch": "tch"}
 TOP = 5  # top logprobs asked for by the targets
 
 # Real shapes (config.json values of Qwen/Qwen3-8B and HuggingFaceTB/SmolLM2-135M-Instruct).
@@ -712,7 +712,7 @@ def main() -> None:
         sections = [(name, mode) for name in folders for mode in modes]
         # Shares of the time left: the first section also pays for most Triton compiles; time a section does
         # not use passes on to the next.
-        weights = [SECTION_WEIGHTS[name.split("-")[0], mode] for name, mode in sections]
+        weights = [SECTION_WEIGHTS.get((name.split("-")[0], mode), 2.0) for name, mode in sections]
         for i, (name, mode) in enumerate(sections):
             folder, shape, info = folders[name]
             now = time.perf_counter()
