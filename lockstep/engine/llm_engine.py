@@ -31,8 +31,11 @@ class _Request:
 class LLMEngine:
     """Owns the ``ModelRunner``, the ``Scheduler`` and the tokenizer.
 
-    ``config.model`` is a checkpoint folder (None: the embedded default model). ``config.seed`` seeds the draw of
-    per-request seeds for sampled requests that bring none (default: fresh ones from the OS).
+    ``config.model`` is a checkpoint folder or a Hugging Face model id, resolved through the local Hugging Face
+    cache (``models.hub``; ``self.config.model`` is then the snapshot folder, whose name is the commit, and
+    ``revision`` None); None: the embedded default model.
+    ``config.seed`` seeds the draw of per-request seeds for sampled requests that bring none (default: fresh ones
+    from the OS).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -40,6 +43,10 @@ class LLMEngine:
             from lockstep.models.embedded import default_model_path
 
             config = dataclasses.replace(config, model=str(default_model_path()))
+        else:
+            from lockstep.models.hub import resolve_model
+
+            config = dataclasses.replace(config, model=resolve_model(config.model, config.revision), revision=None)
         self.runner = ModelRunner(config)
         self.config = self.runner.config
         self.tokenizer = _load_tokenizer_or_none(config.model)
