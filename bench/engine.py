@@ -145,9 +145,9 @@ def build_checkpoint(folder: Path, shape: dict, layers: int | None, device: torc
 
 
 def bits(out: RequestOutput) -> tuple:
-    """Token ids, logprob bit patterns and top-logprob bit patterns, per step."""
-    lps = [struct.pack("<d", x) for x in out.logprobs]
-    tops = [tuple((t, struct.pack("<d", v)) for t, v in d.items()) for d in out.top_logprobs or []]
+    """Token ids, logprob bit patterns and top-logprob bit patterns (with ranks), per step."""
+    lps = [struct.pack("<d", x) for x in out.token_logprobs]
+    tops = [tuple((t, struct.pack("<d", v.logprob), v.rank) for t, v in d.items()) for d in out.logprobs or []]
     return list(out.token_ids), lps, tops
 
 

@@ -95,7 +95,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         [out] = llm.generate(args.prompt, params, use_tqdm=False)
     if args.logprobs:
-        for token_id, logprob in zip(out.token_ids, out.logprobs, strict=True):
+        for token_id, logprob in zip(out.token_ids, out.token_logprobs, strict=True):
             piece = tokenizer.decode([token_id]) if tokenizer is not None else ""
             print(f"{token_id:>8d} {logprob:12.6f} {piece!r}")
         print()

@@ -11,7 +11,7 @@ import pytest
 from tiny_models import TINY_VOCAB
 
 from lockstep.llm import LLM
-from lockstep.outputs import RequestOutput
+from lockstep.outputs import Logprob, RequestOutput
 from lockstep.sampling_params import SamplingParams, choice_seed
 
 BLOCK = 4
@@ -39,11 +39,16 @@ TARGET_PARAMS = [
 ]  # fmt: skip
 
 
+def dict_bits(dicts: list | None) -> tuple:
+    """vLLM's logprob dicts (None entries kept), each Logprob as (token id, logprob bits, rank, decoded token)."""
+    entry = lambda d: tuple((t, struct.pack("<d", v.logprob), v.rank, v.decoded_token) for t, v in d.items())
+    return tuple(None if d is None else entry(d) for d in dicts or ())
+
+
 def bits(out: RequestOutput) -> tuple:
     """Everything the contract covers, with floats as their exact bit patterns."""
     as_bits = lambda xs: tuple(struct.pack("<d", x) for x in xs)
-    tops = tuple(tuple((t, struct.pack("<d", v)) for t, v in d.items()) for d in out.top_logprobs or ())
-    return tuple(out.token_ids), as_bits(out.logprobs), tops, out.finish_reason
+    return tuple(out.token_ids), as_bits(out.token_logprobs), dict_bits(out.logprobs), out.finish_reason
 
 
 def others(rng: random.Random, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -82,7 +87,7 @@ def reference(tiny_model_dir: Path) -> list[tuple]:
     refs = []
     for prompt, p in zip(TARGET_PROMPTS, TARGET_PARAMS, strict=True):
         [out] = make_llm(tiny_model_dir).generate([prompt], p, use_tqdm=False)
-        assert len(out.token_ids) == p.max_tokens and len(out.top_logprobs[0]) == 3
+        assert len(out.token_ids) == p.max_tokens and len(out.logprobs[0]) in (3, 4)
         refs.append(bits(out))
     # The harness can see sampling: the seeded and penalized targets did not just follow the greedy path.
     assert len({r[0] for r in refs}) == len(refs)
@@ -192,17 +197,39 @@ def test_generate_shapes_and_order(tiny_llm: LLM) -> None:
     assert [o.prompt for o in outs] == prompts
     for o, p in zip(outs, prompts, strict=True):
         assert o.prompt_token_ids == tiny_llm.tokenizer.encode(p)
-        assert len(o.token_ids) == len(o.logprobs) == 5 and o.finish_reason == "length"
+        assert len(o.token_ids) == len(o.token_logprobs) == 5 and o.finish_reason == "length"
         assert o.text == tiny_llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
-        assert o.top_logprobs is None and o.seed is None
-        assert all(lp <= 0 for lp in o.logprobs)
+        assert o.logprobs is None and o.prompt_logprobs is None and o.seed is None
+        assert all(lp <= 0 for lp in o.token_logprobs)
     # One prompt as a string, as token ids, as vLLM's prompt dicts; the same answer.
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     [a] = tiny_llm.generate("hello", greedy, use_tqdm=False)
     [b] = tiny_llm.generate(outs[0].prompt_token_ids, greedy, use_tqdm=False)
     c, d = tiny_llm.generate([{"prompt": "hello"}, {"prompt_token_ids": outs[0].prompt_token_ids}], greedy)
     assert bits(a) == bits(b) == bits(c) == bits(d) == bits(outs[0])
-    assert a.outputs[0].cumulative_logprob == sum(a.logprobs)
+    assert a.outputs[0].cumulative_logprob == sum(a.token_logprobs)
+
+
+def test_logprobs_read_the_way_vllm_code_reads_them(tiny_llm: LLM) -> None:
+    # out.outputs[0].logprobs[i][token_id].logprob: the sampled token first, then the top N with ranks 1..N; the
+    # sampled token's rank is its place in the whole distribution (checked against logprobs=vocab).
+    p = SamplingParams(temperature=1.5, seed=3, max_tokens=8, logprobs=2, ignore_eos=True)
+    [out] = tiny_llm.generate([[5, 17, 42]], p, use_tqdm=False)
+    [full] = tiny_llm.generate([[5, 17, 42]], dataclasses.replace(p, logprobs=TINY_VOCAB), use_tqdm=False)
+    [bare] = tiny_llm.generate([[5, 17, 42]], dataclasses.replace(p, logprobs=0), use_tqdm=False)
+    completion, tok = out.outputs[0], tiny_llm.get_tokenizer()
+    assert full.token_ids == bare.token_ids == completion.token_ids
+    assert any(step[t].rank > 2 for t, step in zip(completion.token_ids, completion.logprobs, strict=True))
+    for i, tid in enumerate(completion.token_ids):
+        step = completion.logprobs[i]
+        assert isinstance(step[tid], Logprob) and list(step)[0] == tid
+        assert step[tid].logprob == completion.token_logprobs[i] and step[tid].decoded_token == tok.decode([tid])
+        ranked = sorted(full.logprobs[i].items(), key=lambda kv: (-kv[1].logprob, kv[0]))  # ties to the lower id
+        assert [v.rank for _, v in ranked] == list(range(1, TINY_VOCAB + 1))
+        assert step == {t: full.logprobs[i][t] for t in step} and len(step) == (2 if step[tid].rank <= 2 else 3)
+        assert {v.rank for t, v in step.items() if t != tid} | {step[tid].rank} >= {1, 2}
+        assert bare.logprobs[i] == {tid: step[tid]}
+    assert completion.cumulative_logprob == sum(completion.token_logprobs)
 
 
 def test_engine_draws_and_reports_a_seed(tiny_llm: LLM) -> None:

@@ -8,14 +8,15 @@ finished. The engine never looks at how the batch was formed: the kernels make t
 import dataclasses
 import random
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lockstep.config import EngineConfig
 from lockstep.engine.detokenizer import IncrementalDetokenizer
+from lockstep.engine.logprobs import LogprobDicts
 from lockstep.engine.model_runner import ModelRunner
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.sequence import FinishReason, Sequence
-from lockstep.outputs import CompletionOutput, RequestOutput
+from lockstep.outputs import CompletionOutput, Logprob, RequestOutput
 from lockstep.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class _Request:
     prompt_token_ids: list[int]  # shared by every output of the request: no per-step copy of the prompt
     text: str = ""
     detokenizer: IncrementalDetokenizer | None = None  # made on the first stop-string check
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # vLLM's dicts, built as tokens arrive
 
 
 class LLMEngine:
@@ -50,6 +52,7 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.config = self.runner.config
         self.tokenizer = _load_tokenizer_or_none(config.model)
+        self.logprob_dicts = LogprobDicts(self.tokenizer)
         eos = tuple(self.runner.model.config.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -185,13 +188,16 @@ class LLMEngine:
 
     def _output(self, request: _Request) -> RequestOutput:
         seq = request.seq
-        want_top = seq.params.logprobs is not None
+        logprobs = None
+        if seq.params.logprobs is not None:
+            self.logprob_dicts.extend(request.logprobs, seq.output_token_ids, seq.output_top_logprobs)
+            logprobs = list(request.logprobs)
         completion = CompletionOutput(
             index=0,
             text=request.text,
             token_ids=seq.output_token_ids,
-            logprobs=list(seq.output_logprobs),
-            top_logprobs=list(seq.output_top_logprobs) if want_top else None,
+            token_logprobs=list(seq.output_logprobs),
+            logprobs=logprobs,
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             seed=seq.params.seed,
         )

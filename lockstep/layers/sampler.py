@@ -40,13 +40,15 @@ _M2 = 0x94D049BB133111EB
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Logprobs for one generated token: the sampled token's own, then the top-``n`` alternatives.
+    """Logprobs for one token: its own, then the top-``n`` alternatives.
 
     ``top`` holds ``(token_id, logprob)`` pairs, highest logprob first, ties broken by the lower token id.
+    ``rank`` is the token's place, from 1, in that order over the whole vocabulary (None when not asked for).
     """
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 def _as_signed(x: int) -> int:
@@ -254,19 +256,33 @@ class Sampler:
             tokens[index] = _gumbel_max(scores[index], [params[i] for i in rows], [positions[i] for i in rows])
 
         logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        back = torch.stack((tokens.double(), chosen.double())).tolist()  # fp64 holds both exactly
-        token_ids = [int(t) for t in back[0]]
-        chosen = back[1]
-        max_top = max((p.logprobs or 0) for p in params)
-        top_ids = top_vals = None
-        if max_top > 0:
-            # A stable descending sort puts equal logprobs in id order: ties go to the lower id.
-            top_vals, top_ids = logprobs.sort(dim=-1, descending=True, stable=True)
-            top_vals, top_ids = top_vals[:, :max_top].tolist(), top_ids[:, :max_top].tolist()
-        out: list[TokenLogprobs] = []
-        for i, p in enumerate(params):
-            n = p.logprobs or 0
-            top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
-            out.append(TokenLogprobs(chosen[i], top))
-        return token_ids, out
+        return gather_logprobs(logprobs, tokens, [p.logprobs for p in params])
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]
+) -> tuple[list[int], list[TokenLogprobs]]:
+    """Row ``i``'s logprob of token ``token_ids[i]`` (``logprobs: [rows, vocab]``, ``token_ids: [rows]`` int64 on
+    the same device) and, where ``num_top[i]`` is not None, the token's rank and the ``num_top[i]`` highest
+    ``(token id, logprob)`` pairs. Every value is a gather, a comparison count or a stable sort of the row alone,
+    so it is exact whatever the other rows. Returns the token ids as ints and one ``TokenLogprobs`` per row."""
+    chosen = logprobs.gather(1, token_ids[:, None])  # [rows, 1]
+    columns = [token_ids.double(), chosen[:, 0].double()]  # fp64 holds both exactly
+    ranked = any(n is not None for n in num_top)
+    if ranked:
+        # The place in a stable descending sort: the tokens above it, and the lower ids level with it.
+        ids = torch.arange(logprobs.shape[-1], device=logprobs.device)
+        ahead = (logprobs > chosen) | ((logprobs == chosen) & (ids < token_ids[:, None]))
+        columns.append(ahead.sum(dim=-1).double() + 1)  # an integer count, exact in fp64
+    back = torch.stack(columns).tolist()  # one copy to the host
+    max_top = max((n or 0) for n in num_top) if num_top else 0
+    top_ids = top_vals = None
+    if max_top > 0:
+        # A stable descending sort puts equal logprobs in id order: ties go to the lower id.
+        top_vals, top_ids = logprobs.sort(dim=-1, descending=True, stable=True)
+        top_vals, top_ids = top_vals[:, :max_top].tolist(), top_ids[:, :max_top].tolist()
+    out: list[TokenLogprobs] = []
+    for i, n in enumerate(num_top):
+        top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
+        out.append(TokenLogprobs(back[1][i], top, int(back[2][i]) if n is not None else None))
+    return [int(t) for t in back[0]], out
