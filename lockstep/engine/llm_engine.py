@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from lockstep.config import EngineConfig
-from lockstep.engine.detokenizer import IncrementalDetokenizer
+from lockstep.engine.detokenizer import IncrementalDetokenizer, decode, find_stop
 from lockstep.engine.logprobs import LogprobDicts
 from lockstep.engine.model_runner import ModelRunner
 from lockstep.engine.scheduler import Scheduler
@@ -28,6 +28,7 @@ class _Request:
     text: str = ""
     detokenizer: IncrementalDetokenizer | None = None  # made on the first stop-string check
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # vLLM's dicts, built as tokens arrive
+    stop_from: int | None = None  # min_tokens: a stop string must end after this many characters of the text
 
 
 class LLMEngine:
@@ -57,6 +58,7 @@ class LLMEngine:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids = eos
+        self.runner.sampler.eos_token_ids = eos  # what min_tokens holds back
         self.scheduler = Scheduler(self.config, eos_token_ids=eos)
         seed = config.seed
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom(secrets.randbits(64))
@@ -99,6 +101,9 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and the model has none")
         ids = list(prompt_token_ids)
+        if params.truncate_prompt_tokens is not None:  # vLLM's: keep the last k (-1: as many as can generate)
+            k = params.truncate_prompt_tokens if params.truncate_prompt_tokens > 0 else self.max_model_len - 1
+            ids = ids[-k:]
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         for i, t in enumerate(ids):
@@ -162,24 +167,27 @@ class LLMEngine:
         return outputs
 
     def _update_text(self, request: _Request) -> None:
-        seq = request.seq
+        seq, params = request.seq, request.seq.params
         # Detokenise only where the text is needed: stop-string checks, and the final output.
-        if self.tokenizer is None or not (seq.params.stop or seq.is_finished):
+        if self.tokenizer is None or not (params.stop or seq.is_finished):
             return
+        options = (params.skip_special_tokens, params.spaces_between_special_tokens)
         if seq.is_finished:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)  # the exact text, once
+            text = decode(self.tokenizer, seq.output_token_ids, *options)  # the exact text, once
         else:
             # Each step's stop check decodes only the newest tokens (with a little context), not the whole output.
             if request.detokenizer is None:
-                request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+                request.detokenizer = IncrementalDetokenizer(self.tokenizer, *options)
             request.detokenizer.update(seq.output_token_ids)
             text = request.detokenizer.text
-        stops = seq.params.stop
-        if stops and seq.finish_reason is not FinishReason.ABORT:
-            # The earliest stop string ends the text (and the request), like vLLM; it is not included.
-            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-            if hits:
-                text = text[: min(hits)]
+        stops = params.stop
+        if stops and seq.finish_reason is not FinishReason.ABORT and seq.num_output_tokens > params.min_tokens:
+            if request.stop_from is None:  # the text of the first min_tokens tokens cannot hold a stop
+                request.stop_from = len(decode(self.tokenizer, seq.output_token_ids[: params.min_tokens], *options))
+            # The earliest stop string ends the text (and the request), like vLLM; kept if the request says so.
+            hit = find_stop(text, stops, request.stop_from)
+            if hit is not None:
+                text = text[: hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)]
                 if not seq.is_finished:
                     self.scheduler.finish(seq.request_id, FinishReason.STOP)
                 else:

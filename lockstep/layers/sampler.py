@@ -167,10 +167,19 @@ def _gumbel_max(logits: torch.Tensor, params: list[SamplingParams], positions: l
     return argmax_lowest(x.double() + noise)  # [rows] int64, on the device
 
 
-def adjust_row(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int) -> torch.Tensor:
+def adjust_row(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    token_ids: list[int],
+    num_prompt: int,
+    banned: list[int] | tuple[int, ...] = (),
+) -> torch.Tensor:
     """One row's logits ``[V]`` after ``logit_bias`` and the penalties (vLLM's order and formulas), from the
-    request's tokens: ``token_ids[:num_prompt]`` its prompt, the rest its output so far."""
+    request's tokens: ``token_ids[:num_prompt]`` its prompt, the rest its output so far. ``banned`` ids get -inf
+    (``min_tokens``), which no later step can undo."""
     x = logits
+    if banned:
+        x = x.index_fill(0, torch.tensor(banned, dtype=torch.int64, device=x.device), float("-inf"))
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=x.device)
         x = x.index_put((ids,), torch.tensor(list(params.logit_bias.values()), dtype=x.dtype, device=x.device), True)
@@ -210,6 +219,16 @@ class Sampler:
 
     def __init__(self, log_softmax: Callable[[torch.Tensor], torch.Tensor] = ops.log_softmax) -> None:
         self.log_softmax = log_softmax
+        self.eos_token_ids: tuple[int, ...] = ()  # held back with stop_token_ids until min_tokens (set by the engine)
+
+    def min_tokens_banned(self, params: SamplingParams, history: tuple[list[int], int], vocab: int) -> list[int]:
+        """The ids a row may not choose yet: until ``min_tokens`` outputs exist, EOS (unless ``ignore_eos``) and
+        ``stop_token_ids``, as vLLM's min-tokens logits processor."""
+        token_ids, num_prompt = history
+        if len(token_ids) - num_prompt >= params.min_tokens:
+            return []
+        ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+        return sorted({t for t in ids if t < vocab})
 
     def __call__(
         self,
@@ -225,13 +244,14 @@ class Sampler:
             return [], []
         logits = logits.float()
         scores = logits  # what the choice is made from; logprobs stay raw
-        adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.penalized]
+        adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.penalized or p.min_tokens]
         if adjusted:
             if histories is None:
                 raise ValueError("penalties need each row's (token ids, number of prompt tokens)")
             scores = logits.clone()
             for i in adjusted:
-                scores[i] = adjust_row(logits[i], params[i], *histories[i])
+                banned = self.min_tokens_banned(params[i], histories[i], logits.shape[-1])
+                scores[i] = adjust_row(logits[i], params[i], *histories[i], banned=banned)
         # Tokens stay on the device until one copy brings them back with their logprobs: one sync a step.
         tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
