@@ -119,7 +119,9 @@ class LLM:
         for group in groups:
             first = done[group[0]]
             choices = [dataclasses.replace(done[rid].outputs[0], index=i) for i, rid in enumerate(group)]
-            outputs.append(RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, choices))
+            outputs.append(
+                RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, choices, first.prompt_logprobs)
+            )
         return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

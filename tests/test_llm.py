@@ -1,6 +1,6 @@
-"""LLM.generate end to end, and the invariance matrix: a request's token ids and logprobs are the same bits
-alone, in any batch, under chunked prefill, after a prefix-cache hit, after preemption, and equal to what a
-fresh prefill of the same sequence computes."""
+"""LLM.generate end to end, and the invariance matrix: a request's token ids, logprobs and prompt logprobs are
+the same bits alone, in any batch, under chunked prefill, after a prefix-cache hit, after preemption, and equal
+to what a fresh prefill of the same sequence computes."""
 
 import dataclasses
 import random
@@ -16,7 +16,8 @@ from lockstep.sampling_params import SamplingParams, choice_seed
 
 BLOCK = 4
 # The requests the matrix follows: greedy, seeded temperature 0.8, seeded with top-k/top-p, greedy with a
-# repetition penalty and a logit bias, and seeded with min-p and presence/frequency penalties.
+# repetition penalty and a logit bias, and seeded with min-p and presence/frequency penalties; three of them ask
+# for prompt logprobs (top 3, the prompt tokens' own only, top 5).
 TARGET_PROMPTS = [
     [5, 17, 42, 8, 63, 21, 3, 77, 9, 50, 11, 2, 34],  # 13 tokens: three full blocks and a partial one
     [12, 40, 40, 7, 91, 33, 60, 1, 28],
@@ -25,16 +26,18 @@ TARGET_PROMPTS = [
     [44, 2, 85, 13, 13, 71, 36, 5, 59, 20, 48],
 ]
 TARGET_PARAMS = [
-    SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True, prompt_logprobs=3),
     SamplingParams(temperature=0.8, seed=1234, max_tokens=10, logprobs=3, ignore_eos=True),
-    SamplingParams(temperature=0.8, seed=99, top_k=20, top_p=0.9, max_tokens=10, logprobs=3, ignore_eos=True),
+    SamplingParams(
+        temperature=0.8, seed=99, top_k=20, top_p=0.9, max_tokens=10, logprobs=3, ignore_eos=True, prompt_logprobs=0
+    ),
     SamplingParams(
         temperature=0, repetition_penalty=1.5, logit_bias={30: 1.5, 8: -2.0}, max_tokens=10, logprobs=3,
         ignore_eos=True,
     ),
     SamplingParams(
         temperature=0.8, seed=5, min_p=0.05, presence_penalty=0.8, frequency_penalty=0.5, max_tokens=10, logprobs=3,
-        ignore_eos=True,
+        ignore_eos=True, prompt_logprobs=5,
     ),
 ]  # fmt: skip
 
@@ -48,7 +51,8 @@ def dict_bits(dicts: list | None) -> tuple:
 def bits(out: RequestOutput) -> tuple:
     """Everything the contract covers, with floats as their exact bit patterns."""
     as_bits = lambda xs: tuple(struct.pack("<d", x) for x in xs)
-    return tuple(out.token_ids), as_bits(out.token_logprobs), dict_bits(out.logprobs), out.finish_reason
+    outputs = tuple(out.token_ids), as_bits(out.token_logprobs), dict_bits(out.logprobs), out.finish_reason
+    return *outputs, dict_bits(out.prompt_logprobs)
 
 
 def others(rng: random.Random, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -88,6 +92,8 @@ def reference(tiny_model_dir: Path) -> list[tuple]:
     for prompt, p in zip(TARGET_PROMPTS, TARGET_PARAMS, strict=True):
         [out] = make_llm(tiny_model_dir).generate([prompt], p, use_tqdm=False)
         assert len(out.token_ids) == p.max_tokens and len(out.logprobs[0]) in (3, 4)
+        if p.prompt_logprobs is not None:
+            assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
         refs.append(bits(out))
     # The harness can see sampling: the seeded and penalized targets did not just follow the greedy path.
     assert len({r[0] for r in refs}) == len(refs)
@@ -144,8 +150,11 @@ def test_invariance_after_prefix_cache_hit(tiny_model_dir: Path, reference: list
 
     llm.engine.scheduler.add = spy_add
     outs = run_mixed(llm, 5, 9)
-    for out in outs:
-        assert cached[out.request_id].num_cached_tokens >= BLOCK * 2, "no prefix-cache hit"
+    for out, p in zip(outs, TARGET_PARAMS, strict=True):
+        if p.prompt_logprobs is None:
+            assert cached[out.request_id].num_cached_tokens >= BLOCK * 2, "no prefix-cache hit"
+        else:  # a request that asks for prompt logprobs computes every position: it reads no cached block
+            assert cached[out.request_id].num_cached_tokens == 0
     assert [bits(o) for o in outs] == reference
 
 
@@ -158,13 +167,65 @@ def test_decode_logprobs_equal_a_fresh_prefill(tiny_model_dir: Path, reference: 
     for prompt, p, ref in zip(TARGET_PROMPTS, TARGET_PARAMS, reference, strict=True):
         if p.presence_penalty or p.frequency_penalty:
             continue
-        tokens, lps, tops, _ = ref
+        tokens, lps, tops = ref[:3]
         for i in range(len(tokens)):
             prompts.append(prompt + list(tokens[:i]))
-            params.append(SamplingParams(**{**vars(p), "max_tokens": 1}))
+            params.append(SamplingParams(**{**vars(p), "max_tokens": 1, "prompt_logprobs": None}))
             expect.append(((tokens[i],), (lps[i],), (tops[i],)))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [bits(o)[:3] for o in outs] == expect
+
+
+def prompt_vs_decode(llm: LLM, reference: list[tuple]) -> list[bool]:
+    """Per target: whether the prompt logprobs of prompt + completion, over the completion's tokens, equal the
+    decode-time ones (dict for dict: the token first, then the top N, ranks, decoded text; and the plain floats).
+    The whole sequences run as prompts, chunked 7 tokens at a time among each other."""
+    prompts = [prompt + list(ref[0]) for prompt, ref in zip(TARGET_PROMPTS, reference, strict=True)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3), use_tqdm=False)
+    same = []
+    for out, prompt, ref in zip(outs, TARGET_PROMPTS, reference, strict=True):
+        lps = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:], strict=True)]
+        # Completion token i is prompt token len(prompt) + i here.
+        floats = [struct.pack("<d", x) for x in lps[len(prompt) - 1 :]] == list(ref[1])
+        same.append(bits(out)[4][len(prompt) :] == ref[2] and floats)
+    return same
+
+
+def test_prompt_logprobs_equal_decode_logprobs(tiny_model_dir: Path, reference: list[tuple]) -> None:
+    """Prompt token i's logprobs, from position i - 1's logits, equal what the decode step that generated the same
+    token after the same context reported."""
+    assert prompt_vs_decode(make_llm(tiny_model_dir, max_num_batched_tokens=7, max_num_seqs=7), reference) == [True] * 5
+
+
+def test_prompt_logprobs_across_a_preemption_mid_prefill(tiny_model_dir: Path) -> None:
+    # A long prompt asking for prompt logprobs is preempted part-way through its chunked prefill (an older
+    # request's decodes need its blocks); it recomputes from position 0 and reports each prompt token once.
+    long_prompt = [(7 * i) % 90 for i in range(40)]
+    p = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+    [alone] = make_llm(tiny_model_dir).generate([long_prompt], p, use_tqdm=False)
+    llm = make_llm(tiny_model_dir, num_kv_blocks=12, max_num_batched_tokens=4, max_num_seqs=4)
+    preempted = []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        preempted.extend((s.num_prompt_tokens, len(s.computed_prompt_logprobs)) for s in batch.preempted)
+        return batch
+
+    llm.engine.scheduler.schedule = spy
+    first = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, out = llm.generate([[1, 2, 3], long_prompt], [first, p], use_tqdm=False)
+    assert any(n == 40 and 0 < done < 39 for n, done in preempted), preempted
+    assert bits(out) == bits(alone)
+
+
+def test_negative_control_prompt_logprobs_on_default_kernels(tiny_model_dir: Path) -> None:
+    # torch's kernels: a chunk's rows and a decode step's row go through different matmul shapes, and the
+    # comparison above sees it (its reference made on the same kernels).
+    llm = make_llm(tiny_model_dir, batch_invariant=False, max_num_batched_tokens=7, max_num_seqs=7)
+    targets = zip(TARGET_PROMPTS, TARGET_PARAMS, strict=True)
+    reference = [bits(llm.generate([prompt], p, use_tqdm=False)[0]) for prompt, p in targets]
+    assert not all(prompt_vs_decode(llm, reference))
 
 
 def test_negative_control_default_kernels_differ(tiny_model_dir: Path, reference: list[tuple]) -> None:
@@ -230,6 +291,27 @@ def test_logprobs_read_the_way_vllm_code_reads_them(tiny_llm: LLM) -> None:
         assert {v.rank for t, v in step.items() if t != tid} | {step[tid].rank} >= {1, 2}
         assert bare.logprobs[i] == {tid: step[tid]}
     assert completion.cumulative_logprob == sum(completion.token_logprobs)
+
+
+def test_prompt_logprobs_read_the_way_vllm_code_reads_them(tiny_llm: LLM) -> None:
+    prompt = [5, 17, 42, 8, 63]
+    p = SamplingParams(temperature=0.9, seed=2, n=3, max_tokens=2, prompt_logprobs=2)
+    [out] = tiny_llm.generate([prompt], p, use_tqdm=False)
+    [greedy] = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert greedy.prompt_logprobs is None and len(out.outputs) == 3 and out.outputs[0].logprobs is None
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    tok = tiny_llm.get_tokenizer()
+    for i in range(1, len(prompt)):
+        entry = out.prompt_logprobs[i]
+        assert list(entry)[0] == prompt[i] and entry[prompt[i]].decoded_token == tok.decode([prompt[i]])
+        assert entry[prompt[i]].logprob <= 0 and entry[prompt[i]].rank >= 1
+        assert sorted(v.rank for t, v in entry.items() if t != prompt[i] or v.rank <= 2)[:2] == [1, 2]
+    # A one-token prompt has nothing to predict it; prompt_logprobs=0 holds the prompt tokens' own alone.
+    [single] = tiny_llm.generate([[7]], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    assert single.prompt_logprobs == [None]
+    [bare] = tiny_llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    own = [{t: d[t]} for t, d in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)]
+    assert bare.prompt_logprobs == [None, *own]
 
 
 def test_engine_draws_and_reports_a_seed(tiny_llm: LLM) -> None:

@@ -16,7 +16,7 @@ from lockstep.engine.logprobs import LogprobDicts
 from lockstep.engine.model_runner import ModelRunner
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.sequence import FinishReason, Sequence
-from lockstep.outputs import CompletionOutput, Logprob, RequestOutput
+from lockstep.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from lockstep.sampling_params import SamplingParams
 
 
@@ -29,6 +29,7 @@ class _Request:
     detokenizer: IncrementalDetokenizer | None = None  # made on the first stop-string check
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # vLLM's dicts, built as tokens arrive
     stop_from: int | None = None  # min_tokens: a stop string must end after this many characters of the text
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's dicts, built once the prompt's are all computed
 
 
 class LLMEngine:
@@ -209,7 +210,20 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             seed=seq.params.seed,
         )
-        return RequestOutput(seq.request_id, request.prompt, request.prompt_token_ids, [completion])
+        prompt_logprobs = self._prompt_logprobs(request) if seq.params.prompt_logprobs is not None else None
+        return RequestOutput(seq.request_id, request.prompt, request.prompt_token_ids, [completion], prompt_logprobs)
+
+    def _prompt_logprobs(self, request: _Request) -> PromptLogprobs:
+        """vLLM's prompt logprobs: None for the first token, then a dict per prompt token (built once; fewer only
+        for a request aborted before its prefill ended)."""
+        if request.prompt_logprobs is not None:
+            return request.prompt_logprobs
+        computed = request.seq.computed_prompt_logprobs
+        tokens = request.prompt_token_ids[1 : len(computed) + 1]
+        dicts = [None] + [self.logprob_dicts.entry(t, lp) for t, lp in zip(tokens, computed, strict=True)]
+        if len(computed) == len(request.prompt_token_ids) - 1:
+            request.prompt_logprobs = dicts
+        return dicts
 
 
 def _load_tokenizer_or_none(folder: str):

@@ -46,6 +46,9 @@ class Sequence:
         # for logprobs, each token's rank and top logprobs too (the engine turns them into vLLM's dicts).
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[TokenLogprobs] = []
+        # With params.prompt_logprobs: entry j is prompt token j + 1's, from position j's logits (filled as
+        # prefill chunks compute those positions; kept across preemption).
+        self.computed_prompt_logprobs: list[TokenLogprobs] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
