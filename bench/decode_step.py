@@ -66,7 +66,7 @@ def time_steps(llm: LLM, batch: int, args, graphs: bool, rng: random.Random) -> 
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
     outs.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
-    return per_step, [(o.token_ids, o.logprobs) for o in outs]
+    return per_step, [(o.token_ids, o.token_logprobs) for o in outs]
 
 
 def profile_steps(llm: LLM, batch: int, args, rng: random.Random) -> dict:

@@ -15,8 +15,9 @@ Invariance matrix: target requests (greedy; seeded temperature 0.8; seeded 0.8 w
 min-p, a repetition penalty and a logit bias; plus a long greedy and a long sampled prompt) are first run alone,
 each on a fresh scheduler. Each case then runs them again among random other requests, or under other engine
 settings (chunked prefill budgets, max_num_seqs, a prefix-cache hit, no prefix caching, preemption by a tight KV
-cache, each decode step re-run as a fresh prefill), and compares token ids, logprob bits and top-5 logprob bits
-with the alone run. Cases share the loaded model and
+cache, each decode step re-run as a fresh prefill, the completion read back as prompt logprobs of prompt +
+completion, chunked among others), and compares token ids, logprob bits and top-5 logprob bits (with ranks) with
+the alone run. Cases share the loaded model and
 its KV cache tensors but get a fresh scheduler each (what a fresh ``LLM`` would have, minus the reload). The
 same harness then runs with ``batch_invariant=False`` (torch's kernels): the negative control, which should see
 differences on a GPU.
@@ -145,10 +146,19 @@ def build_checkpoint(folder: Path, shape: dict, layers: int | None, device: torc
 
 
 def bits(out: RequestOutput) -> tuple:
-    """Token ids, logprob bit patterns and top-logprob bit patterns, per step."""
-    lps = [struct.pack("<d", x) for x in out.logprobs]
-    tops = [tuple((t, struct.pack("<d", v)) for t, v in d.items()) for d in out.top_logprobs or []]
+    """Token ids, logprob bit patterns and top-logprob bit patterns (with ranks), per step."""
+    lps = [struct.pack("<d", x) for x in out.token_logprobs]
+    tops = [tuple((t, struct.pack("<d", v.logprob), v.rank) for t, v in d.items()) for d in out.logprobs or []]
     return list(out.token_ids), lps, tops
+
+
+def prompt_bits(out: RequestOutput, start: int) -> tuple:
+    """``bits`` of prompt tokens ``start..`` from their prompt logprobs (what the decode steps that generated them
+    reported, if the contract holds)."""
+    ids, dicts = out.prompt_token_ids[start:], out.prompt_logprobs[start:]
+    lps = [struct.pack("<d", d[t].logprob) for d, t in zip(dicts, ids, strict=True)]
+    tops = [tuple((t, struct.pack("<d", v.logprob), v.rank) for t, v in d.items()) for d in dicts]
+    return list(ids), lps, tops
 
 
 def compare(got: tuple, ref: tuple) -> dict:
@@ -278,6 +288,12 @@ def matrix_cases(plan: Plan, n_short: int, n_long: int) -> list[tuple[str, dict,
         ("prefix_hit", {}, short, 8),
         (f"long_in_batch_{plan.long_chunk}", {"max_num_batched_tokens": plan.long_chunk}, longs, 16),
         ("decode_vs_prefill", {"enable_prefix_caching": False}, short, -2),
+        (
+            "prompt_logprobs",
+            {"max_num_batched_tokens": plan.chunk_small, "max_num_seqs": plan.chunk_small},
+            short,
+            -3,
+        ),
     ]
     cases += [(f"batch_{b}", {}, short, b - n_short) for b in plan.batch_sizes if b != big]
     cases += [
@@ -329,6 +345,13 @@ def run_case(llm, name, overrides, targets, num_others, seed, tp, refs, plan, vo
             for acc, part in zip(steps[t], bits(o), strict=True):
                 acc += part
         got = [steps[t] for t in targets]
+    elif num_others == -3:  # prompt + completion as the prompt, among others: the completion's prompt logprobs
+        ext = (
+            [tp[0][t] + refs[t][0] for t in targets],
+            [dataclasses.replace(tp[1][t], max_tokens=1, prompt_logprobs=TOP) for t in targets],
+        )
+        outs = run_mixed(llm, list(range(len(targets))), ext, 8, seed, plan, vocab)
+        got = [prompt_bits(o, len(tp[0][t])) for o, t in zip(outs, targets, strict=True)]
     else:
         if name == "prefix_hit":
             warm = [tp[0][t] + [1, 2, 3] for t in targets]

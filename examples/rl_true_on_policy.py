@@ -151,7 +151,7 @@ def main() -> None:
 
         # Trainer: recompute every sampled token's logprob with autograd, micro-batch by micro-batch.
         completions = [o.token_ids for o in outs]
-        sampler_lps = [torch.tensor(o.logprobs, dtype=torch.float32, device=device) for o in outs]
+        sampler_lps = [torch.tensor(o.token_logprobs, dtype=torch.float32, device=device) for o in outs]
         lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
         max_diff, kl_sum, num_tokens = 0.0, 0.0, sum(len(c) for c in completions)
         optimizer.zero_grad(set_to_none=True)

@@ -9,6 +9,7 @@ from lockstep.ops.mode import (
     enable_batch_invariant_mode,
     is_batch_invariant_mode_enabled,
 )
+from lockstep.outputs import Logprob
 from lockstep.sampling_params import SamplingParams, choice_seed
 
 __version__ = "0.1.0"
@@ -17,6 +18,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "InvarianceReport",
+    "Logprob",
     "RequestOutput",
     "SamplingParams",
     "__version__",

@@ -24,6 +24,10 @@ def kernel_args(args: argparse.Namespace) -> dict:
             "enforce_eager": args.enforce_eager}  # fmt: skip
 
 
+def add_revision_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--revision", default=None, help="a branch, tag or commit of a Hugging Face model id (default main)")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's batch and cache sizes, shared by serve and bench (``engine_args`` reads them back)."""
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -46,7 +50,10 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         "a user message by default; --raw continues the text as it is.",
     )
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: embedded SmolLM2-135M)")
+    p.add_argument(
+        "--model", default=None, help="checkpoint folder or Hugging Face model id (default: embedded SmolLM2-135M)"
+    )
+    add_revision_arg(p)
     p.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     p.add_argument("--system", default=None, help="a system message (chat mode only)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -78,7 +85,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
-    llm = LLM(args.model, **kernel_args(args))
+    llm = LLM(args.model, revision=args.revision, **kernel_args(args))
     tokenizer = llm.tokenizer
     chat = not args.raw and tokenizer is not None and bool(tokenizer.chat_template)
     if chat:
@@ -88,7 +95,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         [out] = llm.generate(args.prompt, params, use_tqdm=False)
     if args.logprobs:
-        for token_id, logprob in zip(out.token_ids, out.logprobs, strict=True):
+        for token_id, logprob in zip(out.token_ids, out.token_logprobs, strict=True):
             piece = tokenizer.decode([token_id]) if tokenizer is not None else ""
             print(f"{token_id:>8d} {logprob:12.6f} {piece!r}")
         print()
@@ -104,11 +111,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve the OpenAI API (completions, chat completions) over HTTP",
         description="An OpenAI-compatible server whose answers do not depend on how requests are batched.",
     )
-    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: embedded SmolLM2-135M)")
+    p.add_argument(
+        "model", nargs="?", default=None, help="checkpoint folder or Hugging Face model id (default: embedded SmolLM2)"
+    )
+    add_revision_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    p.add_argument(
+        "--served-model-name", default=None, help="the model id clients send (default: the model id or folder name)"
+    )
     add_kernel_args(p)
     add_engine_args(p)
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
@@ -117,13 +129,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from lockstep.models.hub import resolve_model
     from lockstep.server.openai_api import serve
     from lockstep.server.state import create_state
 
+    # The server fingerprints the folder's weights: resolve a model id here, and serve it under its id (vLLM's name).
+    if args.model is None and args.revision is not None:
+        raise ValueError("--revision needs a Hugging Face model id")
+    folder = None if args.model is None else resolve_model(args.model, args.revision)
+    name = args.served_model_name or (args.model if folder != args.model else None)
     state = create_state(
-        args.model,
+        folder,
         api_key=args.api_key,
-        served_model_name=args.served_model_name,
+        served_model_name=name,
         max_body_bytes=args.max_body_bytes,
         **kernel_args(args),
         **engine_args(args),

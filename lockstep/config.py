@@ -30,7 +30,8 @@ class EngineConfig:
     ``max_num_batched_tokens >= max_num_seqs`` is required: a step always has room for all running decodes.
     """
 
-    model: str | None = None
+    model: str | None = None  # a checkpoint folder or a Hugging Face model id (None: the embedded model)
+    revision: str | None = None  # of a Hugging Face model id: a branch, tag or commit (default "main")
     dtype: str = "auto"
     device: str | None = None  # None: CUDA when available, else CPU
     max_num_seqs: int = 256
@@ -50,6 +51,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model must be a path or model id string, got {self.model!r}")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
+            raise ValueError(f"revision must be a non-empty string or None, got {self.revision!r}")
+        if self.revision is not None and self.model is None:
+            raise ValueError(f"revision={self.revision!r} needs a Hugging Face model id (model is None)")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device is not None and (

@@ -22,10 +22,13 @@ def _is_token_ids(x: object) -> bool:
 class LLM:
     """A model and an engine that batches requests without changing their answers.
 
-    ``model`` is a Hugging Face checkpoint folder, or None for the embedded SmolLM2-135M-Instruct. Every other
-    keyword is a field of ``EngineConfig`` (``max_num_seqs``, ``max_model_len``, ``dtype``, ``device``, ...),
-    as vLLM's ``LLM`` takes its engine arguments. ``batch_invariant=False`` runs torch's default kernels instead
-    (faster; results then depend on the batch); ``kernels="name"`` picks any registered kernel set.
+    ``model`` is a Hugging Face checkpoint folder, a Hugging Face model id such as
+    ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` (resolved through the local Hugging Face cache at ``revision=``,
+    downloaded first where the network allows: ``models.hub``), or None for the embedded SmolLM2-135M-Instruct.
+    Every other keyword is a field of ``EngineConfig`` (``max_num_seqs``, ``max_model_len``, ``dtype``,
+    ``device``, ``revision``, ...), as vLLM's ``LLM`` takes its engine arguments. ``batch_invariant=False`` runs
+    torch's default kernels instead (faster; results then depend on the batch); ``kernels="name"`` picks any
+    registered kernel set.
     ``num_kv_blocks=None`` sizes the KV cache from free memory times ``gpu_memory_utilization`` (CUDA) or a
     fixed budget (CPU). ``seed`` makes the seeds drawn for sampled requests without one reproducible (each
     output reports the seed it used).
@@ -119,7 +122,9 @@ class LLM:
         for group in groups:
             first = done[group[0]]
             choices = [dataclasses.replace(done[rid].outputs[0], index=i) for i, rid in enumerate(group)]
-            outputs.append(RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, choices))
+            outputs.append(
+                RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, choices, first.prompt_logprobs)
+            )
         return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -1,26 +1,46 @@
 """What a request gives back, shaped like vLLM's ``vllm.outputs``: a ``RequestOutput`` per prompt holding one
-``CompletionOutput`` per generated sequence."""
+``CompletionOutput`` per generated sequence, with logprobs as vLLM's ``Logprob`` dicts."""
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's logprob at one position (vLLM's ``Logprob``). ``rank`` is its place, from 1, in the position's
+    distribution sorted by descending logprob, ties to the lower token id (the order the top N are listed in);
+    ``decoded_token`` is ``tokenizer.decode([token_id])``, None without a tokenizer."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's aliases: one dict per generated token; for a prompt, None for its first token (nothing predicts it).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
 class CompletionOutput:
     """One generated sequence: choice ``index`` of a request's ``SamplingParams.n`` (vLLM's ``CompletionOutput``).
 
-    ``logprobs[i]`` is the logprob of ``token_ids[i]`` under the model's raw distribution (log_softmax of the
-    logits, before penalties, temperature and filtering, like vLLM's default). ``top_logprobs`` is None unless the
-    request asked for ``SamplingParams.logprobs``; then ``top_logprobs[i]`` maps the top-N token ids at step ``i``
-    to their logprobs. ``seed`` is the seed the noise came from (drawn by the engine when the request gave none;
-    None for greedy requests without one). ``text`` excludes special tokens and is cut before a stop string; it is
-    complete once the sequence has finished (unfinished outputs of requests without stop strings leave it empty).
+    ``token_logprobs[i]`` is the logprob of ``token_ids[i]`` as a plain float, always filled: what RL code
+    compares with its trainer (``lockstep.rl.token_logprobs``). ``logprobs`` is vLLM's: None unless the request
+    asked for ``SamplingParams.logprobs = N``; then ``logprobs[i]`` maps the sampled token and the top N at step
+    ``i`` to their ``Logprob`` (N or N + 1 entries, the sampled token first), read as
+    ``logprobs[i][token_id].logprob``. Both are of the model's raw distribution (log_softmax of the logits, before
+    penalties, temperature and filtering, like vLLM's default), and ``token_logprobs[i]`` has the bits of
+    ``logprobs[i][token_ids[i]].logprob``. ``seed`` is the seed the noise came from (drawn by the engine when the
+    request gave none; None for greedy requests without one). ``text`` is cut at a stop string (kept with
+    ``include_stop_str_in_output``) and decoded as ``skip_special_tokens`` says; it is complete once the sequence
+    has finished (unfinished outputs of requests without stop strings leave it empty).
     """
 
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] | None = None
+    token_logprobs: list[float] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     seed: int | None = None
 
@@ -30,20 +50,23 @@ class CompletionOutput:
 
     @property
     def cumulative_logprob(self) -> float:
-        """The sum of ``logprobs``, in order (vLLM's field)."""
-        return sum(self.logprobs)
+        """The sum of ``token_logprobs``, in order (vLLM's field)."""
+        return sum(self.token_logprobs)
 
 
 @dataclass
 class RequestOutput:
     """One request's result so far (``finished``) or in full: its prompt and ``outputs``, one per choice, as in
-    vLLM. ``text``, ``token_ids``, ``logprobs``, ``top_logprobs``, ``finish_reason`` and ``seed`` are those of
-    ``outputs[0]``: the whole answer when ``n == 1``."""
+    vLLM. ``prompt_logprobs`` is None unless the request asked for ``SamplingParams.prompt_logprobs = N``; then
+    entry ``i`` maps prompt token ``i`` and the top N at its position to their ``Logprob`` (entry 0 is None), the
+    values a decode step would report for the same tokens. ``text``, ``token_ids``, ``token_logprobs``,
+    ``logprobs``, ``finish_reason`` and ``seed`` are those of ``outputs[0]``: the whole answer when ``n == 1``."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -58,12 +81,12 @@ class RequestOutput:
         return self.outputs[0].token_ids
 
     @property
-    def logprobs(self) -> list[float]:
-        return self.outputs[0].logprobs
+    def token_logprobs(self) -> list[float]:
+        return self.outputs[0].token_logprobs
 
     @property
-    def top_logprobs(self) -> list[dict[int, float]] | None:
-        return self.outputs[0].top_logprobs
+    def logprobs(self) -> SampleLogprobs | None:
+        return self.outputs[0].logprobs
 
     @property
     def finish_reason(self) -> str | None:

@@ -44,6 +44,18 @@ class SamplingParams:
     negative ones) of every token already in the prompt or the output; ``frequency_penalty`` subtracts itself
     times the token's count in the output; ``presence_penalty`` subtracts itself once from every token in the
     output.
+
+    vLLM's other controls, with its meanings: ``min_tokens`` keeps EOS and ``stop_token_ids`` from being chosen
+    (their logits set to -inf) and stop strings from ending the text until that many tokens were generated (a
+    stop string must end after the text of those tokens). ``prompt_logprobs`` is the number of top logprobs to
+    return for each prompt token (``RequestOutput.prompt_logprobs``; ``0``: only the prompt token's own); they
+    are the values a decode step would give for the same tokens, bit for bit, and such a request does not read
+    the prefix cache (it computes every prompt position; only choice 0 of ``n`` computes them).
+    ``skip_special_tokens`` leaves special tokens out of ``text``; when they are kept,
+    ``spaces_between_special_tokens`` puts a space between each special token and the text beside it (vLLM does
+    that only with slow tokenizers: for its text from a fast one, pass False). ``include_stop_str_in_output``
+    keeps the stop string that ended the text. ``truncate_prompt_tokens=k`` keeps only the last ``k`` prompt
+    tokens (``-1``: as many as leave room to generate, ``max_model_len - 1``).
     """
 
     n: int = 1
@@ -61,6 +73,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -110,10 +128,25 @@ class SamplingParams:
                     f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {self.logit_bias!r}"
                 )
         self.logit_bias = bias or None
+        self._check_output_controls()
+
+    def _check_output_controls(self) -> None:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k >= 1 or k == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 or an int >= 1, got {k!r}")
 
     def for_choice(self, index: int) -> "SamplingParams":
-        """The parameters of choice ``index`` run as a request of its own (``n=1``, its own seed)."""
-        return dataclasses.replace(self, n=1, seed=choice_seed(self.seed, index))
+        """The parameters of choice ``index`` run as a request of its own (``n=1``, its own seed). Only choice 0
+        computes prompt logprobs: every choice would give the same bits."""
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return dataclasses.replace(self, n=1, seed=choice_seed(self.seed, index), prompt_logprobs=prompt_logprobs)
 
     @property
     def penalized(self) -> bool:

@@ -1,6 +1,6 @@
-"""LLM.generate end to end, and the invariance matrix: a request's token ids and logprobs are the same bits
-alone, in any batch, under chunked prefill, after a prefix-cache hit, after preemption, and equal to what a
-fresh prefill of the same sequence computes."""
+"""LLM.generate end to end, and the invariance matrix: a request's token ids, logprobs and prompt logprobs are
+the same bits alone, in any batch, under chunked prefill, after a prefix-cache hit, after preemption, and equal
+to what a fresh prefill of the same sequence computes."""
 
 import dataclasses
 import random
@@ -11,12 +11,13 @@ import pytest
 from tiny_models import TINY_VOCAB
 
 from lockstep.llm import LLM
-from lockstep.outputs import RequestOutput
+from lockstep.outputs import Logprob, RequestOutput
 from lockstep.sampling_params import SamplingParams, choice_seed
 
 BLOCK = 4
 # The requests the matrix follows: greedy, seeded temperature 0.8, seeded with top-k/top-p, greedy with a
-# repetition penalty and a logit bias, and seeded with min-p and presence/frequency penalties.
+# repetition penalty and a logit bias, and seeded with min-p and presence/frequency penalties; three of them ask
+# for prompt logprobs (top 3, the prompt tokens' own only, top 5).
 TARGET_PROMPTS = [
     [5, 17, 42, 8, 63, 21, 3, 77, 9, 50, 11, 2, 34],  # 13 tokens: three full blocks and a partial one
     [12, 40, 40, 7, 91, 33, 60, 1, 28],
@@ -25,25 +26,33 @@ TARGET_PROMPTS = [
     [44, 2, 85, 13, 13, 71, 36, 5, 59, 20, 48],
 ]
 TARGET_PARAMS = [
-    SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True, prompt_logprobs=3),
     SamplingParams(temperature=0.8, seed=1234, max_tokens=10, logprobs=3, ignore_eos=True),
-    SamplingParams(temperature=0.8, seed=99, top_k=20, top_p=0.9, max_tokens=10, logprobs=3, ignore_eos=True),
+    SamplingParams(
+        temperature=0.8, seed=99, top_k=20, top_p=0.9, max_tokens=10, logprobs=3, ignore_eos=True, prompt_logprobs=0
+    ),
     SamplingParams(
         temperature=0, repetition_penalty=1.5, logit_bias={30: 1.5, 8: -2.0}, max_tokens=10, logprobs=3,
         ignore_eos=True,
     ),
     SamplingParams(
         temperature=0.8, seed=5, min_p=0.05, presence_penalty=0.8, frequency_penalty=0.5, max_tokens=10, logprobs=3,
-        ignore_eos=True,
+        ignore_eos=True, prompt_logprobs=5,
     ),
 ]  # fmt: skip
+
+
+def dict_bits(dicts: list | None) -> tuple:
+    """vLLM's logprob dicts (None entries kept), each Logprob as (token id, logprob bits, rank, decoded token)."""
+    entry = lambda d: tuple((t, struct.pack("<d", v.logprob), v.rank, v.decoded_token) for t, v in d.items())
+    return tuple(None if d is None else entry(d) for d in dicts or ())
 
 
 def bits(out: RequestOutput) -> tuple:
     """Everything the contract covers, with floats as their exact bit patterns."""
     as_bits = lambda xs: tuple(struct.pack("<d", x) for x in xs)
-    tops = tuple(tuple((t, struct.pack("<d", v)) for t, v in d.items()) for d in out.top_logprobs or ())
-    return tuple(out.token_ids), as_bits(out.logprobs), tops, out.finish_reason
+    outputs = tuple(out.token_ids), as_bits(out.token_logprobs), dict_bits(out.logprobs), out.finish_reason
+    return *outputs, dict_bits(out.prompt_logprobs)
 
 
 def others(rng: random.Random, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -82,7 +91,9 @@ def reference(tiny_model_dir: Path) -> list[tuple]:
     refs = []
     for prompt, p in zip(TARGET_PROMPTS, TARGET_PARAMS, strict=True):
         [out] = make_llm(tiny_model_dir).generate([prompt], p, use_tqdm=False)
-        assert len(out.token_ids) == p.max_tokens and len(out.top_logprobs[0]) == 3
+        assert len(out.token_ids) == p.max_tokens and len(out.logprobs[0]) in (3, 4)
+        if p.prompt_logprobs is not None:
+            assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
         refs.append(bits(out))
     # The harness can see sampling: the seeded and penalized targets did not just follow the greedy path.
     assert len({r[0] for r in refs}) == len(refs)
@@ -139,8 +150,11 @@ def test_invariance_after_prefix_cache_hit(tiny_model_dir: Path, reference: list
 
     llm.engine.scheduler.add = spy_add
     outs = run_mixed(llm, 5, 9)
-    for out in outs:
-        assert cached[out.request_id].num_cached_tokens >= BLOCK * 2, "no prefix-cache hit"
+    for out, p in zip(outs, TARGET_PARAMS, strict=True):
+        if p.prompt_logprobs is None:
+            assert cached[out.request_id].num_cached_tokens >= BLOCK * 2, "no prefix-cache hit"
+        else:  # a request that asks for prompt logprobs computes every position: it reads no cached block
+            assert cached[out.request_id].num_cached_tokens == 0
     assert [bits(o) for o in outs] == reference
 
 
@@ -153,13 +167,65 @@ def test_decode_logprobs_equal_a_fresh_prefill(tiny_model_dir: Path, reference: 
     for prompt, p, ref in zip(TARGET_PROMPTS, TARGET_PARAMS, reference, strict=True):
         if p.presence_penalty or p.frequency_penalty:
             continue
-        tokens, lps, tops, _ = ref
+        tokens, lps, tops = ref[:3]
         for i in range(len(tokens)):
             prompts.append(prompt + list(tokens[:i]))
-            params.append(SamplingParams(**{**vars(p), "max_tokens": 1}))
+            params.append(SamplingParams(**{**vars(p), "max_tokens": 1, "prompt_logprobs": None}))
             expect.append(((tokens[i],), (lps[i],), (tops[i],)))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [bits(o)[:3] for o in outs] == expect
+
+
+def prompt_vs_decode(llm: LLM, reference: list[tuple]) -> list[bool]:
+    """Per target: whether the prompt logprobs of prompt + completion, over the completion's tokens, equal the
+    decode-time ones (dict for dict: the token first, then the top N, ranks, decoded text; and the plain floats).
+    The whole sequences run as prompts, chunked 7 tokens at a time among each other."""
+    prompts = [prompt + list(ref[0]) for prompt, ref in zip(TARGET_PROMPTS, reference, strict=True)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3), use_tqdm=False)
+    same = []
+    for out, prompt, ref in zip(outs, TARGET_PROMPTS, reference, strict=True):
+        lps = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:], strict=True)]
+        # Completion token i is prompt token len(prompt) + i here.
+        floats = [struct.pack("<d", x) for x in lps[len(prompt) - 1 :]] == list(ref[1])
+        same.append(bits(out)[4][len(prompt) :] == ref[2] and floats)
+    return same
+
+
+def test_prompt_logprobs_equal_decode_logprobs(tiny_model_dir: Path, reference: list[tuple]) -> None:
+    """Prompt token i's logprobs, from position i - 1's logits, equal what the decode step that generated the same
+    token after the same context reported."""
+    assert prompt_vs_decode(make_llm(tiny_model_dir, max_num_batched_tokens=7, max_num_seqs=7), reference) == [True] * 5
+
+
+def test_prompt_logprobs_across_a_preemption_mid_prefill(tiny_model_dir: Path) -> None:
+    # A long prompt asking for prompt logprobs is preempted part-way through its chunked prefill (an older
+    # request's decodes need its blocks); it recomputes from position 0 and reports each prompt token once.
+    long_prompt = [(7 * i) % 90 for i in range(40)]
+    p = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+    [alone] = make_llm(tiny_model_dir).generate([long_prompt], p, use_tqdm=False)
+    llm = make_llm(tiny_model_dir, num_kv_blocks=12, max_num_batched_tokens=4, max_num_seqs=4)
+    preempted = []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        preempted.extend((s.num_prompt_tokens, len(s.computed_prompt_logprobs)) for s in batch.preempted)
+        return batch
+
+    llm.engine.scheduler.schedule = spy
+    first = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, out = llm.generate([[1, 2, 3], long_prompt], [first, p], use_tqdm=False)
+    assert any(n == 40 and 0 < done < 39 for n, done in preempted), preempted
+    assert bits(out) == bits(alone)
+
+
+def test_negative_control_prompt_logprobs_on_default_kernels(tiny_model_dir: Path) -> None:
+    # torch's kernels: a chunk's rows and a decode step's row go through different matmul shapes, and the
+    # comparison above sees it (its reference made on the same kernels).
+    llm = make_llm(tiny_model_dir, batch_invariant=False, max_num_batched_tokens=7, max_num_seqs=7)
+    targets = zip(TARGET_PROMPTS, TARGET_PARAMS, strict=True)
+    reference = [bits(llm.generate([prompt], p, use_tqdm=False)[0]) for prompt, p in targets]
+    assert not all(prompt_vs_decode(llm, reference))
 
 
 def test_negative_control_default_kernels_differ(tiny_model_dir: Path, reference: list[tuple]) -> None:
@@ -192,17 +258,60 @@ def test_generate_shapes_and_order(tiny_llm: LLM) -> None:
     assert [o.prompt for o in outs] == prompts
     for o, p in zip(outs, prompts, strict=True):
         assert o.prompt_token_ids == tiny_llm.tokenizer.encode(p)
-        assert len(o.token_ids) == len(o.logprobs) == 5 and o.finish_reason == "length"
+        assert len(o.token_ids) == len(o.token_logprobs) == 5 and o.finish_reason == "length"
         assert o.text == tiny_llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
-        assert o.top_logprobs is None and o.seed is None
-        assert all(lp <= 0 for lp in o.logprobs)
+        assert o.logprobs is None and o.prompt_logprobs is None and o.seed is None
+        assert all(lp <= 0 for lp in o.token_logprobs)
     # One prompt as a string, as token ids, as vLLM's prompt dicts; the same answer.
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     [a] = tiny_llm.generate("hello", greedy, use_tqdm=False)
     [b] = tiny_llm.generate(outs[0].prompt_token_ids, greedy, use_tqdm=False)
     c, d = tiny_llm.generate([{"prompt": "hello"}, {"prompt_token_ids": outs[0].prompt_token_ids}], greedy)
     assert bits(a) == bits(b) == bits(c) == bits(d) == bits(outs[0])
-    assert a.outputs[0].cumulative_logprob == sum(a.logprobs)
+    assert a.outputs[0].cumulative_logprob == sum(a.token_logprobs)
+
+
+def test_logprobs_read_the_way_vllm_code_reads_them(tiny_llm: LLM) -> None:
+    # out.outputs[0].logprobs[i][token_id].logprob: the sampled token first, then the top N with ranks 1..N; the
+    # sampled token's rank is its place in the whole distribution (checked against logprobs=vocab).
+    p = SamplingParams(temperature=1.5, seed=3, max_tokens=8, logprobs=2, ignore_eos=True)
+    [out] = tiny_llm.generate([[5, 17, 42]], p, use_tqdm=False)
+    [full] = tiny_llm.generate([[5, 17, 42]], dataclasses.replace(p, logprobs=TINY_VOCAB), use_tqdm=False)
+    [bare] = tiny_llm.generate([[5, 17, 42]], dataclasses.replace(p, logprobs=0), use_tqdm=False)
+    completion, tok = out.outputs[0], tiny_llm.get_tokenizer()
+    assert full.token_ids == bare.token_ids == completion.token_ids
+    assert any(step[t].rank > 2 for t, step in zip(completion.token_ids, completion.logprobs, strict=True))
+    for i, tid in enumerate(completion.token_ids):
+        step = completion.logprobs[i]
+        assert isinstance(step[tid], Logprob) and list(step)[0] == tid
+        assert step[tid].logprob == completion.token_logprobs[i] and step[tid].decoded_token == tok.decode([tid])
+        ranked = sorted(full.logprobs[i].items(), key=lambda kv: (-kv[1].logprob, kv[0]))  # ties to the lower id
+        assert [v.rank for _, v in ranked] == list(range(1, TINY_VOCAB + 1))
+        assert step == {t: full.logprobs[i][t] for t in step} and len(step) == (2 if step[tid].rank <= 2 else 3)
+        assert {v.rank for t, v in step.items() if t != tid} | {step[tid].rank} >= {1, 2}
+        assert bare.logprobs[i] == {tid: step[tid]}
+    assert completion.cumulative_logprob == sum(completion.token_logprobs)
+
+
+def test_prompt_logprobs_read_the_way_vllm_code_reads_them(tiny_llm: LLM) -> None:
+    prompt = [5, 17, 42, 8, 63]
+    p = SamplingParams(temperature=0.9, seed=2, n=3, max_tokens=2, prompt_logprobs=2)
+    [out] = tiny_llm.generate([prompt], p, use_tqdm=False)
+    [greedy] = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert greedy.prompt_logprobs is None and len(out.outputs) == 3 and out.outputs[0].logprobs is None
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    tok = tiny_llm.get_tokenizer()
+    for i in range(1, len(prompt)):
+        entry = out.prompt_logprobs[i]
+        assert list(entry)[0] == prompt[i] and entry[prompt[i]].decoded_token == tok.decode([prompt[i]])
+        assert entry[prompt[i]].logprob <= 0 and entry[prompt[i]].rank >= 1
+        assert sorted(v.rank for t, v in entry.items() if t != prompt[i] or v.rank <= 2)[:2] == [1, 2]
+    # A one-token prompt has nothing to predict it; prompt_logprobs=0 holds the prompt tokens' own alone.
+    [single] = tiny_llm.generate([[7]], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    assert single.prompt_logprobs == [None]
+    [bare] = tiny_llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    own = [{t: d[t]} for t, d in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)]
+    assert bare.prompt_logprobs == [None, *own]
 
 
 def test_engine_draws_and_reports_a_seed(tiny_llm: LLM) -> None:

@@ -24,10 +24,10 @@ def test_a_default_request_does_what_vllms_does(tiny_model_dir: Path) -> None:
     llm = LLM(str(tiny_model_dir), seed=0)
     [out] = llm.generate("hello", SamplingParams(), use_tqdm=False)
     assert out.seed is not None, "a default request is sampled: the engine draws it a seed"
-    assert out.finish_reason == "length" and len(out.token_ids) == 16 and out.top_logprobs is None
+    assert out.finish_reason == "length" and len(out.token_ids) == 16 and out.logprobs is None
     spelled = dict(VLLM_DEFAULTS, seed=out.seed)
     [same] = llm.generate("hello", SamplingParams(**spelled), use_tqdm=False)
-    assert (same.token_ids, same.logprobs) == (out.token_ids, out.logprobs)
+    assert (same.token_ids, same.token_logprobs) == (out.token_ids, out.token_logprobs)
     for change in ({"temperature": 0.5}, {"temperature": 0}, {"top_k": 5}, {"top_p": 0.5}, {"min_p": 0.2},
                    {"presence_penalty": 1.0}, {"frequency_penalty": 1.0}, {"repetition_penalty": 1.3}):  # fmt: skip
         [other] = llm.generate("hello", SamplingParams(**spelled | change), use_tqdm=False)

@@ -182,7 +182,7 @@ def audit_local(model: str | None, cfg: AuditConfig, device: str | None = None, 
                 for (target, _), out in zip(wave, outs, strict=True):
                     if target:
                         tokens = [tok.decode([t]) for t in out.token_ids] if tok is not None else None
-                        samples.append(Sample(out.text, tokens, out.logprobs, out.finish_reason))
+                        samples.append(Sample(out.text, tokens, out.token_logprobs, out.finish_reason))
                 bar.update(len(wave))
             bar.close()
             levels[str(level)] = analyze(samples)

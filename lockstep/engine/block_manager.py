@@ -71,9 +71,10 @@ class BlockManager:
         """Ids of the cached blocks that hold seq's leading full blocks, in order.
 
         Only the first ``num_tokens - 1`` tokens are eligible: the last token is always recomputed, so the step
-        that finishes the prefill has logits to sample from.
+        that finishes the prefill has logits to sample from. A request that asks for prompt logprobs reads no
+        cached block: it needs every prompt position's logits (its own blocks are still cached for others).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         hits: list[int] = []
         prev = b""

@@ -8,14 +8,15 @@ finished. The engine never looks at how the batch was formed: the kernels make t
 import dataclasses
 import random
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lockstep.config import EngineConfig
-from lockstep.engine.detokenizer import IncrementalDetokenizer
+from lockstep.engine.detokenizer import IncrementalDetokenizer, decode, find_stop
+from lockstep.engine.logprobs import LogprobDicts
 from lockstep.engine.model_runner import ModelRunner
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.sequence import FinishReason, Sequence
-from lockstep.outputs import CompletionOutput, RequestOutput
+from lockstep.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from lockstep.sampling_params import SamplingParams
 
 
@@ -26,13 +27,19 @@ class _Request:
     prompt_token_ids: list[int]  # shared by every output of the request: no per-step copy of the prompt
     text: str = ""
     detokenizer: IncrementalDetokenizer | None = None  # made on the first stop-string check
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # vLLM's dicts, built as tokens arrive
+    stop_from: int | None = None  # min_tokens: a stop string must end after this many characters of the text
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's dicts, built once the prompt's are all computed
 
 
 class LLMEngine:
     """Owns the ``ModelRunner``, the ``Scheduler`` and the tokenizer.
 
-    ``config.model`` is a checkpoint folder (None: the embedded default model). ``config.seed`` seeds the draw of
-    per-request seeds for sampled requests that bring none (default: fresh ones from the OS).
+    ``config.model`` is a checkpoint folder or a Hugging Face model id, resolved through the local Hugging Face
+    cache (``models.hub``; ``self.config.model`` is then the snapshot folder, whose name is the commit, and
+    ``revision`` None); None: the embedded default model.
+    ``config.seed`` seeds the draw of per-request seeds for sampled requests that bring none (default: fresh ones
+    from the OS).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -40,13 +47,19 @@ class LLMEngine:
             from lockstep.models.embedded import default_model_path
 
             config = dataclasses.replace(config, model=str(default_model_path()))
+        else:
+            from lockstep.models.hub import resolve_model
+
+            config = dataclasses.replace(config, model=resolve_model(config.model, config.revision), revision=None)
         self.runner = ModelRunner(config)
         self.config = self.runner.config
         self.tokenizer = _load_tokenizer_or_none(config.model)
+        self.logprob_dicts = LogprobDicts(self.tokenizer)
         eos = tuple(self.runner.model.config.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids = eos
+        self.runner.sampler.eos_token_ids = eos  # what min_tokens holds back
         self.scheduler = Scheduler(self.config, eos_token_ids=eos)
         seed = config.seed
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom(secrets.randbits(64))
@@ -89,6 +102,9 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and the model has none")
         ids = list(prompt_token_ids)
+        if params.truncate_prompt_tokens is not None:  # vLLM's: keep the last k (-1: as many as can generate)
+            k = params.truncate_prompt_tokens if params.truncate_prompt_tokens > 0 else self.max_model_len - 1
+            ids = ids[-k:]
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         for i, t in enumerate(ids):
@@ -152,24 +168,27 @@ class LLMEngine:
         return outputs
 
     def _update_text(self, request: _Request) -> None:
-        seq = request.seq
+        seq, params = request.seq, request.seq.params
         # Detokenise only where the text is needed: stop-string checks, and the final output.
-        if self.tokenizer is None or not (seq.params.stop or seq.is_finished):
+        if self.tokenizer is None or not (params.stop or seq.is_finished):
             return
+        options = (params.skip_special_tokens, params.spaces_between_special_tokens)
         if seq.is_finished:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)  # the exact text, once
+            text = decode(self.tokenizer, seq.output_token_ids, *options)  # the exact text, once
         else:
             # Each step's stop check decodes only the newest tokens (with a little context), not the whole output.
             if request.detokenizer is None:
-                request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+                request.detokenizer = IncrementalDetokenizer(self.tokenizer, *options)
             request.detokenizer.update(seq.output_token_ids)
             text = request.detokenizer.text
-        stops = seq.params.stop
-        if stops and seq.finish_reason is not FinishReason.ABORT:
-            # The earliest stop string ends the text (and the request), like vLLM; it is not included.
-            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-            if hits:
-                text = text[: min(hits)]
+        stops = params.stop
+        if stops and seq.finish_reason is not FinishReason.ABORT and seq.num_output_tokens > params.min_tokens:
+            if request.stop_from is None:  # the text of the first min_tokens tokens cannot hold a stop
+                request.stop_from = len(decode(self.tokenizer, seq.output_token_ids[: params.min_tokens], *options))
+            # The earliest stop string ends the text (and the request), like vLLM; kept if the request says so.
+            hit = find_stop(text, stops, request.stop_from)
+            if hit is not None:
+                text = text[: hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)]
                 if not seq.is_finished:
                     self.scheduler.finish(seq.request_id, FinishReason.STOP)
                 else:
@@ -178,17 +197,33 @@ class LLMEngine:
 
     def _output(self, request: _Request) -> RequestOutput:
         seq = request.seq
-        want_top = seq.params.logprobs is not None
+        logprobs = None
+        if seq.params.logprobs is not None:
+            self.logprob_dicts.extend(request.logprobs, seq.output_token_ids, seq.output_top_logprobs)
+            logprobs = list(request.logprobs)
         completion = CompletionOutput(
             index=0,
             text=request.text,
             token_ids=seq.output_token_ids,
-            logprobs=list(seq.output_logprobs),
-            top_logprobs=list(seq.output_top_logprobs) if want_top else None,
+            token_logprobs=list(seq.output_logprobs),
+            logprobs=logprobs,
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             seed=seq.params.seed,
         )
-        return RequestOutput(seq.request_id, request.prompt, request.prompt_token_ids, [completion])
+        prompt_logprobs = self._prompt_logprobs(request) if seq.params.prompt_logprobs is not None else None
+        return RequestOutput(seq.request_id, request.prompt, request.prompt_token_ids, [completion], prompt_logprobs)
+
+    def _prompt_logprobs(self, request: _Request) -> PromptLogprobs:
+        """vLLM's prompt logprobs: None for the first token, then a dict per prompt token (built once; fewer only
+        for a request aborted before its prefill ended)."""
+        if request.prompt_logprobs is not None:
+            return request.prompt_logprobs
+        computed = request.seq.computed_prompt_logprobs
+        tokens = request.prompt_token_ids[1 : len(computed) + 1]
+        dicts = [None] + [self.logprob_dicts.entry(t, lp) for t, lp in zip(tokens, computed, strict=True)]
+        if len(computed) == len(request.prompt_token_ids) - 1:
+            request.prompt_logprobs = dicts
+        return dicts
 
 
 def _load_tokenizer_or_none(folder: str):

@@ -2,7 +2,9 @@
 
 The runner owns the model and the KV caches. ``run(batch)`` turns the batch's entries, in order, into one
 flattened batch of tokens with its ``AttentionMetadata``, computes logits only for the last token of each entry
-that samples, and returns one token id and ``TokenLogprobs`` per such entry.
+that samples, and returns one token id and ``TokenLogprobs`` per such entry. For requests that asked for prompt
+logprobs it also puts the logits of their prompt positions through the same head and log_softmax
+(``batch.prompt_logprobs``): the values a decode step would report for those tokens, whatever the chunking.
 """
 
 import dataclasses
@@ -13,8 +15,9 @@ import torch
 from lockstep.config import EngineConfig
 from lockstep.engine.cuda_graph import DecodeGraphs
 from lockstep.engine.scheduler import ScheduledBatch
+from lockstep.engine.sequence import Sequence
 from lockstep.layers.attention import flatten_batch
-from lockstep.layers.sampler import Sampler, TokenLogprobs
+from lockstep.layers.sampler import Sampler, TokenLogprobs, gather_logprobs
 from lockstep.models.loader import load_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,6 +25,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 CPU_KV_CACHE_BYTES = 512 << 20
 # On CUDA, memory kept back for activations of the largest step besides the weights and the cache.
 CUDA_ACTIVATION_RESERVE_BYTES = 2 << 30
+# Prompt-logprob rows through the LM head at once: a few [rows, vocab] fp32/int64 temporaries (~80 MB each at
+# 128 x 151936). Rows are independent, so how they are grouped does not change their bits.
+PROMPT_LOGPROB_ROWS = 128
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -118,6 +124,7 @@ class ModelRunner:
             hidden = self.graphs.run(flat)
         else:
             hidden = self.model(*flat.to(self.device, self.kv_caches))  # [num_tokens, hidden_size]
+        self._prompt_logprobs(batch, flat.query_start_loc, hidden)
         samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
         if not samplers:
             return [], []
@@ -126,3 +133,38 @@ class ModelRunner:
         params = [e.seq.params for e, _ in samplers]
         histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e, _ in samplers]
         return self.sampler(logits, params, [e.end for e, _ in samplers], histories)
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, query_start_loc: list[int], hidden: torch.Tensor) -> None:
+        """Prompt token ``p + 1``'s logprobs from position ``p``'s hidden state, for every prompt position this
+        step computed that a request asking for them has not had yet; appended to ``batch.prompt_logprobs``.
+        The head and log_softmax are the sampler's, so a prompt token gets the bits a decode step would give it."""
+        rows: list[int] = []  # rows of hidden
+        targets: list[int] = []
+        nums: list[int] = []
+        owners: list[tuple[Sequence, int]] = []  # (sequence, how many of the rows are its)
+        for i, e in enumerate(batch.entries):
+            seq = e.seq
+            if seq.params.prompt_logprobs is None:
+                continue
+            first = max(e.start, len(seq.computed_prompt_logprobs))
+            last = min(e.end, seq.num_prompt_tokens - 1)  # the last prompt position predicts an output token
+            if first >= last:
+                continue
+            if e.start > len(seq.computed_prompt_logprobs):
+                raise RuntimeError(f"prompt logprobs of {seq.request_id!r}: positions before {e.start} were skipped")
+            rows += range(query_start_loc[i] + first - e.start, query_start_loc[i] + last - e.start)
+            targets += seq.token_ids[first + 1 : last + 1]
+            nums += [seq.params.prompt_logprobs] * (last - first)
+            owners.append((seq, last - first))
+        if not rows:
+            return
+        results: list[TokenLogprobs] = []
+        for j in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            index = torch.tensor(rows[j : j + PROMPT_LOGPROB_ROWS], device=self.device)
+            logprobs = self.sampler.log_softmax(self.model.compute_logits(hidden[index]).float())
+            target = torch.tensor(targets[j : j + PROMPT_LOGPROB_ROWS], dtype=torch.int64, device=self.device)
+            results += gather_logprobs(logprobs, target, nums[j : j + PROMPT_LOGPROB_ROWS])[1]
+        k = 0
+        for seq, count in owners:
+            batch.prompt_logprobs.append((seq, results[k : k + count]))
+            k += count

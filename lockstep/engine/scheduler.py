@@ -47,10 +47,13 @@ class ScheduledSeq:
 
 @dataclass
 class ScheduledBatch:
-    """One step's work, in order. ``preempted`` lists the sequences this step sent back to waiting."""
+    """One step's work, in order. ``preempted`` lists the sequences this step sent back to waiting.
+    ``prompt_logprobs`` is filled by the model runner: for each sequence that asked for prompt logprobs and got
+    some computed this step, the new ones in order (``postprocess`` appends them)."""
 
     entries: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -228,6 +231,9 @@ class Scheduler:
             raise ValueError(f"postprocess: {len(token_ids)} token ids for {num_samples} sampling entries")
         if logprobs is not None and len(logprobs) != num_samples:
             raise ValueError(f"postprocess: {len(logprobs)} logprobs for {num_samples} sampling entries")
+        for seq, new in batch.prompt_logprobs:
+            if not seq.is_finished:
+                seq.computed_prompt_logprobs.extend(new)
         finished: list[Sequence] = []
         k = 0
         for entry in batch.entries:

@@ -41,11 +41,14 @@ class Sequence:
         # All tokens, prompt then output; the split is num_prompt_tokens.
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        # Each output token's logprob and top logprobs, kept in RequestOutput's shapes: a step's outputs copy
-        # these lists in C instead of rebuilding them in Python (O(length) per request per step); the dicts are
-        # shared by the outputs, read-only.
+        # Each output token's logprob, kept in CompletionOutput.token_logprobs's shape: a step's outputs copy the
+        # list in C instead of rebuilding it in Python (O(length) per request per step). For requests that asked
+        # for logprobs, each token's rank and top logprobs too (the engine turns them into vLLM's dicts).
         self.output_logprobs: list[float] = []
-        self.output_top_logprobs: list[dict[int, float]] = []
+        self.output_top_logprobs: list[TokenLogprobs] = []
+        # With params.prompt_logprobs: entry j is prompt token j + 1's, from position j's logits (filled as
+        # prefill chunks compute those positions; kept across preemption).
+        self.computed_prompt_logprobs: list[TokenLogprobs] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
@@ -108,4 +111,4 @@ class Sequence:
         if logprobs is not None:
             self.output_logprobs.append(logprobs.logprob)
             if self.params.logprobs is not None:  # only requests that asked for top logprobs report them
-                self.output_top_logprobs.append(dict(logprobs.top))
+                self.output_top_logprobs.append(logprobs)

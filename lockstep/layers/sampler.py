@@ -40,13 +40,15 @@ _M2 = 0x94D049BB133111EB
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Logprobs for one generated token: the sampled token's own, then the top-``n`` alternatives.
+    """Logprobs for one token: its own, then the top-``n`` alternatives.
 
     ``top`` holds ``(token_id, logprob)`` pairs, highest logprob first, ties broken by the lower token id.
+    ``rank`` is the token's place, from 1, in that order over the whole vocabulary (None when not asked for).
     """
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 def _as_signed(x: int) -> int:
@@ -165,10 +167,19 @@ def _gumbel_max(logits: torch.Tensor, params: list[SamplingParams], positions: l
     return argmax_lowest(x.double() + noise)  # [rows] int64, on the device
 
 
-def adjust_row(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int) -> torch.Tensor:
+def adjust_row(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    token_ids: list[int],
+    num_prompt: int,
+    banned: list[int] | tuple[int, ...] = (),
+) -> torch.Tensor:
     """One row's logits ``[V]`` after ``logit_bias`` and the penalties (vLLM's order and formulas), from the
-    request's tokens: ``token_ids[:num_prompt]`` its prompt, the rest its output so far."""
+    request's tokens: ``token_ids[:num_prompt]`` its prompt, the rest its output so far. ``banned`` ids get -inf
+    (``min_tokens``), which no later step can undo."""
     x = logits
+    if banned:
+        x = x.index_fill(0, torch.tensor(banned, dtype=torch.int64, device=x.device), float("-inf"))
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=x.device)
         x = x.index_put((ids,), torch.tensor(list(params.logit_bias.values()), dtype=x.dtype, device=x.device), True)
@@ -208,6 +219,16 @@ class Sampler:
 
     def __init__(self, log_softmax: Callable[[torch.Tensor], torch.Tensor] = ops.log_softmax) -> None:
         self.log_softmax = log_softmax
+        self.eos_token_ids: tuple[int, ...] = ()  # held back with stop_token_ids until min_tokens (set by the engine)
+
+    def min_tokens_banned(self, params: SamplingParams, history: tuple[list[int], int], vocab: int) -> list[int]:
+        """The ids a row may not choose yet: until ``min_tokens`` outputs exist, EOS (unless ``ignore_eos``) and
+        ``stop_token_ids``, as vLLM's min-tokens logits processor."""
+        token_ids, num_prompt = history
+        if len(token_ids) - num_prompt >= params.min_tokens:
+            return []
+        ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+        return sorted({t for t in ids if t < vocab})
 
     def __call__(
         self,
@@ -223,13 +244,14 @@ class Sampler:
             return [], []
         logits = logits.float()
         scores = logits  # what the choice is made from; logprobs stay raw
-        adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.penalized]
+        adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.penalized or p.min_tokens]
         if adjusted:
             if histories is None:
                 raise ValueError("penalties need each row's (token ids, number of prompt tokens)")
             scores = logits.clone()
             for i in adjusted:
-                scores[i] = adjust_row(logits[i], params[i], *histories[i])
+                banned = self.min_tokens_banned(params[i], histories[i], logits.shape[-1])
+                scores[i] = adjust_row(logits[i], params[i], *histories[i], banned=banned)
         # Tokens stay on the device until one copy brings them back with their logprobs: one sync a step.
         tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
@@ -254,19 +276,33 @@ class Sampler:
             tokens[index] = _gumbel_max(scores[index], [params[i] for i in rows], [positions[i] for i in rows])
 
         logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        back = torch.stack((tokens.double(), chosen.double())).tolist()  # fp64 holds both exactly
-        token_ids = [int(t) for t in back[0]]
-        chosen = back[1]
-        max_top = max((p.logprobs or 0) for p in params)
-        top_ids = top_vals = None
-        if max_top > 0:
-            # A stable descending sort puts equal logprobs in id order: ties go to the lower id.
-            top_vals, top_ids = logprobs.sort(dim=-1, descending=True, stable=True)
-            top_vals, top_ids = top_vals[:, :max_top].tolist(), top_ids[:, :max_top].tolist()
-        out: list[TokenLogprobs] = []
-        for i, p in enumerate(params):
-            n = p.logprobs or 0
-            top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
-            out.append(TokenLogprobs(chosen[i], top))
-        return token_ids, out
+        return gather_logprobs(logprobs, tokens, [p.logprobs for p in params])
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]
+) -> tuple[list[int], list[TokenLogprobs]]:
+    """Row ``i``'s logprob of token ``token_ids[i]`` (``logprobs: [rows, vocab]``, ``token_ids: [rows]`` int64 on
+    the same device) and, where ``num_top[i]`` is not None, the token's rank and the ``num_top[i]`` highest
+    ``(token id, logprob)`` pairs. Every value is a gather, a comparison count or a stable sort of the row alone,
+    so it is exact whatever the other rows. Returns the token ids as ints and one ``TokenLogprobs`` per row."""
+    chosen = logprobs.gather(1, token_ids[:, None])  # [rows, 1]
+    columns = [token_ids.double(), chosen[:, 0].double()]  # fp64 holds both exactly
+    ranked = any(n is not None for n in num_top)
+    if ranked:
+        # The place in a stable descending sort: the tokens above it, and the lower ids level with it.
+        ids = torch.arange(logprobs.shape[-1], device=logprobs.device)
+        ahead = (logprobs > chosen) | ((logprobs == chosen) & (ids < token_ids[:, None]))
+        columns.append(ahead.sum(dim=-1).double() + 1)  # an integer count, exact in fp64
+    back = torch.stack(columns).tolist()  # one copy to the host
+    max_top = max((n or 0) for n in num_top) if num_top else 0
+    top_ids = top_vals = None
+    if max_top > 0:
+        # A stable descending sort puts equal logprobs in id order: ties go to the lower id.
+        top_vals, top_ids = logprobs.sort(dim=-1, descending=True, stable=True)
+        top_vals, top_ids = top_vals[:, :max_top].tolist(), top_ids[:, :max_top].tolist()
+    out: list[TokenLogprobs] = []
+    for i, n in enumerate(num_top):
+        top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
+        out.append(TokenLogprobs(back[1][i], top, int(back[2][i]) if n is not None else None))
+    return [int(t) for t in back[0]], out

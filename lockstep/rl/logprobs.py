@@ -1,4 +1,4 @@
-"""Trainer-side token logprobs that equal, bit for bit, the ``.logprobs`` the engine sampled with.
+"""Trainer-side token logprobs that equal, bit for bit, the ``.token_logprobs`` the engine sampled with.
 
 The engine's logprob of completion token ``i`` is ``ops.log_softmax(lm_head(h))[token]`` where ``h`` is the
 final hidden state at position ``len(prompt) + i - 1``: by the engine's contract that hidden state has the same
@@ -94,7 +94,7 @@ def token_logprobs(
     """Per-token logprobs of each completion given its prompt, with autograd.
 
     Returns one fp32 tensor ``[len(completion)]`` per sequence, in input order. On a policy from
-    ``load_policy`` (or ``make_trainable``) the values equal bit for bit the ``RequestOutput.logprobs`` an
+    ``load_policy`` (or ``make_trainable``) the values equal bit for bit the ``RequestOutput.token_logprobs`` an
     invariant engine with the same weights, dtype and device returned for those tokens, whatever the micro-batch
     size or packing. The sequences run in micro-batches of at most ``micro_batch_size`` sequences and
     ``max_num_tokens`` tokens (see ``micro_batches``); the graph of every micro-batch is kept until the caller's

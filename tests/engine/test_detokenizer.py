@@ -1,12 +1,13 @@
 """IncrementalDetokenizer against decoding the whole list, on the tokenizers we can build offline."""
 
 import random
+import re
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from lockstep.engine.detokenizer import IncrementalDetokenizer
+from lockstep.engine.detokenizer import IncrementalDetokenizer, decode, special_token_ids
 
 TEXTS = [
     "Hello, world! Ça va? 日本語のテキスト 🙂🙂 naïve café — done.",
@@ -26,14 +27,15 @@ def metaspace_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
 
 
-def check(tokenizer, ids: list[int]) -> None:
-    detok = IncrementalDetokenizer(tokenizer)
+def check(tokenizer, ids: list[int], *options: bool) -> None:
+    """``options``: skip_special_tokens, spaces_between_special_tokens (default True, True)."""
+    detok = IncrementalDetokenizer(tokenizer, *options)
     pieces = []
     for n in range(1, len(ids) + 1):
         pieces.append(detok.update(ids[:n]))
         # Never ahead of, nor different from, the whole decode so far (it may hold back a partial character).
-        assert tokenizer.decode(ids[:n], skip_special_tokens=True).startswith(detok.text), ids[:n]
-    full = tokenizer.decode(ids, skip_special_tokens=True)
+        assert decode(tokenizer, ids[:n], *options).startswith(detok.text), ids[:n]
+    full = decode(tokenizer, ids, *options)
     assert "".join(pieces) == detok.text
     if not full.endswith("\ufffd"):
         assert detok.text == full, ids
@@ -63,6 +65,22 @@ def test_metaspace_leading_space() -> None:
     assert tok.decode(tok.convert_tokens_to_ids(["▁cat"])) == "cat"
     for ids in [tok.encode("the cats sat on the mat.")] + random_lists(len(tok), 200):
         check(tok, ids)
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_special_tokens_kept(embedded_model_dir: Path, spaces: bool) -> None:
+    # skip_special_tokens=False, with and without spaces around the special tokens, on SmolLM2's chat tokens.
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir)
+    special = sorted(special_token_ids(tok))
+    assert tok.convert_tokens_to_ids("<|im_start|>") in special
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False)
+    # The reference: the template's text cut at its special tokens, the pieces joined with spaces.
+    pieces = [p for p in re.split(r"(<\|im_start\|>|<\|im_end\|>)", chat) if p]
+    assert decode(tok, tok.encode(chat), False, spaces) == (" ".join(pieces) if spaces else chat)
+    rng = random.Random(1)
+    mixed = [[rng.choice(special) if rng.random() < 0.2 else t for t in ids] for ids in random_lists(len(tok), 200)]
+    for ids in [tok.encode(chat)] + mixed:
+        check(tok, ids, False, spaces)
 
 
 def test_nothing_new_returns_empty(tiny_model_dir: Path) -> None:

@@ -434,6 +434,6 @@ def test_postprocess_checks_lengths_and_stores_logprobs():
         sched.postprocess(batch, [5], [TokenLogprobs(-0.1)] * 2)
     lp = TokenLogprobs(-0.25, ((5, -0.25),))
     sched.postprocess(batch, [5], [lp])
-    assert s.output_token_ids == [5] and s.output_logprobs == [-0.25] and s.output_top_logprobs == [{5: -0.25}]
+    assert s.output_token_ids == [5] and s.output_logprobs == [-0.25] and s.output_top_logprobs == [lp]
     with pytest.raises(RuntimeError, match="schedule called twice"):
         sched.postprocess(batch, [5], [lp])

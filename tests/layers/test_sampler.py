@@ -131,6 +131,21 @@ def test_logprobs_match_fp64_reference(vocab: int) -> None:
         assert [t for t, _ in lps[i].top] == want
         for t, lp in lps[i].top:
             assert math.isclose(lp, ref[i, t].item(), rel_tol=1e-5, abs_tol=1e-5)
+        # The rank is the place in a stable descending sort of the returned (fp32) logprobs.
+        ours = Sampler().log_softmax(x[i : i + 1])[0]
+        order = torch.argsort(ours, descending=True, stable=True).tolist()
+        assert lps[i].rank == order.index(ids[i]) + 1
+
+
+def test_ranks_count_ties_to_the_lower_id_and_are_none_unless_asked() -> None:
+    x = torch.zeros(3, 10)
+    x[:, 7] = 1.0
+    rows = [SamplingParams(temperature=0, logit_bias={4: 5.0}, logprobs=0), SamplingParams(temperature=0, logprobs=2)]
+    rows.append(SamplingParams(temperature=0))
+    ids, lps = Sampler()(x, rows, [0, 0, 0], [([1], 1)] * 3)
+    # Row 0 chose 4 (biased; logprobs stay raw): level with 0..3, 5, 6, 8, 9 and behind 7 -> after 7, 0, 1, 2, 3.
+    assert ids == [4, 7, 7] and [lp.rank for lp in lps] == [6, 1, None]
+    assert lps[0].top == () and [t for t, _ in lps[1].top] == [7, 0]
 
 
 def test_top_logprob_ties_go_to_lower_id() -> None:

@@ -40,7 +40,7 @@ def sampled(tiny_model_dir):
         runs.append(llm.generate(prompts, params, use_tqdm=False))
     for run in runs[1:]:
         assert [o.token_ids for o in run] == [o.token_ids for o in runs[0]]
-        assert [o.logprobs for o in run] == [o.logprobs for o in runs[0]]
+        assert [o.token_logprobs for o in run] == [o.token_logprobs for o in runs[0]]
     return prompts, runs[0]
 
 
@@ -53,7 +53,7 @@ def _assert_bitwise(lps: list[torch.Tensor], outs) -> None:
     assert len(lps) == len(outs)
     for i, (lp, out) in enumerate(zip(lps, outs, strict=True)):
         assert lp.dtype == torch.float32 and lp.requires_grad
-        assert torch.equal(lp.detach(), torch.tensor(out.logprobs, dtype=torch.float32)), f"sequence {i}"
+        assert torch.equal(lp.detach(), torch.tensor(out.token_logprobs, dtype=torch.float32)), f"sequence {i}"
 
 
 @pytest.mark.parametrize("packing", [dict(micro_batch_size=1), dict(micro_batch_size=16), dict(max_num_tokens=40),
@@ -80,7 +80,7 @@ def test_negative_control_one_ulp_changes_the_bits(sampled, tiny_model_dir):
         w = nudged.lm_head.weight
         w[:, 0] = torch.nextafter(w[:, 0], torch.full_like(w[:, 0], float("inf")))
     lps = token_logprobs(nudged, prompts, [o.token_ids for o in outs], micro_batch_size=16)
-    same = [torch.equal(lp.detach(), torch.tensor(o.logprobs)) for lp, o in zip(lps, outs, strict=True)]
+    same = [torch.equal(lp.detach(), torch.tensor(o.token_logprobs)) for lp, o in zip(lps, outs, strict=True)]
     assert not all(same)
 
 

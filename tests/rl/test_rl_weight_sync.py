@@ -13,7 +13,7 @@ PARAMS.append(SamplingParams(temperature=0.0, max_tokens=8))  # greedy
 
 
 def _bits(outs):
-    return [(o.token_ids, o.logprobs) for o in outs]
+    return [(o.token_ids, o.token_logprobs) for o in outs]
 
 
 def test_load_weights_equals_fresh_engine(tiny_model_dir, tiny_rl_model_dir_b):
@@ -40,7 +40,7 @@ def test_optimizer_step_then_sync_keeps_trainer_and_sampler_equal(tiny_model_dir
         outs = llm.generate(PROMPTS, PARAMS[:4], use_tqdm=False)
         lps = token_logprobs(policy, PROMPTS, [o.token_ids for o in outs], micro_batch_size=3)
         for lp, o in zip(lps, outs, strict=True):
-            assert torch.equal(lp.detach(), torch.tensor(o.logprobs))
+            assert torch.equal(lp.detach(), torch.tensor(o.token_logprobs))
         opt.zero_grad()
         sum(lp.sum() for lp in lps).backward()
         opt.step()

@@ -1,0 +1,121 @@
+"""vLLM's output controls in SamplingParams, end to end on the tiny model: min_tokens, stop strings kept or not,
+special tokens in the text, prompt truncation; and a bad value named with its field."""
+
+from pathlib import Path
+
+import pytest
+from tiny_models import TINY_CHARS, TINY_EOS, TINY_VOCAB
+
+from lockstep.llm import LLM
+from lockstep.sampling_params import SamplingParams
+
+UNK = TINY_VOCAB - 2  # the char tokenizer's other special token
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> LLM:
+    return LLM(str(tiny_model_dir), block_size=4, num_kv_blocks=512, seed=0)
+
+
+def one(llm: LLM, prompt, **kwargs):
+    [out] = llm.generate(prompt, SamplingParams(**kwargs), use_tqdm=False)
+    return out
+
+
+def test_min_tokens_holds_back_eos_and_stop_token_ids(llm: LLM) -> None:
+    # EOS pushed to the top: without min_tokens it is the first token; with min_tokens=5 it comes sixth.
+    assert one(llm, "hello", temperature=0, logit_bias={TINY_EOS: 100}).token_ids == [TINY_EOS]
+    out = one(llm, "hello", temperature=0, logit_bias={TINY_EOS: 100}, min_tokens=5)
+    assert out.finish_reason == "stop" and out.token_ids[5:] == [TINY_EOS] and TINY_EOS not in out.token_ids[:5]
+    # Logprobs stay those of the raw distribution: EOS's own, at the step that chose it, is the same either way.
+    alone = one(llm, [out.prompt_token_ids + out.token_ids[:5]], temperature=0, logit_bias={TINY_EOS: 100})
+    assert alone.token_ids == [TINY_EOS] and alone.token_logprobs == out.token_logprobs[5:]
+    t = 40  # a stop token id is held back the same way
+    out = one(llm, "hello", temperature=0, logit_bias={t: 100}, stop_token_ids=[t], min_tokens=3, ignore_eos=True)
+    assert out.token_ids[3:] == [t] and t not in out.token_ids[:3]
+    # With ignore_eos, EOS is an ordinary token (as in vLLM): not held back.
+    out = one(llm, "hello", temperature=0, logit_bias={TINY_EOS: 100}, min_tokens=3, max_tokens=4, ignore_eos=True)
+    assert out.token_ids == [TINY_EOS] * 4
+    # A sampled request too: the same seed, the noise unchanged, only the banned ids out of reach.
+    kw = dict(temperature=1.0, seed=7, logit_bias={TINY_EOS: 4.0}, max_tokens=30)
+    free, held = one(llm, "hello", **kw), one(llm, "hello", **kw, min_tokens=20)
+    assert TINY_EOS in free.token_ids[:20] and TINY_EOS not in held.token_ids[:20]
+
+
+def test_stop_strings_with_min_tokens_and_include_stop_str_in_output(llm: LLM) -> None:
+    greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    free = one(llm, "abc", **greedy)
+    s = free.text[:2]  # the char tokenizer: one character per token
+    assert one(llm, "abc", **greedy, stop=[s]).text == ""
+    # The first two tokens' text cannot hold a stop with min_tokens=2; the next occurrence (if any) ends it.
+    held = one(llm, "abc", **greedy, stop=[s], min_tokens=2)
+    later = free.text.find(s, 1)
+    assert held.text == (free.text if later < 0 else free.text[:later])
+    # A stop string that ends after the min_tokens text counts, even if it began inside it.
+    straddle = one(llm, "abc", **greedy, stop=[s], min_tokens=1)
+    assert straddle.text == "" and straddle.token_ids == free.token_ids[:2] and straddle.finish_reason == "stop"
+    stop = free.text[5:7]
+    kept = one(llm, "abc", **greedy, stop=[stop], include_stop_str_in_output=True)
+    cut = free.text.find(stop)
+    assert kept.text == free.text[: cut + 2] and one(llm, "abc", **greedy, stop=[stop]).text == free.text[:cut]
+
+
+def test_special_tokens_in_the_text(llm: LLM) -> None:
+    # Sampled with both special tokens made likely: a mix of special and ordinary tokens.
+    kw = dict(temperature=1.0, seed=3, logit_bias={TINY_EOS: 2.0, UNK: 2.0}, max_tokens=16, ignore_eos=True)
+    out = one(llm, "hello", **kw)
+    special = {TINY_EOS: "</s>", UNK: "<unk>"}
+    assert set(out.token_ids) & set(special) and set(out.token_ids) - set(special)
+    assert out.text == "".join(TINY_CHARS[t] for t in out.token_ids if t not in special)
+    raw = one(llm, "hello", **kw, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert raw.token_ids == out.token_ids
+    assert raw.text == "".join(special.get(t) or TINY_CHARS[t] for t in out.token_ids)
+    # Spaces around each special token: the ordinary runs between them stay as they are.
+    pieces, run = [], ""
+    for t in out.token_ids:
+        if t in special:
+            pieces += [run, special[t]] if run else [special[t]]
+            run = ""
+        else:
+            run += TINY_CHARS[t]
+    pieces += [run] if run else []
+    spaced = one(llm, "hello", **kw, skip_special_tokens=False)
+    assert spaced.text == " ".join(pieces) != raw.text
+    # The same text when stop strings make the engine detokenize step by step (a stop string that never occurs).
+    assert one(llm, "hello", **kw, skip_special_tokens=False, stop=["~~~~"]).text == spaced.text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
+    greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(3, 23))
+    cut = one(llm, [prompt], **greedy, truncate_prompt_tokens=5)
+    assert cut.prompt_token_ids == prompt[-5:]
+    assert cut.token_ids == one(llm, [prompt[-5:]], **greedy).token_ids
+    assert one(llm, [prompt], **greedy, truncate_prompt_tokens=50).prompt_token_ids == prompt
+    # -1: as many as leave room to generate (max_model_len - 1); the prompt alone would not fit.
+    long = [5] * 300
+    with pytest.raises(ValueError, match="300 tokens"):
+        one(llm, [long], **greedy)
+    assert len(one(llm, [long], **greedy, truncate_prompt_tokens=-1).prompt_token_ids) == 255
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),  # more than max_tokens (16)
+        ({"min_tokens": 1.0}, "min_tokens"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
+        ({"skip_special_tokens": 0}, "skip_special_tokens"),
+        ({"spaces_between_special_tokens": "yes"}, "spaces_between_special_tokens"),
+        ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
+    ],
+)
+def test_invalid_values_name_field_and_value(kwargs, field) -> None:
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert str(err.value).startswith(field) and repr(next(iter(kwargs.values()))) in str(err.value)
