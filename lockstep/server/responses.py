@@ -61,29 +61,39 @@ def _token_str(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
 
-def _completion_logprobs(tok, out: RequestOutput, start: int, offset: int) -> dict:
+def _tops(out: RequestOutput, start: int, n: int) -> list[dict[int, float]]:
+    """The top ``n`` ``{token_id: logprob}`` of each step from ``start`` on (``out.logprobs`` also holds the sampled
+    token, ranked wherever it fell)."""
+    if out.logprobs is None:
+        return [{} for _ in out.token_ids[start:]]
+    return [
+        {t: lp.logprob for t, lp in sorted(step.items(), key=lambda item: item[1].rank) if lp.rank <= n}
+        for step in out.logprobs[start:]
+    ]
+
+
+def _completion_logprobs(tok, out: RequestOutput, start: int, offset: int, n: int) -> dict:
     tokens = [_token_str(tok, t) for t in out.token_ids[start:]]
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    tops = out.top_logprobs[start:] if out.top_logprobs is not None else [{} for _ in tokens]
     return {
         "tokens": tokens,
-        "token_logprobs": out.logprobs[start:],
-        "top_logprobs": [{_token_str(tok, t): lp for t, lp in top.items()} for top in tops],
+        "token_logprobs": out.token_logprobs[start:],
+        "top_logprobs": [{_token_str(tok, t): lp for t, lp in top.items()} for top in _tops(out, start, n)],
         "text_offset": offsets,
     }
 
 
-def _chat_logprobs(tok, out: RequestOutput, start: int) -> dict:
+def _chat_logprobs(tok, out: RequestOutput, start: int, n: int) -> dict:
     def entry(t: int, lp: float) -> dict:
         s = _token_str(tok, t)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
     content = []
-    tops = out.top_logprobs if out.top_logprobs is not None else [{}] * len(out.token_ids)
-    for t, lp, top in zip(out.token_ids[start:], out.logprobs[start:], tops[start:], strict=True):
+    steps = zip(out.token_ids[start:], out.token_logprobs[start:], _tops(out, start, n), strict=True)
+    for t, lp, top in steps:
         content.append(entry(t, lp) | {"top_logprobs": [entry(k, v) for k, v in top.items()]})
     return {"content": content}
 
@@ -128,14 +138,15 @@ class _Response:
         """Choice ``index`` of a reply (``text`` is the whole text), or of a stream chunk (``delta``: ``text`` is
         the new piece, which begins at character ``offset`` of the choice; logprobs from token ``start`` on)."""
         tok = self.state.tokenizer
+        n = self.specs[index].params.logprobs
         if self.chat:
-            lp = _chat_logprobs(tok, out, start) if self.logprobs else None
+            lp = _chat_logprobs(tok, out, start, n) if self.logprobs else None
             if delta:
                 body = {"delta": {"content": text} if text else {}}
             else:
                 body = {"message": {"role": "assistant", "content": text}}
         else:
-            lp = _completion_logprobs(tok, out, start, offset) if self.logprobs else None
+            lp = _completion_logprobs(tok, out, start, offset, n) if self.logprobs else None
             body = {"text": text}
         return {"index": index, **body, "logprobs": lp, "finish_reason": out.finish_reason}
 
