@@ -3,6 +3,14 @@ holds (``Shard``). The numerics that make a row-parallel reduction independent o
 ``lockstep.ops.tp_linear``; the sharded layers in ``lockstep.layers``."""
 
 from lockstep.distributed.group import TPGroup, destroy_tp_group, init_tp_group
-from lockstep.distributed.shard import Shard, kv_head_range, split_evenly
+from lockstep.distributed.shard import Shard, kv_head_range, split_evenly, vocab_range
 
-__all__ = ["Shard", "TPGroup", "destroy_tp_group", "init_tp_group", "kv_head_range", "split_evenly"]
+__all__ = [
+    "Shard",
+    "TPGroup",
+    "destroy_tp_group",
+    "init_tp_group",
+    "kv_head_range",
+    "split_evenly",
+    "vocab_range",
+]

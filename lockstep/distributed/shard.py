@@ -47,3 +47,11 @@ def kv_head_range(num_heads: int, num_kv_heads: int, size: int, rank: int) -> tu
         )
     head = rank // (size // num_kv_heads)
     return head, head + 1
+
+
+def vocab_range(vocab_size: int, size: int, rank: int) -> tuple[int, int, int]:
+    """``(start, stop, rows)``: rank ``rank`` holds vocabulary rows ``[start, stop)`` in a slice of
+    ``rows = ceil(vocab_size / size)`` rows, zero-padded past ``stop`` (the last rank's slice may be short)."""
+    rows = -(-vocab_size // size)
+    start = min(rank * rows, vocab_size)
+    return start, min(start + rows, vocab_size), rows
