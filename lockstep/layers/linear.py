@@ -1,10 +1,19 @@
 """Linear layers, optionally several checkpoint matrices stacked into one (q/k/v, gate/up): one matmul instead
-of three reads the activations once and launches once."""
+of three reads the activations once and launches once.
+
+Under tensor parallelism (Megatron's layout) a ``Linear`` is column-parallel: it holds this rank's output rows of
+each stacked matrix and needs no communication. A ``RowParallelLinear`` holds this rank's input columns and
+combines the ranks' partial sums: through the chunk tree (``ops.tp_linear``), whose bits do not depend on the
+number of ranks, or, in the non-invariant fast mode, through a plain all-reduce.
+"""
 
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from lockstep.distributed import Shard, TPGroup, split_evenly
+from lockstep.ops import tp_linear
 
 if TYPE_CHECKING:
     from lockstep.layers.kernels import Kernels
@@ -14,7 +23,8 @@ class Linear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight: [sum(out_parts), in_features]``.
 
     ``out_parts`` lists the output widths of the checkpoint matrices stacked into this one, in order;
-    ``load(tensor, part)`` copies one of them in.
+    ``load(tensor, part)`` copies one of them in. Column-parallel: ``part_shards`` names, per part, the rows of
+    the checkpoint matrix this rank holds (None: the whole matrices).
     """
 
     def __init__(
@@ -25,9 +35,13 @@ class Linear(nn.Module):
         kernels: "Kernels",
         dtype: torch.dtype,
         device: torch.device | str,
+        part_shards: tuple[Shard, ...] | None = None,
     ):
         super().__init__()
         self.out_parts = (out_parts,) if isinstance(out_parts, int) else tuple(out_parts)
+        if part_shards is not None and [s.stop - s.start for s in part_shards] != list(self.out_parts):
+            raise ValueError(f"part shards {part_shards} do not match the output widths {self.out_parts}")
+        self.part_shards = part_shards
         self.kernels = kernels
         out_features = sum(self.out_parts)
         self.weight = nn.Parameter(
@@ -44,3 +58,62 @@ class Linear(nn.Module):
     def part_slice(self, part: int) -> slice:
         start = sum(self.out_parts[:part])
         return slice(start, start + self.out_parts[part])
+
+    def shard_of(self, param_name: str, part: int | None) -> Shard | None:
+        """The slice of the checkpoint tensor behind ``param_name`` (and stacked ``part``) this rank holds."""
+        return None if self.part_shards is None or part is None else self.part_shards[part]
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ weight.T + bias`` with K = ``in_features`` split over the ranks of ``tp``: this rank holds
+    ``weight[:, its K slice]`` and the whole bias, takes ``x: [num_tokens, in_features / tp.size]`` and returns
+    the full ``[num_tokens, out_features]`` on every rank.
+
+    With ``tree`` the reduction is the chunk tree (``ops.tp_linear``; rank r of N owns chunks
+    ``[8r / N, 8(r + 1) / N)``), the same bits at every TP size including one process. Without it: the kernel
+    set's linear, plus an all-reduce of the partial sums when ``tp.size > 1`` (not invariant).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        kernels: "Kernels",
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup,
+        tree: bool,
+    ):
+        super().__init__()
+        start, stop = split_evenly(in_features, tp.size, tp.rank, "the row-parallel input size")
+        if tree and tp_linear.CHUNKS % tp.size:
+            raise ValueError(f"the chunk tree needs a tensor-parallel size dividing {tp_linear.CHUNKS}, not {tp.size}")
+        if tree and tp.size > 1 and in_features % tp_linear.CHUNKS:
+            raise ValueError(f"a row-parallel input size of {in_features} is not a multiple of {tp_linear.CHUNKS}")
+        self.kernels = kernels
+        self.tp = tp
+        self.tree = tree
+        self.shard = Shard(1, start, stop, in_features) if tp.size > 1 else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, stop - start, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features / tp.size] -> [num_tokens, out_features]
+        if self.tree:
+            root = tp_linear.subtree(x, self.weight, tp_linear.CHUNKS // self.tp.size)  # [num_tokens, out] fp32
+            if self.tp.size > 1:
+                root = tp_linear.tree_reduce(self.tp.all_gather(root))
+            return tp_linear.finish(root, self.bias, x.dtype)
+        if self.tp.size == 1:
+            return self.kernels.linear(x, self.weight, self.bias)
+        # The bias goes in once, on rank 0, before the sum.
+        partial = self.kernels.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(partial)
+
+    def shard_of(self, param_name: str, part: int | None) -> Shard | None:
+        return self.shard if param_name == "weight" else None

@@ -9,6 +9,12 @@ token; ``compute_logits`` applies the LM head to just the rows the caller wants.
 All arithmetic runs through the kernel set picked at construction (``layers.kernels``): "invariant"
 (lockstep.ops, the bits of a token's output depend only on its own sequence), "default" (torch's kernels, for
 comparison), or any other registered set.
+
+Under tensor parallelism (``tp``, a ``TPGroup`` of N ranks) each rank builds the same model with its shard of the
+weights: attention heads and the MLP's intermediate split N ways, KV heads split or replicated, the vocabulary
+split for the embedding and the head (docs/design.md, "Tensor parallelism (in progress)"). With
+``tp_invariant`` the row-parallel layers reduce through the chunk tree, so the logits have the same bits at every
+N, one process included.
 """
 
 from dataclasses import dataclass
@@ -16,10 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lockstep.distributed import Shard, TPGroup, kv_head_range, split_evenly
 from lockstep.layers.attention import Attention, AttentionMetadata
 from lockstep.layers.embedding import LMHead, VocabEmbedding
 from lockstep.layers.kernels import Kernels, get_kernels
-from lockstep.layers.linear import Linear
+from lockstep.layers.linear import Linear, RowParallelLinear
 from lockstep.layers.norm import RMSNorm
 from lockstep.layers.rotary import ROPE_TYPES, RotaryEmbedding
 
@@ -131,20 +138,40 @@ class ModelConfig:
         )
 
 
+def _row_shards(parts: list[tuple[int, int, int]], tp: TPGroup) -> tuple[Shard, ...] | None:
+    """Column-parallel shards along dim 0 from ``(start, stop, full)`` per stacked part; None in one process."""
+    return tuple(Shard(0, *part) for part in parts) if tp.size > 1 else None
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, kernels: Kernels, dtype: torch.dtype, device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        kernels: Kernels,
+        dtype: torch.dtype,
+        device,
+        tp: TPGroup,
+        tree: bool,
+    ):
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv_proj = Linear(c.hidden_size, (q_size, kv_size, kv_size), c.qkv_bias, kernels, dtype, device)
-        self.o_proj = Linear(q_size, c.hidden_size, c.o_bias, kernels, dtype, device)
+        d = c.head_dim
+        # This rank's query heads [q0, q1) and the KV heads [kv0, kv1) they read (replicated when fewer than N).
+        q0, q1 = split_evenly(c.num_heads, tp.size, tp.rank, "num_attention_heads")
+        kv0, kv1 = kv_head_range(c.num_heads, c.num_kv_heads, tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, kv1 - kv0, d
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        kv_shard = (kv0 * d, kv1 * d, c.num_kv_heads * d)
+        shards = _row_shards([(q0 * d, q1 * d, c.num_heads * d), kv_shard, kv_shard], tp)
+        self.qkv_proj = Linear(c.hidden_size, (q_size, kv_size, kv_size), c.qkv_bias, kernels, dtype, device, shards)
+        self.o_proj = RowParallelLinear(c.num_heads * d, c.hidden_size, c.o_bias, kernels, dtype, device, tp, tree)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, kernels, dtype, device)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, kernels, dtype, device)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(layer_idx, c.num_heads, c.num_kv_heads, c.head_dim, kernels)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, kernels)
         self.kernels = kernels
 
     def forward(
@@ -166,14 +193,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: Kernels, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, kernels: Kernels, dtype: torch.dtype, device, tp: TPGroup, tree: bool):
         super().__init__()
         c = config
         self.kernels = kernels
-        self.gate_up_proj = Linear(
-            c.hidden_size, (c.intermediate_size, c.intermediate_size), c.mlp_bias, kernels, dtype, device
+        i0, i1 = split_evenly(c.intermediate_size, tp.size, tp.rank, "intermediate_size")
+        shards = _row_shards([(i0, i1, c.intermediate_size)] * 2, tp)
+        self.gate_up_proj = Linear(c.hidden_size, (i1 - i0, i1 - i0), c.mlp_bias, kernels, dtype, device, shards)
+        self.down_proj = RowParallelLinear(
+            c.intermediate_size, c.hidden_size, c.mlp_bias, kernels, dtype, device, tp, tree
         )
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, kernels, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden_size] -> gate_up: [num_tokens, 2 * intermediate] -> [num_tokens, hidden_size]
@@ -181,12 +210,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, kernels: Kernels, dtype: torch.dtype, device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        kernels: Kernels,
+        dtype: torch.dtype,
+        device,
+        tp: TPGroup,
+        tree: bool,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype, device)
-        self.self_attn = LlamaAttention(config, layer_idx, kernels, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_idx, kernels, dtype, device, tp, tree)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype, device)
-        self.mlp = LlamaMLP(config, kernels, dtype, device)
+        self.mlp = LlamaMLP(config, kernels, dtype, device, tp, tree)
 
     def forward(
         self,
@@ -207,14 +245,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: Kernels, dtype: torch.dtype, device, max_position: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        kernels: Kernels,
+        dtype: torch.dtype,
+        device,
+        max_position: int,
+        tp: TPGroup,
+        tree: bool,
+    ):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, max_position, config.rope_theta, config.rope_scaling, dtype, device
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, kernels, dtype, device) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, kernels, dtype, device, tp, tree) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype, device)
 
@@ -243,9 +290,17 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
+        tp: TPGroup | None = None,
+        tp_invariant: bool | None = None,
     ):
         """``kernels`` is a kernel set or its registered name (``layers.kernels``); ``max_model_len`` caps the
-        positions the rotary table covers (default: the config's maximum)."""
+        positions the rotary table covers (default: the config's maximum).
+
+        ``tp`` is this process's tensor-parallel group (default: one process); the model then holds this rank's
+        shard only. ``tp_invariant`` selects the chunk-tree reduction for the row-parallel layers, whose bits do
+        not depend on the TP size; the default is on exactly when ``tp.size > 1`` and the kernel set is batch
+        invariant (a plain all-reduce would follow the batch). It needs a batch-invariant kernel set.
+        """
         super().__init__()
         dtype = dtype or config.dtype
         if dtype not in _DTYPES.values():
@@ -253,11 +308,19 @@ class LlamaForCausalLM(nn.Module):
         max_position = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.config = config
         self.kernels = kernels if isinstance(kernels, Kernels) else get_kernels(kernels)
+        self.tp = tp or TPGroup()
+        if tp_invariant is None:
+            tp_invariant = self.tp.size > 1 and self.kernels.batch_invariant
+        if tp_invariant and not self.kernels.batch_invariant:
+            raise ValueError(f"tp_invariant=True needs a batch-invariant kernel set, not {self.kernels.name!r}")
+        self.tp_invariant = tp_invariant
         self.dtype = dtype
         self.max_model_len = max_position
-        self.model = LlamaModel(config, self.kernels, dtype, device, max_position)
+        self.model = LlamaModel(config, self.kernels, dtype, device, max_position, self.tp, tp_invariant)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.kernels, dtype, device, tied_to=tied)
+        self.lm_head = LMHead(
+            config.vocab_size, config.hidden_size, self.kernels, dtype, device, tied_to=tied, tp=self.tp
+        )
 
     @property
     def device(self) -> torch.device:
@@ -283,13 +346,18 @@ class LlamaForCausalLM(nn.Module):
         """``hidden: [n, hidden_size]`` (rows picked from ``forward``'s output) -> fp32 logits ``[n, vocab_size]``."""
         return self.lm_head(hidden)
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank holds (all of them in one process)."""
+        return self.model.layers[0].self_attn.num_kv_heads
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        return (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        return (num_blocks, block_size, self.num_kv_heads, self.config.head_dim)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one cache block takes across all layers, K and V."""
+        """Bytes one cache block takes across all layers, K and V (this rank's heads)."""
         c = self.config
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return 2 * c.num_layers * block_size * self.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One zeroed ``(k_cache, v_cache)`` pair per layer, for ``AttentionMetadata.kv_caches``."""
@@ -306,16 +374,28 @@ class LlamaForCausalLM(nn.Module):
         """Map each Hugging Face checkpoint tensor name to the tensor (or slice of a stacked one) it fills.
 
         With tied embeddings there is no ``lm_head.weight`` entry: the head reads ``model.embed_tokens.weight``.
+        Under tensor parallelism each entry takes the slice ``checkpoint_shards()`` names.
         """
-        slots: dict[str, torch.Tensor] = {}
+        return {name: dest for name, dest, _ in self._checkpoint_entries()}
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """The slice of each checkpoint tensor this rank holds, for the tensors a rank holds only part of."""
+        return {name: shard for name, _, shard in self._checkpoint_entries() if shard is not None}
+
+    def _checkpoint_entries(self):
         for module_name, module in self.named_modules():
             if module is self.lm_head and self.config.tie_word_embeddings:
                 continue
             parent, _, leaf = module_name.rpartition(".")
+            shard_of = getattr(module, "shard_of", lambda param_name, part: None)
             for param_name, param in module.named_parameters(recurse=False):
                 if leaf in _STACKED:
                     for part, hf_leaf in enumerate(_STACKED[leaf]):
-                        slots[f"{parent}.{hf_leaf}.{param_name}"] = param.data[module.part_slice(part)]
+                        name = f"{parent}.{hf_leaf}.{param_name}"
+                        yield name, param.data[module.part_slice(part)], shard_of(param_name, part)
                 else:
-                    slots[f"{module_name}.{param_name}"] = param.data
-        return slots
+                    shard = shard_of(param_name, None)
+                    dest = param.data
+                    if shard is not None:  # a vocabulary slice may be shorter than its padded rows
+                        dest = dest.narrow(shard.dim, 0, shard.stop - shard.start)
+                    yield f"{module_name}.{param_name}", dest, shard

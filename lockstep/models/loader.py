@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from lockstep.distributed import TPGroup
 from lockstep.models.llama import LlamaForCausalLM, ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -98,9 +99,13 @@ def load_model(
     device: torch.device | str = "cpu",
     kernels: str = "invariant",
     max_model_len: int | None = None,
+    tp: TPGroup | None = None,
+    tp_invariant: bool | None = None,
 ) -> LlamaForCausalLM:
     """Build the model a checkpoint folder describes and load its weights, converted to ``dtype`` (default: the
-    checkpoint's ``dtype``/``torch_dtype``), on the kernel set registered as ``kernels`` (``layers.kernels``)."""
+    checkpoint's ``dtype``/``torch_dtype``), on the kernel set registered as ``kernels`` (``layers.kernels``).
+
+    Under tensor parallelism (``tp``, see ``LlamaForCausalLM``) only this rank's slice of each tensor is read."""
     folder = _folder(path)
     config = read_config(folder)
     files = weight_files(folder)
@@ -110,8 +115,17 @@ def load_model(
         # A checkpoint without a head shares the embedding (what transformers does too).
         config = dataclasses.replace(config, tie_word_embeddings=True)
 
-    model = LlamaForCausalLM(config, kernels=kernels, dtype=dtype, device=device, max_model_len=max_model_len)
+    model = LlamaForCausalLM(
+        config,
+        kernels=kernels,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_model_len,
+        tp=tp,
+        tp_invariant=tp_invariant,
+    )
     slots = model.checkpoint_tensors()
+    shards = model.checkpoint_shards()
     loaded: set[str] = set()
     for file, names in names_by_file.items():
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -123,10 +137,20 @@ def load_model(
                     raise ValueError(f"{file}: unexpected tensor {name!r} for a {config.architecture}")
                 if name in loaded:
                     raise ValueError(f"{file}: tensor {name!r} appears in more than one file")
+                shard = shards.get(name)
                 try:
-                    tensor = f.get_tensor(name)
+                    if shard is None:
+                        tensor = f.get_tensor(name)
+                    else:
+                        source = f.get_slice(name)
+                        full = list(source.get_shape())
+                        tensor = source[shard.index()]
                 except Exception as e:
                     raise ValueError(f"{file}: cannot read tensor {name!r}: {e}") from e
+                if shard is not None and (len(full) != dest.dim() or full[shard.dim] != shard.full):
+                    expected = list(dest.shape)
+                    expected[shard.dim] = shard.full
+                    raise ValueError(f"{file}: tensor {name!r} has shape {full}, but config.json implies {expected}")
                 if tensor.shape != dest.shape:
                     raise ValueError(
                         f"{file}: tensor {name!r} has shape {list(tensor.shape)}, "

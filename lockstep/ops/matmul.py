@@ -177,10 +177,9 @@ def _tma_descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: Mat
     [N, K] when it is a transposed row-major weight (F.linear's case), else as [K, N].
     """
     a2, b2, c2 = a[0], b[0], c[0]
-    size = a.element_size()
 
     def aligned(t: torch.Tensor) -> bool:
-        return t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+        return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
     b_is_nk = b2.stride(0) == 1 and b2.stride(1) != 1
     b_major = b2.t() if b_is_nk else b2
@@ -202,11 +201,13 @@ def _bmm_triton(
     alpha: float = 1.0,
     beta: float = 1.0,
     config: MatmulConfig | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    # a: [B, M, K], b: [B, K, N] (any strides), bias: [N] -> c: [B, M, N]
+    # a: [B, M, K], b: [B, K, N] (any strides), bias: [N] -> c: [B, M, N] in out_dtype (default a's dtype).
+    # out_dtype=float32 stores the fp32 accumulator itself, unrounded.
     batch, m, k = a.shape
     n = b.shape[2]
-    c = torch.empty((batch, m, n), device=a.device, dtype=a.dtype)
+    c = torch.empty((batch, m, n), device=a.device, dtype=out_dtype or a.dtype)
     if m == 0 or n == 0 or batch == 0:
         return c
     cfg = config or matmul_config(m, n, k, a.dtype)
@@ -237,9 +238,16 @@ def _bmm_triton(
     return c
 
 
-def _mm_cpu(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, alpha: float, beta: float) -> torch.Tensor:
-    # a: [M, K], b: [K, N], bias: [N] -> [M, N]
-    out_dtype = a.dtype
+def _mm_cpu(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    alpha: float,
+    beta: float,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    # a: [M, K], b: [K, N], bias: [N] -> [M, N] in out_dtype (default a's dtype; float32 keeps the fp32 result)
+    out_dtype = out_dtype or a.dtype
     a32, b32 = a.float(), b.float()
     n = b.shape[1]
 

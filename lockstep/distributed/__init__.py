@@ -1,0 +1,16 @@
+"""Tensor parallelism's plumbing: the process group (``TPGroup``) and which slice of a checkpoint tensor a rank
+holds (``Shard``). The numerics that make a row-parallel reduction independent of the rank count are in
+``lockstep.ops.tp_linear``; the sharded layers in ``lockstep.layers``."""
+
+from lockstep.distributed.group import TPGroup, destroy_tp_group, init_tp_group
+from lockstep.distributed.shard import Shard, kv_head_range, split_evenly, vocab_range
+
+__all__ = [
+    "Shard",
+    "TPGroup",
+    "destroy_tp_group",
+    "init_tp_group",
+    "kv_head_range",
+    "split_evenly",
+    "vocab_range",
+]
