@@ -36,7 +36,7 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

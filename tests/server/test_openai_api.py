@@ -91,7 +91,7 @@ def test_seed_and_n(server: Server) -> None:
 def test_models_and_health(server: Server) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == [server.model]
-    health = httpx.get(server.url + "/health").json()
+    health = httpx.get(server.url + "/health", headers=server.headers).json()
     assert health["status"] == "ok" and health["kernels"] == "invariant" and health["device"] == "cpu"
 
 
@@ -238,7 +238,7 @@ def test_client_gone_before_a_non_streaming_reply_frees_blocks(server: Server) -
 
 
 def test_metrics_text_format(server: Server) -> None:
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=server.headers).text
     for name in (
         "requests_total",
         "prompt_tokens_total",
