@@ -12,6 +12,7 @@ but ``/health``, which then says only whether the server is up.
 """
 
 import asyncio
+import gc
 import json
 
 from fastapi import FastAPI, Request
@@ -101,6 +102,9 @@ def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, log_lev
         app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
     )
     listen_with(config, state.http)
+    # The model, torch and transformers are ~200k objects that live as long as the server: out of the garbage
+    # collector's sight, a full collection (which a request's many small lists can set off) takes ms, not 100s.
+    gc.freeze()
     try:
         uvicorn.Server(config).run()
     finally:
