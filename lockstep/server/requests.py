@@ -77,7 +77,7 @@ def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionReq
     if req.model not in (state.model_name, state.model_path):
         raise APIError(
             404,
-            f"The model '{req.model}' does not exist; this server serves '{state.model_name}'",
+            f"The model '{req.model[:200]}' does not exist; this server serves '{state.model_name}'",
             param="model",
             code="model_not_found",
         )
