@@ -86,29 +86,26 @@ def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionReq
         raise APIError(400, f"unsupported parameter(s) with non-default values: {', '.join(bad)}", param=bad[0])
 
 
+def _too_long(state: ServerState, what: str, has: str) -> APIError:
+    return APIError(
+        400,
+        f"This model's maximum context length is {state.max_model_len} tokens, but the {what} has {has}.",
+        param="messages" if what == "messages" else "prompt",
+        code="context_length_exceeded",
+    )
+
+
 def _check_chars(state: ServerState, num_chars: int, what: str) -> None:
     """Refuse a text too long for the context before tokenizing it (``ServerState.max_prompt_chars``)."""
     limit = state.max_prompt_chars
     if limit is not None and num_chars > limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {state.max_model_len} tokens, but the {what} has {num_chars} "
-            f"characters: more than {limit}, which no text of {state.max_model_len} tokens exceeds.",
-            param="messages" if what == "messages" else "prompt",
-            code="context_length_exceeded",
-        )
+        raise _too_long(state, what, f"{num_chars} characters: more than {limit}, which no text that fits exceeds")
 
 
 def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, what: str) -> int:
     limit = state.max_model_len
     if prompt_len >= limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limit} tokens, but the {what} has {prompt_len} tokens "
-            f"(at most {limit - 1} leave room for one generated token).",
-            param="messages" if what == "messages" else "prompt",
-            code="context_length_exceeded",
-        )
+        raise _too_long(state, what, f"{prompt_len} tokens (at most {limit - 1} leave room for one generated token)")
     if max_tokens is None:
         return limit - prompt_len
     if prompt_len + max_tokens > limit:
