@@ -103,7 +103,8 @@ def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, log_lev
     )
     listen_with(config, state.http)
     # The model, torch and transformers are ~200k objects that live as long as the server: out of the garbage
-    # collector's sight, a full collection (which a request's many small lists can set off) takes ms, not 100s.
+    # collector's sight, a full collection (a request's many small lists can set one off) holds the GIL for
+    # milliseconds instead of ~120 ms.
     gc.freeze()
     try:
         uvicorn.Server(config).run()

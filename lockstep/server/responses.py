@@ -239,7 +239,7 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
             yield _sse("[DONE]")
         except (asyncio.CancelledError, GeneratorExit):
             raise
-        except Exception:  # the engine failed mid-stream: tell the client in-band, the log the details
+        except Exception:  # the engine failed mid-stream: the client hears it in-band, the log gets the details
             error_id = new_error_id()
             log.exception("a stream failed (%s)", error_id)
             yield _sse(server_error_body(error_id))
