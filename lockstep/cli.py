@@ -117,15 +117,36 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     add_revision_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    key_help = "require 'Authorization: Bearer KEY' on every path but /health (shows in ps; default $LOCKSTEP_API_KEY)"
+    p.add_argument("--api-key", default=None, help=key_help)
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="the API key: this file's first line")
     p.add_argument(
         "--served-model-name", default=None, help="the model id clients send (default: the model id or folder name)"
     )
     add_kernel_args(p)
     add_engine_args(p)
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    hosts_help = "Host names to accept, comma-separated, '*' for any (default: loopback names on a loopback --host)"
+    p.add_argument("--allowed-hosts", default=None, help=hosts_help)
+    p.add_argument("--max-connections", type=int, default=1024, help="past this, connections get 503")
+    p.add_argument("--header-timeout", type=float, default=10.0, help="seconds for a request's line and headers")
+    p.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body (408)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
+
+
+def http_config(args: argparse.Namespace):
+    """The serve options of the HTTP layer as an ``HTTPConfig``."""
+    from lockstep.server.listener import HTTPConfig, allowed_hosts_for, read_api_key
+
+    return HTTPConfig(
+        api_key=read_api_key(args.api_key, args.api_key_file),
+        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
+        max_body_bytes=args.max_body_bytes,
+        max_connections=args.max_connections,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -133,19 +154,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from lockstep.server.openai_api import serve
     from lockstep.server.state import create_state
 
+    http = http_config(args)  # before loading the model: a bad option fails at once
     # The server fingerprints the folder's weights: resolve a model id here, and serve it under its id (vLLM's name).
     if args.model is None and args.revision is not None:
         raise ValueError("--revision needs a Hugging Face model id")
     folder = None if args.model is None else resolve_model(args.model, args.revision)
     name = args.served_model_name or (args.model if folder != args.model else None)
-    state = create_state(
-        folder,
-        api_key=args.api_key,
-        served_model_name=name,
-        max_body_bytes=args.max_body_bytes,
-        **kernel_args(args),
-        **engine_args(args),
-    )
+    state = create_state(folder, http=http, served_model_name=name, **kernel_args(args), **engine_args(args))
     print(
         f"lockstep: serving {state.model_name!r} on http://{args.host}:{args.port}/v1 "
         f"(system_fingerprint {state.fingerprint})",

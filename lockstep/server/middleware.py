@@ -1,85 +1,145 @@
-"""The ASGI layer around the FastAPI app: API key, request body size, request counting.
+"""The ASGI layer around the FastAPI app: Host, API key, Content-Type, the request body, errors, counting.
 
-Being outside the app, it refuses a request before any routing or body parsing, and it counts every /v1
-response by status code, its own 401s and 413s included.
+Being outside the app, it refuses a request before any routing or parsing, in this order: a ``Host`` that is not
+allowed (400: DNS rebinding), a missing or wrong API key on any path but ``/health`` (401), a POST whose body is
+not ``application/json`` (415: a web page cannot send one cross-site without a CORS preflight, and the server
+answers no preflight), a body over the size limit, by Content-Length or counted as it arrives, chunked or not
+(413), a body not complete within the body timeout (408). Then the app gets the whole body at once. A client that
+leaves mid-body costs one log line. An exception out of the app is logged once, with its traceback, under an
+id that the client's generic 500 body names. Every /v1 response is counted by status code.
 """
 
+import asyncio
 import hmac
 import json
+import logging
+import uuid
 
 from fastapi import FastAPI
 
 from lockstep.server.protocol import error_body
 from lockstep.server.state import ServerState
 
+log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handlers and --log-level
 
-class _BodyTooLarge(Exception):
+OPEN_PATHS = ("/health",)  # every other path needs the API key, when one is set
+ERROR_ID_KEY = "lockstep.error_id"  # where the app's 500 handler leaves the id it told the client
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        self.status, self.body = status, error_body(message, "invalid_request_error", code=code)
+
+
+class _ClientGone(Exception):
     pass
 
 
+def new_error_id() -> str:
+    return "err_" + uuid.uuid4().hex[:12]
+
+
+def server_error_body(error_id: str) -> dict:
+    """The body of every 500: no exception text, only the id under which the log has the details."""
+    return error_body(f"internal server error (logged as {error_id})", "server_error")
+
+
+def given_key(headers: dict[bytes, bytes]) -> bytes:
+    """The API key a request carries (``Authorization: Bearer KEY``), or b""."""
+    auth = headers.get(b"authorization", b"")
+    return auth[7:] if auth[:7].lower() == b"bearer " else b""
+
+
+def authorized(state: ServerState, headers: dict[bytes, bytes]) -> bool:
+    """Whether the request may pass the API key check: no key is set, or it carries the key."""
+    key = state.http.api_key
+    return key is None or hmac.compare_digest(given_key(headers), key.encode())
+
+
 class Gatekeeper:
-    """Outermost ASGI layer: 401 for a wrong API key on /v1, 413 for a body over ``state.max_body_bytes``
-    (by Content-Length, or counted as it streams in), and the request counter by status code."""
+    """Outermost ASGI layer: the checks of the module docstring, then the app with the body read in full."""
 
     def __init__(self, app: FastAPI, state: ServerState) -> None:
         self.app, self.state = app, state
 
-    async def _reply(self, send, status: int, body: dict) -> None:
+    async def _reply(self, send, status: int, body: dict, close: bool = False) -> None:
         payload = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        if close:  # the body was not read to its end: the connection cannot carry another request
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
+
+    def _check_headers(self, scope, headers: dict[bytes, bytes]) -> None:
+        cfg = self.state.http
+        if not cfg.host_allowed(headers.get(b"host")):
+            raise _Refusal(400, "invalid Host header", "invalid_host")
+        if scope["path"] not in OPEN_PATHS and not authorized(self.state, headers):
+            given = given_key(headers)
+            msg = "Incorrect API key provided." if given else "No API key provided (Authorization: Bearer)."
+            raise _Refusal(401, msg, "invalid_api_key")
+        if scope["method"] == "POST":
+            media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if media != b"application/json":
+                raise _Refusal(415, "the body must be JSON: Content-Type: application/json", "unsupported_media_type")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
+            raise _Refusal(413, f"the request body exceeds {cfg.max_body_bytes} bytes", "request_too_large")
+
+    async def _read_body(self, receive) -> bytes:
+        """The whole request body, within the size limit and the body timeout."""
+        cfg = self.state.http
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.body_timeout
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                raise _Refusal(408, f"the body took over {cfg.body_timeout:g} s to arrive", "request_timeout") from None
+            if message["type"] == "http.disconnect":
+                raise _ClientGone(size)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                raise _Refusal(413, f"the request body exceeds {cfg.max_body_bytes} bytes", "request_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        state = self.state
-        api = scope["path"].startswith("/v1/")
         status = [500]
+        started = [False]
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                status[0], started[0] = message["status"], True
             await send(message)
 
         try:
-            if api and state.api_key is not None:
-                headers = dict(scope["headers"])
-                auth = headers.get(b"authorization", b"").decode("latin-1")
-                given = auth[7:] if auth.lower().startswith("bearer ") else ""
-                if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-                    msg = "Incorrect API key provided." if given else "No API key provided (Authorization: Bearer)."
-                    return await self._reply(
-                        counting_send, 401, error_body(msg, "invalid_request_error", code="invalid_api_key")
-                    )
-            limit = state.max_body_bytes
-            too_large = error_body(
-                f"the request body exceeds {limit} bytes", "invalid_request_error", code="request_too_large"
-            )
-            length = dict(scope["headers"]).get(b"content-length")
-            if length is not None and length.isdigit() and int(length) > limit:
-                return await self._reply(counting_send, 413, too_large)
-            received = [0]
+            self._check_headers(scope, dict(scope["headers"]))
+            body = await self._read_body(receive)
+            delivered = [False]
 
-            async def limited_receive():
-                message = await receive()
-                if message["type"] == "http.request":
-                    received[0] += len(message.get("body", b""))
-                    if received[0] > limit:
-                        raise _BodyTooLarge
-                return message
+            async def replay() -> dict:
+                if delivered[0]:
+                    return await receive()  # after the body: the client's disconnect, when it comes
+                delivered[0] = True
+                return {"type": "http.request", "body": body, "more_body": False}
 
-            started = [False]
-
-            async def tracking_send(message) -> None:
-                started[0] = True
-                await counting_send(message)
-
-            try:
-                await self.app(scope, limited_receive, tracking_send)
-            except _BodyTooLarge:
-                if not started[0]:
-                    await self._reply(counting_send, 413, too_large)
+            await self.app(scope, replay, counting_send)
+        except _Refusal as r:
+            await self._reply(counting_send, r.status, r.body, close=True)
+        except _ClientGone as gone:
+            status[0] = 499
+            log.info("%s %s: the client left after %d body bytes", scope["method"], scope["path"], gone.args[0])
+        except Exception:
+            error_id = scope.get(ERROR_ID_KEY) or new_error_id()  # the app's 500 handler may have named it
+            log.exception("%s %s failed (%s)", scope["method"], scope["path"], error_id)
+            if not started[0]:
+                await self._reply(counting_send, 500, server_error_body(error_id))
         finally:
-            if api:
-                state.metrics.count_request(status[0])
+            if scope["path"].startswith("/v1/"):
+                self.state.metrics.count_request(status[0])

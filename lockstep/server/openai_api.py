@@ -5,19 +5,31 @@
 device, the dtype and the kernel set, the key under which a request's output is reproducible. Errors are
 OpenAI-style JSON bodies; nothing a client sends can take the server down.
 
-A call goes ``middleware`` (API key, body size) -> a route here -> ``requests`` (body to ``ChoiceSpec``s) ->
-``responses`` (engine outputs to a JSON reply or an SSE stream); ``state`` holds the engine and the fingerprint.
+A call goes ``middleware`` (Host, API key, Content-Type, the body) -> a route here -> ``requests`` (body to
+``ChoiceSpec``s, in a worker thread) -> ``responses`` (engine outputs to a JSON reply or an SSE stream); ``state``
+holds the engine and the fingerprint, ``listener`` the HTTP settings. The API key, when set, guards every path
+but ``/health``, which then says only whether the server is up.
 """
 
+import asyncio
+import gc
+import json
+
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lockstep.server.middleware import Gatekeeper
-from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from lockstep.server.requests import chat_specs, completion_specs, parse_body
+from lockstep.server.listener import listen_with
+from lockstep.server.middleware import ERROR_ID_KEY, Gatekeeper, authorized, new_error_id, server_error_body
+from lockstep.server.protocol import APIError, error_body
+from lockstep.server.requests import parse_call
 from lockstep.server.responses import respond
 from lockstep.server.state import ServerState
+
+
+def json_response(body: dict, status: int = 200) -> Response:
+    """A JSON response whose body is ASCII: no client string can make it fail to encode."""
+    return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -26,28 +38,27 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.lockstep = state
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    async def _api_error(request: Request, e: APIError) -> Response:
+        return json_response(e.body(), e.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+        return json_response(error_body(str(e.detail), kind), e.status_code)
 
     @app.exception_handler(Exception)
-    async def _server_error(request: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
+    async def _server_error(request: Request, e: Exception) -> Response:
+        # The Gatekeeper logs the exception, once, under this id.
+        request.scope[ERROR_ID_KEY] = error_id = new_error_id()
+        return json_response(server_error_body(error_id), 500)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         ok = state.engine.alive
-        body = {
-            "status": "ok" if ok else "engine thread stopped",
-            "model": state.model_name,
-            "system_fingerprint": state.fingerprint,
-            **state.fingerprint_parts,
-        }
-        return JSONResponse(body, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "engine thread stopped"}
+        if authorized(state, dict(request.scope["headers"])):  # the weights' identity is for key holders only
+            body |= {"model": state.model_name, "system_fingerprint": state.fingerprint, **state.fingerprint_parts}
+        return json_response(body, 200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -65,15 +76,19 @@ def build_app(state: ServerState) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
+    async def call(request: Request, chat: bool) -> Response:
+        body = await request.body()
+        loop = asyncio.get_running_loop()
+        req, specs = await loop.run_in_executor(state.workers, parse_call, state, body, chat)
+        return await respond(state, request, req, specs, chat=chat)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest)
-        return await respond(state, request, req, completion_specs(state, req), chat=False)
+        return await call(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest)
-        return await respond(state, request, req, chat_specs(state, req), chat=True)
+        return await call(request, chat=True)
 
     return app
 
@@ -86,6 +101,11 @@ def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, log_lev
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
     )
+    listen_with(config, state.http)
+    # The model, torch and transformers are ~200k objects that live as long as the server: out of the garbage
+    # collector's sight, a full collection (a request's many small lists can set one off) holds the GIL for
+    # milliseconds instead of ~120 ms.
+    gc.freeze()
     try:
         uvicorn.Server(config).run()
     finally:

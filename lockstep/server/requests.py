@@ -1,17 +1,20 @@
 """From an API request to engine requests: parse and validate the body against the served model, tokenize the
-prompt(s), fit ``max_tokens`` to the context and build one ``ChoiceSpec`` per choice of each prompt."""
+prompt(s), fit ``max_tokens`` to the context and build one ``ChoiceSpec`` per choice of each prompt.
 
-import json
+All of it runs in a worker thread (``ServerState.workers``), never on the event loop: ``parse_call``.
+"""
+
 from typing import NamedTuple, TypeVar
 
-from fastapi import Request
 from pydantic import ValidationError
 
 from lockstep.sampling_params import SamplingParams
+from lockstep.server.json_body import decode_object
 from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from lockstep.server.state import ServerState
 
 AnyRequest = TypeVar("AnyRequest", CompletionRequest, ChatCompletionRequest)
+_UNION_TAGS = {"text", "texts", "ids", "id_lists", "str"}  # in a validation error's location, not fields
 
 
 class ChoiceSpec(NamedTuple):
@@ -21,21 +24,30 @@ class ChoiceSpec(NamedTuple):
     params: SamplingParams
 
 
-async def parse_body(request: Request, model: type[AnyRequest]) -> AnyRequest:
+def parse_call(state: ServerState, body: bytes, chat: bool) -> tuple[AnyRequest, list[ChoiceSpec]]:
+    """A /v1/completions (or, with ``chat``, /v1/chat/completions) body as its request and engine requests;
+    APIError for anything the client got wrong. Blocking: run it in ``state.workers``."""
+    if chat:
+        req = parse_body(body, ChatCompletionRequest)
+        return req, chat_specs(state, req)
+    req = parse_body(body, CompletionRequest)
+    return req, completion_specs(state, req)
+
+
+def parse_body(body: bytes, model: type[AnyRequest]) -> AnyRequest:
     """The request body as ``model``; 400 with an OpenAI-style error for bad JSON or an invalid field."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
+    data = decode_object(body)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"]) or None
-        raise APIError(400, f"invalid parameter {param}: {err['msg']}", param=param) from None
+        path = ""
+        for x in err["loc"]:
+            if isinstance(x, int):
+                path += f"[{x}]"
+            elif x not in _UNION_TAGS and "[" not in x:
+                path += f".{x}" if path else x
+        raise APIError(400, f"invalid parameter {path}: {err['msg']}", param=str(err["loc"][0])) from None
 
 
 def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceSpec]:
@@ -65,7 +77,7 @@ def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionReq
     if req.model not in (state.model_name, state.model_path):
         raise APIError(
             404,
-            f"The model '{req.model}' does not exist; this server serves '{state.model_name}'",
+            f"The model '{req.model[:200]}' does not exist; this server serves '{state.model_name}'",
             param="model",
             code="model_not_found",
         )
@@ -74,16 +86,26 @@ def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionReq
         raise APIError(400, f"unsupported parameter(s) with non-default values: {', '.join(bad)}", param=bad[0])
 
 
+def _too_long(state: ServerState, what: str, has: str) -> APIError:
+    return APIError(
+        400,
+        f"This model's maximum context length is {state.max_model_len} tokens, but the {what} has {has}.",
+        param="messages" if what == "messages" else "prompt",
+        code="context_length_exceeded",
+    )
+
+
+def _check_chars(state: ServerState, num_chars: int, what: str) -> None:
+    """Refuse a text too long for the context before tokenizing it (``ServerState.max_prompt_chars``)."""
+    limit = state.max_prompt_chars
+    if limit is not None and num_chars > limit:
+        raise _too_long(state, what, f"{num_chars} characters: more than {limit}, which no text that fits exceeds")
+
+
 def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, what: str) -> int:
     limit = state.max_model_len
     if prompt_len >= limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limit} tokens, but the {what} has {prompt_len} tokens "
-            f"(at most {limit - 1} leave room for one generated token).",
-            param="messages" if what == "messages" else "prompt",
-            code="context_length_exceeded",
-        )
+        raise _too_long(state, what, f"{prompt_len} tokens (at most {limit - 1} leave room for one generated token)")
     if max_tokens is None:
         return limit - prompt_len
     if prompt_len + max_tokens > limit:
@@ -126,6 +148,8 @@ def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list
         if state.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         texts = [p] if isinstance(p, str) else p
+        for t in texts:
+            _check_chars(state, len(t), "prompt")
         return [list(state.tokenizer.encode(t)) for t in texts]
     if not p:
         raise APIError(400, "the prompt is empty", param="prompt")
@@ -138,7 +162,12 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
     try:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
+    try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template that rejects the conversation
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+    _check_chars(state, len(text), "messages")
     return list(tok.encode(text, add_special_tokens=False))

@@ -1,25 +1,33 @@
 """From engine outputs to an OpenAI response: one JSON body once every choice has finished (``_reply``), or a
-server-sent event stream of deltas (``_stream``). Both build their choices with ``_Response.choice``."""
+server-sent event stream of deltas (``_stream``). Both build their choices with ``_Response.choice``.
+
+A whole reply (its logprobs decode a token each, its JSON grows with the output) is built and encoded in a
+worker thread; a stream's chunks, a step's new tokens each, on the event loop.
+"""
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.outputs import RequestOutput
 from lockstep.server.async_engine import RequestGroup
-from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from lockstep.server.middleware import new_error_id, server_error_body
+from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from lockstep.server.requests import ChoiceSpec
 from lockstep.server.state import ServerState
 
 # How often a non-streaming request checks that its client is still connected.
 DISCONNECT_POLL_SECONDS = 0.25
+
+log = logging.getLogger("uvicorn.error")
 
 
 class _TextStream:
@@ -197,9 +205,16 @@ async def _reply(r: _Response, request: Request) -> Response:
             collector.cancel()  # leaving the group's iteration aborts its requests and frees their blocks
             return Response(status_code=499)
     finals = collector.result()
-    ordered = [finals[rid] for rid in r.request_ids]
-    choices = [r.choice(i, out, out.text) for i, out in enumerate(ordered)]
-    return JSONResponse(r.head(stream=False) | {"choices": choices, "usage": r.usage(ordered)})
+
+    def render() -> bytes:
+        # The pure-Python encoder (iterencode) yields the GIL as it goes; json.dumps would hold it throughout.
+        ordered = [finals[rid] for rid in r.request_ids]
+        choices = [r.choice(i, out, out.text) for i, out in enumerate(ordered)]
+        body = r.head(stream=False) | {"choices": choices, "usage": r.usage(ordered)}
+        return "".join(json.JSONEncoder(ensure_ascii=False).iterencode(body)).encode()
+
+    body = await asyncio.get_running_loop().run_in_executor(r.state.workers, render)
+    return Response(body, media_type="application/json")
 
 
 def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
@@ -235,8 +250,10 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
             yield _sse("[DONE]")
         except (asyncio.CancelledError, GeneratorExit):
             raise
-        except Exception as e:  # the engine failed mid-stream: tell the client in-band
-            yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
+        except Exception:  # the engine failed mid-stream: the client hears it in-band, the log gets the details
+            error_id = new_error_id()
+            log.exception("a stream failed (%s)", error_id)
+            yield _sse(server_error_body(error_id))
         finally:
             r.group.abort()  # a client that went away: its requests stop and their KV blocks are freed
 

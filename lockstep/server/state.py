@@ -6,13 +6,14 @@ under which a request's output is reproducible. ``create_state`` loads the model
 
 import hashlib
 import json
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from lockstep.server.async_engine import AsyncEngine, weights_hash
+from lockstep.server.listener import HTTPConfig
 from lockstep.server.metrics import Metrics
-
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
 @dataclass
@@ -25,8 +26,7 @@ class ServerState:
     model_path: str
     fingerprint: str
     fingerprint_parts: dict
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    http: HTTPConfig = field(default_factory=HTTPConfig)
 
     @property
     def metrics(self) -> Metrics:
@@ -35,6 +35,22 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    @cached_property
+    def workers(self) -> ThreadPoolExecutor:
+        """The threads that parse bodies, tokenize, apply chat templates and render replies: off the event loop."""
+        return ThreadPoolExecutor(self.http.workers, thread_name_prefix="lockstep-http")
+
+    @cached_property
+    def max_prompt_chars(self) -> int | None:
+        """A text longer than this has more tokens than the context holds: ``max_model_len`` times the longest
+        token's characters (special tokens included). Byte-level BPE and SentencePiece with byte fallback never
+        make a token from more characters than its stored form has. Checked before tokenizing, so a huge prompt
+        costs a ``len``. None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        return self.max_model_len * max(len(t) for t in tokens if t)
 
 
 def make_fingerprint(parts: dict) -> str:
@@ -45,13 +61,12 @@ def make_fingerprint(parts: dict) -> str:
 def create_state(
     model: str | None,
     *,
-    api_key: str | None = None,
+    http: HTTPConfig | None = None,
     served_model_name: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     **engine_kwargs,
 ) -> ServerState:
     """Load ``model`` (default: the embedded SmolLM2) into an engine thread and fingerprint what it serves;
-    ``engine_kwargs`` are ``EngineConfig`` fields."""
+    ``http`` is how the HTTP layer admits requests, ``engine_kwargs`` are ``EngineConfig`` fields."""
     import torch
 
     import lockstep
@@ -80,4 +95,4 @@ def create_state(
     tokenizer = load_tokenizer(model) if engine.tokenizer is not None else None
     async_engine = AsyncEngine(engine)
     async_engine.metrics.info = {k: v for k, v in parts.items() if k != "weights_blake2b"}
-    return ServerState(async_engine, tokenizer, name, model, make_fingerprint(parts), parts, api_key, max_body_bytes)
+    return ServerState(async_engine, tokenizer, name, model, make_fingerprint(parts), parts, http or HTTPConfig())

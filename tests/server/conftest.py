@@ -1,5 +1,6 @@
 """Real ``lockstep serve`` subprocesses on free localhost ports, shared by the server tests: a tiny random Llama
-(char tokenizer, 1024 positions) with an API key, the same with torch's default kernels, and the embedded
+(char tokenizer, 1024 positions) with an API key, the same with torch's default kernels, the same with the key
+from the environment, the default body limit and short HTTP timeouts (for hostile clients), and the embedded
 SmolLM2 for one realistic test. Each is killed in the fixture's finalizer."""
 
 import os
@@ -16,6 +17,8 @@ from tiny_models import save_tiny_llama
 
 API_KEY = "test-key"
 MAX_BODY_BYTES = 1 << 20
+GUARDED_TIMEOUTS = {"--header-timeout": 1.0, "--body-timeout": 3.0}  # seconds
+GUARDED_MAX_CONNECTIONS = 16
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -36,7 +39,7 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -58,7 +61,7 @@ def start_server(model: Path, log: Path, *args: str, env: dict | None = None, ti
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
-    api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+    api_key = args[args.index("--api-key") + 1] if "--api-key" in args else (env or {}).get("LOCKSTEP_API_KEY")
     name = args[args.index("--served-model-name") + 1] if "--served-model-name" in args else model.name
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -100,6 +103,17 @@ def server(tiny_server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def default_kernels_server(tiny_server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("logs") / "server-default.log"
     s = start_server(tiny_server_model_dir, log, "--no-batch-invariant")
+    yield s
+    stop_server(s.proc)
+
+
+@pytest.fixture(scope="session")
+def guarded_server(tiny_server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The key from $LOCKSTEP_API_KEY, the default 8 MiB body limit, short timeouts, few connections, info logs."""
+    log = tmp_path_factory.mktemp("logs") / "server-guarded.log"
+    args = [x for k, v in GUARDED_TIMEOUTS.items() for x in (k, str(v))]
+    args += ["--max-connections", str(GUARDED_MAX_CONNECTIONS), "--log-level", "info"]
+    s = start_server(tiny_server_model_dir, log, *args, env={"LOCKSTEP_API_KEY": "env-key"})
     yield s
     stop_server(s.proc)
 

@@ -91,7 +91,7 @@ def test_seed_and_n(server: Server) -> None:
 def test_models_and_health(server: Server) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == [server.model]
-    health = httpx.get(server.url + "/health").json()
+    health = httpx.get(server.url + "/health", headers=server.headers).json()
     assert health["status"] == "ok" and health["kernels"] == "invariant" and health["device"] == "cpu"
     info = [name for name, value in server.metrics().items() if name.startswith("lockstep_info{") and value == 1]
     assert len(info) == 1 and 'kernels="invariant"' in info[0] and 'device="cpu"' in info[0]
@@ -240,7 +240,7 @@ def test_client_gone_before_a_non_streaming_reply_frees_blocks(server: Server) -
 
 
 def test_metrics_text_format(server: Server) -> None:
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=server.headers).text
     for name in (
         "requests_total",
         "prompt_tokens_total",

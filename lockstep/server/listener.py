@@ -1,0 +1,143 @@
+"""How the server listens: the HTTP layer's settings (``HTTPConfig``) and the uvicorn options they become.
+
+uvicorn's h11 protocol has no deadline for a request's line and headers (its keep-alive timer only runs between
+requests), so a client could hold a connection with half a header forever; ``HeaderDeadlineProtocol`` closes such
+a connection after ``header_timeout`` seconds. Body read deadlines and sizes are the ``Gatekeeper``'s.
+"""
+
+import asyncio
+import functools
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+API_KEY_ENV = "LOCKSTEP_API_KEY"
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True)
+class HTTPConfig:
+    """What the HTTP layer admits and how long it waits.
+
+    ``api_key``: required (``Authorization: Bearer KEY``) on every path but ``/health``. ``allowed_hosts``: the
+    host names a request's ``Host`` header may carry (lower case, no port), or ``None`` for any; bound to a
+    loopback address the server accepts only loopback names, which stops DNS rebinding. Timeouts are in seconds:
+    ``header_timeout`` for a request's line and headers, ``body_timeout`` for its whole body,
+    ``keep_alive_timeout`` for an idle connection between requests.
+    """
+
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] | None = None
+    max_body_bytes: int = 8 << 20
+    max_connections: int = 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    keep_alive_timeout: int = 5
+    workers: int = 4  # threads that parse, tokenize and render off the event loop
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("the API key is empty")
+        for name in ("max_body_bytes", "max_connections", "header_timeout", "body_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+
+    def host_allowed(self, host_header: bytes | None) -> bool:
+        """Whether a request's ``Host`` header (``name``, ``name:port``, ``[v6]:port``) names an allowed host."""
+        if self.allowed_hosts is None:
+            return True
+        if host_header is None:
+            return False
+        host = host_header.decode("latin-1").strip().lower()
+        if host.startswith("["):
+            name = host[1 : host.find("]")] if "]" in host else ""
+        else:
+            name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        return name.rstrip(".") in self.allowed_hosts
+
+
+def allowed_hosts_for(bind_host: str, allowed: str | None = None) -> tuple[str, ...] | None:
+    """The ``allowed_hosts`` of a server bound to ``bind_host``: ``allowed`` (a comma list, ``*`` for any) when
+    given; else the loopback names when bound to a loopback address, and any host otherwise."""
+    if allowed is not None:
+        names = tuple(n.strip().lower().strip("[]").rstrip(".") for n in allowed.split(",") if n.strip())
+        if not names:
+            raise ValueError("--allowed-hosts is empty (use '*' for any host)")
+        return None if "*" in names else names
+    try:
+        loopback = ipaddress.ip_address(bind_host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = bind_host.lower() == "localhost"
+    return tuple(dict.fromkeys((*LOOPBACK_NAMES, bind_host.lower().strip("[]")))) if loopback else None
+
+
+def read_api_key(key: str | None, key_file: str | None, env: Mapping[str, str] = os.environ) -> str | None:
+    """The API key from ``--api-key``, else ``--api-key-file`` (its first line), else ``$LOCKSTEP_API_KEY``; a
+    key on the command line is visible to every user of the machine (``ps``), the other two are not."""
+    if key is not None and key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if key_file is not None:
+        with open(key_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"the API key file {key_file} is empty")
+    elif key is None:
+        key = env.get(API_KEY_ENV) or None
+    return key
+
+
+class HeaderDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's line and headers, counted from the connection's
+    start or the request's first byte; a connection that misses it is closed."""
+
+    def __init__(self, *args, header_timeout: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+        self._header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_deadline = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        waiting = self.conn.their_state is h11.IDLE  # still before the end of a request's headers
+        if waiting and self._header_deadline is None:
+            self._header_deadline = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+        elif not waiting:
+            self._cancel_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_deadline()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        self._cancel_header_deadline()  # the keep-alive timer takes over until the next request's first byte
+        super().on_response_complete()
+
+    def _cancel_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def listen_with(config: uvicorn.Config, http: HTTPConfig) -> None:
+    """Make a ``uvicorn.Config`` (not loaded yet) enforce ``http``: the h11 protocol with a header deadline, the
+    connection cap (uvicorn answers 503 past it), the keep-alive timeout and h11's 16 KiB header limit."""
+    config.http = functools.partial(HeaderDeadlineProtocol, header_timeout=http.header_timeout)
+    config.limit_concurrency = http.max_connections
+    config.timeout_keep_alive = http.keep_alive_timeout
+    config.h11_max_incomplete_event_size = 16 * 1024
