@@ -27,7 +27,9 @@ def kernel_args(args: argparse.Namespace) -> dict:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's batch and cache sizes, shared by serve and bench (``engine_args`` reads them back)."""
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: 256 on CPU, 8192 on CUDA)"
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
 

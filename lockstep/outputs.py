@@ -14,6 +14,8 @@ class CompletionOutput:
     to their logprobs. ``seed`` is the seed the noise came from (drawn by the engine when the request gave none;
     None for greedy requests without one). ``text`` excludes special tokens and is cut before a stop string; it is
     complete once the sequence has finished (unfinished outputs of requests without stop strings leave it empty).
+    ``error`` says why the engine aborted the sequence (``finish_reason`` "abort") for a fault of its own, such as
+    a row it could not sample; it is None otherwise, a client's abort included.
     """
 
     index: int
@@ -23,6 +25,7 @@ class CompletionOutput:
     top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     seed: int | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
