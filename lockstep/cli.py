@@ -114,14 +114,50 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     add_kernel_args(p)
     add_engine_args(p)
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    add_limit_args(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
 
 
+_LIMITS = {  # serve's load limits: option -> (type, help); the defaults are ServingLimits'
+    "--max-queued-seqs": (int, "sequences waiting for admission before new requests get 429 (default 1024)"),
+    "--max-queued-tokens": (int, "their prompt tokens, the same (default 1048576)"),
+    "--max-seqs-per-request": (int, "sequences (n x prompts) one request may ask for (default 256)"),
+    "--request-timeout": (float, "seconds a request may take; 0: no limit (default 600)"),
+    "--unread-timeout": (float, "seconds a response may go unread before its request is stopped (default 30)"),
+}
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    for option, (kind, text) in _LIMITS.items():
+        p.add_argument(option, type=kind, default=None, help=text)
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds requests in flight may take to finish before they get 503 (default 30)",
+    )
+
+
+def limit_args(args: argparse.Namespace) -> dict:
+    """The ``ServingLimits`` fields ``add_limit_args`` parsed (those given)."""
+    limits = {}
+    for option in _LIMITS:
+        name = option[2:].replace("-", "_")
+        value = getattr(args, name)
+        if value is not None:
+            limits[name] = None if name == "request_timeout" and value == 0 else value
+    return limits
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    from lockstep.server.async_engine import ServingLimits
     from lockstep.server.openai_api import serve
     from lockstep.server.state import create_state
 
+    limits = ServingLimits(**limit_args(args))  # a bad value fails before the model loads
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     state = create_state(
         args.model,
         api_key=args.api_key,
@@ -136,8 +172,8 @@ def run_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    serve(state, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    state.engine.limits = limits
+    return serve(state, args.host, args.port, args.log_level, shutdown_timeout=args.shutdown_timeout)
 
 
 def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:

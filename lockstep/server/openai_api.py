@@ -9,10 +9,13 @@ A call goes ``middleware`` (API key, body size) -> a route here -> ``requests`` 
 ``responses`` (engine outputs to a JSON reply or an SSE stream); ``state`` holds the engine and the fingerprint.
 """
 
+import math
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lockstep.server.async_engine import EngineError
 from lockstep.server.middleware import Gatekeeper
 from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lockstep.server.requests import chat_specs, completion_specs, parse_body
@@ -34,15 +37,22 @@ def build_app(state: ServerState) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
 
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, e: EngineError) -> JSONResponse:
+        # Overload (429), shutdown and a dead engine (503), time limits: the engine's own answers.
+        headers = {"Retry-After": str(math.ceil(e.retry_after))} if e.retry_after is not None else None
+        return JSONResponse(error_body(str(e), e.type, code=e.code), status_code=e.status, headers=headers)
+
     @app.exception_handler(Exception)
     async def _server_error(request: Request, e: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
-        ok = state.engine.alive
+        status = state.engine.status  # "ok", "shutting down", or why the engine cannot serve
+        ok = status == "ok"
         body = {
-            "status": "ok" if ok else "engine thread stopped",
+            "status": status,
             "model": state.model_name,
             "system_fingerprint": state.fingerprint,
             **state.fingerprint_parts,
@@ -78,15 +88,40 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the server with uvicorn until it is stopped, then stop the engine thread."""
+def serve(
+    state: ServerState,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    shutdown_timeout: float = 30.0,
+) -> int:
+    """Run the server with uvicorn until it is stopped, then stop the engine thread; returns the exit status.
+
+    SIGTERM (or Ctrl-C) stops admission (new calls get 503, ``/health`` says "shutting down") and gives the calls
+    in flight ``shutdown_timeout`` seconds to finish; the rest then fail with 503 (a JSON body, or an error event
+    and ``[DONE]`` on a stream). If the engine dies, the calls in flight get 503 and the server exits with 1, for
+    an orchestrator to restart it."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            state.engine.drain(shutdown_timeout)
+            super().handle_exit(sig, frame)
+
     app = Gatekeeper(build_app(state), state)
+    # uvicorn's own grace period only has to outlast the drain: by then every call has its answer.
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
+        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=shutdown_timeout + 5
     )
+    server = Server(config)
+
+    def fatal() -> None:
+        server.should_exit = True  # uvicorn polls it; the calls in flight already have their 503
+
+    state.engine.on_fatal = fatal
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
+        dead = not state.engine.alive
         state.engine.stop()
+    return 1 if dead else 0
