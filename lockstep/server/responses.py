@@ -226,6 +226,7 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
             raise
         except Exception as e:  # the engine failed mid-stream: tell the client in-band
             yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
+            yield _sse("[DONE]")  # the stream still ends as streams do (a client waits for it)
         finally:
             r.group.abort()  # a client that went away: its requests stop and their KV blocks are freed
 
