@@ -122,7 +122,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 _LIMITS = {  # serve's load limits: option -> (type, help); the defaults are ServingLimits'
     "--max-queued-seqs": (int, "sequences waiting for admission before new requests get 429 (default 1024)"),
     "--max-queued-tokens": (int, "their prompt tokens, the same (default 1048576)"),
-    "--max-seqs-per-request": (int, "sequences (n x prompts) one request may ask for (default 256)"),
+    "--max-seqs-per-request": (int, "sequences (n x prompts) one request may ask for (default 256, or fewer queued)"),
     "--request-timeout": (float, "seconds a request may take; 0: no limit (default 600)"),
     "--unread-timeout": (float, "seconds a response may go unread before its request is stopped (default 30)"),
 }

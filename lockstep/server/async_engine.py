@@ -110,18 +110,21 @@ class ServingLimits:
     may read them too (``AsyncEngine.limits``), e.g. to refuse an oversized call before tokenizing it.
 
     The defaults protect one GPU serving up to 256 sequences at a time: a queue four times that deep, about a
-    million prompt tokens waiting (tens of seconds of prefill for an 8B model on an H200), ten minutes a call.
+    million prompt tokens waiting (some 30 s of prefill at docs/perf.md's 36k tokens/s, Qwen3-8B on an H200),
+    ten minutes a call.
     """
 
     max_queued_seqs: int = 1024  # sequences waiting to be admitted, all calls together
     max_queued_tokens: int = 1 << 20  # their tokens still to prefill
-    max_seqs_per_request: int = 256  # one call's sequences: n x the number of prompts
+    max_seqs_per_request: int | None = None  # one call's sequences, n x its prompts; None: min(256, max_queued_seqs)
     request_timeout: float | None = 600.0  # seconds from submit to the last output; None: no limit
     unread_timeout: float = 30.0  # seconds a call's outputs may wait unread before its requests are stopped
     max_unread_outputs: int = 1024  # outputs waiting unread before the same
     retry_after: float = 1.0  # seconds, the Retry-After of a 429
 
     def __post_init__(self) -> None:
+        if self.max_seqs_per_request is None and isinstance(self.max_queued_seqs, int):
+            object.__setattr__(self, "max_seqs_per_request", min(256, self.max_queued_seqs))
         for name in ("max_queued_seqs", "max_queued_tokens", "max_seqs_per_request", "max_unread_outputs"):
             _check(name, getattr(self, name), 1)
         _check("request_timeout", self.request_timeout, 0.001, float, optional=True)
@@ -211,7 +214,7 @@ class AsyncEngine:
 
     @property
     def status(self) -> str:
-        """ "ok", "shutting down", or why the engine cannot serve."""
+        """What /health reports: "ok", "shutting down", or why the engine cannot serve."""
         if not self.alive:
             return f"engine failed: {self._dead!r}" if self._dead is not None else "engine thread stopped"
         return "shutting down" if self._drain_deadline is not None else "ok"
