@@ -25,19 +25,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-# The kernel's send buffer would absorb up to 4 MB of a client that does not read; capped, as for a distant
-# client, the server sees the stall after a few hundred tokens (the same as tests/server/test_reliability.py).
-SMALL_SEND_BUFFERS = """
-import socket, sys
-from lockstep.cli import main
-accept = socket.socket.accept
-def accept_with_small_buffers(self):
-    conn, address = accept(self)
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
-    return conn, address
-socket.socket.accept = accept_with_small_buffers
-sys.exit(main(sys.argv[1:]))
-"""
+# lockstep with a 16 KB send buffer per connection, as for a distant client (see the file): on localhost the
+# kernel would absorb up to 4 MB of a stream nobody reads before the server sees a stall.
+SMALL_SEND_BUFFERS = str(ROOT / "tests" / "server" / "small_send_buffers.py")
 
 
 class Server:
@@ -211,7 +201,7 @@ def case_overload(model, tmp: Path, n: int = 300) -> dict:
 
 def case_slow_reader(model, tmp: Path) -> dict:
     """A streaming client that stops reading: seconds until its request is stopped, blocks freed."""
-    s = Server(model, tmp / "slow.log", "--unread-timeout", "5", launcher=("-c", SMALL_SEND_BUFFERS))
+    s = Server(model, tmp / "slow.log", "--unread-timeout", "5", launcher=(SMALL_SEND_BUFFERS,))
     try:
         aborted = s.metrics()["lockstep_requests_aborted_total"]
         body = completion("Once upon a time", max_tokens=4000, ignore_eos=True, stream=True, logprobs=5)

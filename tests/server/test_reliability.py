@@ -16,29 +16,14 @@ from .conftest import Server, start_server, stop_server
 
 # Two sequences running, four waiting: a handful of concurrent requests already overloads it.
 GUARDED = ("--max-num-seqs", "2", "--max-queued-seqs", "4", "--max-seqs-per-request", "4", "--unread-timeout", "1")
-# The kernel buffers what a client has not read yet: on localhost the server's send buffer grows to 4 MB (a few
-# thousand streamed tokens) before the server itself sees a stall. Capped at 16 KB, as for a distant client, the
-# stall comes within a few hundred.
-SMALL_SEND_BUFFERS = """
-import socket, sys
-from lockstep.cli import main
-
-accept = socket.socket.accept
-
-def accept_with_small_buffers(self):
-    conn, address = accept(self)
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
-    return conn, address
-
-socket.socket.accept = accept_with_small_buffers
-sys.exit(main(sys.argv[1:]))
-"""
+# Streams stall after a few hundred tokens, not thousands (see small_send_buffers.py).
+SMALL_SEND_BUFFERS = str(Path(__file__).with_name("small_send_buffers.py"))
 
 
 @pytest.fixture(scope="module")
 def guarded(tiny_server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("logs") / "guarded.log"
-    s = start_server(tiny_server_model_dir, log, *GUARDED, launcher=("-c", SMALL_SEND_BUFFERS))
+    s = start_server(tiny_server_model_dir, log, *GUARDED, launcher=(SMALL_SEND_BUFFERS,))
     yield s
     stop_server(s.proc)
 
