@@ -125,7 +125,8 @@ class LLMEngine:
         self._requests[request_id] = _Request(seq, prompt, ids, deltas=deltas)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; its output so far, finished with reason "abort". None if it is unknown."""
+        """Stop a request now; its output so far (since its previous one, for deltas), finished with reason
+        "abort". None if it is unknown."""
         if self.scheduler.abort(request_id) is None:
             return None
         return self._output(self._requests.pop(request_id))
