@@ -31,7 +31,9 @@ def add_revision_arg(p: argparse.ArgumentParser) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's batch and cache sizes, shared by serve and bench (``engine_args`` reads them back)."""
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: 256 on CPU, 8192 on CUDA)"
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
 
@@ -131,6 +133,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-connections", type=int, default=1024, help="past this, connections get 503")
     p.add_argument("--header-timeout", type=float, default=10.0, help="seconds for a request's line and headers")
     p.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body (408)")
+    add_limit_args(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
 
@@ -149,12 +152,48 @@ def http_config(args: argparse.Namespace):
     )
 
 
+_LIMITS = {  # serve's load limits: option -> (type, help); the defaults are ServingLimits'
+    "--max-queued-seqs": (int, "sequences waiting for admission before new requests get 429 (default 1024)"),
+    "--max-queued-tokens": (int, "their prompt tokens, the same (default 1048576)"),
+    "--max-seqs-per-request": (int, "sequences (n x prompts) one request may ask for (default 256, or fewer queued)"),
+    "--request-timeout": (float, "seconds a request may take; 0: no limit (default 600)"),
+    "--unread-timeout": (float, "seconds a response may go unread before its request is stopped (default 30)"),
+}
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    for option, (kind, text) in _LIMITS.items():
+        p.add_argument(option, type=kind, default=None, help=text)
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds requests in flight may take to finish before they get 503 (default 30)",
+    )
+
+
+def limit_args(args: argparse.Namespace) -> dict:
+    """The ``ServingLimits`` fields ``add_limit_args`` parsed (those given)."""
+    limits = {}
+    for option in _LIMITS:
+        name = option[2:].replace("-", "_")
+        value = getattr(args, name)
+        if value is not None:
+            limits[name] = None if name == "request_timeout" and value == 0 else value
+    return limits
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from lockstep.models.hub import resolve_model
+    from lockstep.server.async_engine import ServingLimits
     from lockstep.server.openai_api import serve
     from lockstep.server.state import create_state
 
-    http = http_config(args)  # before loading the model: a bad option fails at once
+    # Bad options fail at once, before the model loads.
+    http = http_config(args)
+    limits = ServingLimits(**limit_args(args))
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     # The server fingerprints the folder's weights: resolve a model id here, and serve it under its id (vLLM's name).
     if args.model is None and args.revision is not None:
         raise ValueError("--revision needs a Hugging Face model id")
@@ -167,8 +206,8 @@ def run_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    serve(state, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    state.engine.limits = limits
+    return serve(state, args.host, args.port, args.log_level, shutdown_timeout=args.shutdown_timeout)
 
 
 def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -3,6 +3,11 @@
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# A step's token budget when max_num_batched_tokens is None, by device type (at least max_num_seqs). A running
+# decode waits for at most one step, so one prefill chunk is the longest stall a long prompt can cause: on the
+# 2-core CPU machines 256 tokens of SmolLM2-135M take 4-15 s (the attention grows with the context), on an H200
+# 8192 tokens of an 8B model well under a second.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 256, "cuda": 8192}
 
 
 def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
@@ -22,9 +27,10 @@ def _check_bool(name: str, value: object) -> None:
 class EngineConfig:
     """Everything the engine needs to know before the first request.
 
-    ``num_kv_blocks=None`` and ``max_model_len=None`` mean "decide later": the engine sizes the KV cache from free
-    memory and reads the context length from the model, then builds the scheduler from
-    ``dataclasses.replace(config, num_kv_blocks=..., max_model_len=...)``.
+    ``num_kv_blocks=None``, ``max_model_len=None`` and ``max_num_batched_tokens=None`` mean "decide later": the
+    engine sizes the KV cache from free memory, reads the context length from the model and takes the token
+    budget of its device from ``DEFAULT_MAX_NUM_BATCHED_TOKENS``, then builds the scheduler from
+    ``dataclasses.replace(config, num_kv_blocks=..., max_model_len=..., max_num_batched_tokens=...)``.
 
     Every sequence in the running set is given its decode token before any prefill is scheduled, so
     ``max_num_batched_tokens >= max_num_seqs`` is required: a step always has room for all running decodes.
@@ -35,7 +41,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str | None = None  # None: CUDA when available, else CPU
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: by device, DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -62,8 +68,8 @@ class EngineConfig:
         ):
             raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): every running sequence needs one token of each step's budget"

@@ -34,6 +34,8 @@ class CompletionOutput:
     request gave none; None for greedy requests without one). ``text`` is cut at a stop string (kept with
     ``include_stop_str_in_output``) and decoded as ``skip_special_tokens`` says; it is complete once the sequence
     has finished (unfinished outputs of requests without stop strings leave it empty).
+    ``error`` says why the engine aborted the sequence (``finish_reason`` "abort") for a fault of its own, such as
+    a row it could not sample; it is None otherwise, a client's abort included.
     """
 
     index: int
@@ -43,6 +45,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     seed: int | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

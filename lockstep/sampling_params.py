@@ -15,6 +15,14 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): dividing fp32 logits by 1e-40 overflows
+# them to +-inf, and the argmax of the result is what such a temperature means anyway.
+MIN_TEMPERATURE = 1e-5
+# repetition_penalty divides (multiplies) logits by it: outside this range it is not a penalty but an overflow.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+SEED_RANGE = (-(2**63), 2**64)  # any 64-bit pattern, signed or not
+
+
 def choice_seed(seed: int | None, index: int) -> int | None:
     """The seed of choice ``index`` of a request with ``n > 1``: choice 0 keeps ``seed`` (so ``n=1`` and choice 0
     of ``n>1`` agree); choice i > 0 uses the first 63 bits of blake2b(f"{seed}:{i}"), which is how a client can
@@ -29,8 +37,9 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
 
-    ``temperature == 0`` is greedy (ties go to the lowest token id). With ``temperature > 0`` the noise is a pure
-    function of ``(seed, position, token id)``, so a seeded request gives the same tokens in any batch.
+    ``temperature == 0`` is greedy (ties go to the lowest token id); a temperature below ``MIN_TEMPERATURE``
+    (1e-5) is too, and is normalised to 0. With ``temperature > 0`` the noise is a pure function of ``(seed,
+    position, token id)``, so a seeded request gives the same tokens in any batch. Seeds are 64-bit.
 
     ``n`` completions are generated per prompt (``LLM.generate``), choice ``i`` with seed ``choice_seed(seed,
     i)``. ``top_k`` of ``-1`` or ``0`` turns top-k off; ``0`` is normalised to ``-1``. ``min_p`` drops tokens
@@ -85,14 +94,16 @@ class SamplingParams:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= -1 (-1 or 0 disables it), got {self.top_k!r}")
         if self.top_k == 0:
             self.top_k = -1
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
 
@@ -118,9 +129,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        r = self.repetition_penalty
-        if not _is_real(r) or not math.isfinite(r) or r <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        r, (low, high) = self.repetition_penalty, REPETITION_PENALTY_RANGE
+        if not _is_real(r) or not low <= r <= high:
+            raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {r!r}")
         bias = dict(self.logit_bias or {})
         for t, b in bias.items():
             if not _is_int(t) or t < 0 or not _is_real(b) or not -100 <= b <= 100:

@@ -7,7 +7,7 @@ import pytest
 from tiny_models import TINY_EOS
 
 from lockstep.llm import LLM
-from lockstep.sampling_params import SamplingParams
+from lockstep.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 # What vLLM's SamplingParams() means, spelled out (top_k -1 and 0 both turn top-k off).
 VLLM_DEFAULTS = dict(
@@ -85,9 +85,20 @@ def test_normalisation():
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"repetition_penalty": 1e308}, "repetition_penalty"),  # issue 13's poisoned request
+        ({"repetition_penalty": 0.001}, "repetition_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": float("inf")}, "frequency_penalty"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"logit_bias": {-1: 2.0}}, "logit_bias"),
         ({"logit_bias": {"5": 2.0}}, "logit_bias"),
         ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {5: float("-inf")}}, "logit_bias"),
     ],
 )
 def test_invalid_values_name_field_and_value(kwargs, field):
@@ -96,3 +107,14 @@ def test_invalid_values_name_field_and_value(kwargs, field):
     msg = str(err.value)
     assert msg.startswith(field)
     assert repr(next(iter(kwargs.values()))) in msg
+
+
+def test_a_temperature_below_the_floor_is_greedy():
+    # Issue 13: 1e-300 (or 1e-40) divided fp32 logits into infinities and NaN; below MIN_TEMPERATURE it is greedy,
+    # as in vLLM. The floor itself still samples.
+    for t in (1e-300, 1e-40, MIN_TEMPERATURE / 2):
+        p = SamplingParams(temperature=t, seed=1)
+        assert p.greedy and p.temperature == 0.0
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(repetition_penalty=0.01).repetition_penalty == 0.01

@@ -3,6 +3,11 @@
 ``add_request`` validates a request and queues it; ``step`` schedules a batch, runs it through the model, applies
 the sampled tokens, detects stop strings (by detokenising) and reports every request that got a token or
 finished. The engine never looks at how the batch was formed: the kernels make that irrelevant to the bits.
+
+A fault that belongs to one request (a row the sampler could not sample, its detokenising or stop-string check
+raising) finishes that request alone, with finish reason "abort" and ``CompletionOutput.error`` saying why; its
+blocks are freed and every other request of the step carries on with the bits it would have had anyway. A fault
+of the whole step (the model's forward) raises, for the caller to abort what is in flight.
 """
 
 import dataclasses
@@ -30,6 +35,9 @@ class _Request:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # vLLM's dicts, built as tokens arrive
     stop_from: int | None = None  # min_tokens: a stop string must end after this many characters of the text
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's dicts, built once the prompt's are all computed
+    deltas: bool = False  # outputs hold only the tokens since the previous one (add_request)
+    num_sent: int = 0  # output tokens already reported, when deltas
+    error: str | None = None  # why the engine aborted it, for a fault of its own
 
 
 class LLMEngine:
@@ -81,9 +89,14 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         prompt: str | None = None,
+        deltas: bool = False,
     ) -> None:
         """Queue a request. Raises ValueError (naming the request and the problem) for one that cannot run;
-        nothing is queued then."""
+        nothing is queued then.
+
+        ``deltas=True``: each of the request's outputs holds in ``token_ids``, ``logprobs`` and ``top_logprobs``
+        only what is new since its previous output (``text`` stays whole), so a consumer that keeps them does not
+        keep a copy of the output per step; the default gives the whole output each time."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"request {request_id!r}: sampling params must be a SamplingParams, got {params!r}")
@@ -125,10 +138,11 @@ class LLMEngine:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
         seq = Sequence(request_id, ids, params, block_size=self.config.block_size)
         self.scheduler.add(seq)
-        self._requests[request_id] = _Request(seq, prompt, ids)
+        self._requests[request_id] = _Request(seq, prompt, ids, deltas=deltas)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; its output so far, finished with reason "abort". None if it is unknown."""
+        """Stop a request now; its output so far (since its previous one, for deltas), finished with reason
+        "abort". None if it is unknown."""
         if self.scheduler.abort(request_id) is None:
             return None
         return self._output(self._requests.pop(request_id))
@@ -154,18 +168,32 @@ class LLMEngine:
             if batch.preempted or not self.scheduler.has_unfinished():
                 return []
             raise RuntimeError("the scheduler made no progress with requests waiting (cache too small?)")
-        token_ids, logprobs = self.runner.run(batch)
-        self.scheduler.postprocess(batch, token_ids, logprobs)
+        sampled = self.runner.run(batch)
+        sampling = [entry for entry in batch.entries if entry.sample]
+        for k, why in sampled.errors.items():
+            self._fail(self._requests[sampling[k].seq.request_id], why)  # postprocess skips finished sequences
+        self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
         outputs: list[RequestOutput] = []
-        for entry in batch.entries:
-            if not entry.sample:
-                continue
+        for entry in sampling:
             request = self._requests[entry.seq.request_id]
-            self._update_text(request)
+            if request.error is None:
+                try:
+                    self._update_text(request)
+                except Exception as e:  # the request's own tokens broke detokenising or the stop check
+                    self._fail(request, f"detokenizing failed: {type(e).__name__}: {e}")
             outputs.append(self._output(request))
             if request.seq.is_finished:
                 del self._requests[entry.seq.request_id]
         return outputs
+
+    def _fail(self, request: _Request, why: str) -> None:
+        """Abort one request for a fault of its own; the output reports ``why``."""
+        request.error = why
+        seq = request.seq
+        if seq.is_finished:  # finished this step, its blocks already freed: only the reason changes
+            seq.finish_reason = FinishReason.ABORT
+        else:
+            self.scheduler.abort(seq.request_id)
 
     def _update_text(self, request: _Request) -> None:
         seq, params = request.seq, request.seq.params
@@ -197,18 +225,22 @@ class LLMEngine:
 
     def _output(self, request: _Request) -> RequestOutput:
         seq = request.seq
+        start = request.num_sent if request.deltas else 0
+        if request.deltas:
+            request.num_sent = seq.num_output_tokens
         logprobs = None
         if seq.params.logprobs is not None:
             self.logprob_dicts.extend(request.logprobs, seq.output_token_ids, seq.output_top_logprobs)
-            logprobs = list(request.logprobs)
+            logprobs = request.logprobs[start:]
         completion = CompletionOutput(
             index=0,
             text=request.text,
-            token_ids=seq.output_token_ids,
-            token_logprobs=list(seq.output_logprobs),
+            token_ids=seq.token_ids[seq.num_prompt_tokens + start :],
+            token_logprobs=seq.output_logprobs[start:],
             logprobs=logprobs,
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             seed=seq.params.seed,
+            error=request.error,
         )
         prompt_logprobs = self._prompt_logprobs(request) if seq.params.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, request.prompt, request.prompt_token_ids, [completion], prompt_logprobs)

@@ -12,12 +12,12 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from lockstep.config import EngineConfig
+from lockstep.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from lockstep.engine.cuda_graph import DecodeGraphs
 from lockstep.engine.scheduler import ScheduledBatch
 from lockstep.engine.sequence import Sequence
 from lockstep.layers.attention import flatten_batch
-from lockstep.layers.sampler import Sampler, TokenLogprobs, gather_logprobs
+from lockstep.layers.sampler import Sampled, Sampler, TokenLogprobs, gather_logprobs
 from lockstep.models.loader import load_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,8 +39,9 @@ def resolve_device(device: str | None) -> torch.device:
 class ModelRunner:
     """The model, its KV cache and the sampler, for one ``EngineConfig``.
 
-    ``config.model`` must be a checkpoint folder. After construction ``self.config`` has ``max_model_len`` and
-    ``num_kv_blocks`` filled in (from the model and from memory when they were None).
+    ``config.model`` must be a checkpoint folder. After construction ``self.config`` has ``max_model_len``,
+    ``num_kv_blocks`` and ``max_num_batched_tokens`` filled in (from the model, from memory and from the device
+    when they were None).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -62,7 +63,10 @@ class ModelRunner:
         if config.max_model_len is None and config.num_kv_blocks is not None:
             # A cache given explicitly caps the context (a sequence's last token needs no KV slot).
             max_model_len = min(max_model_len, config.num_kv_blocks * config.block_size + 1)
-        config = dataclasses.replace(config, max_model_len=max_model_len)
+        budget = config.max_num_batched_tokens
+        if budget is None:
+            budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS[self.device.type], config.max_num_seqs)
+        config = dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget)
         num_kv_blocks = config.num_kv_blocks or self._default_num_kv_blocks(config)
         self.config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
         self.block_size = config.block_size
@@ -115,10 +119,11 @@ class ModelRunner:
         return [name for name, _, _ in todo]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprobs]]:
-        """Run one step: a token and its logprobs for each entry that samples, in batch order."""
+    def run(self, batch: ScheduledBatch) -> Sampled:
+        """Run one step: a token and its logprobs for each entry that samples, in batch order (``Sampled.errors``
+        names the entries, counted among those that sample, that could not be sampled)."""
         if not batch:
-            return [], []
+            return Sampled([], [])
         flat = flatten_batch(((e.token_ids, e.start, e.seq.block_table) for e in batch.entries), self.block_size)
         if self.use_graphs and self.graphs.can_run(flat):
             hidden = self.graphs.run(flat)
@@ -127,12 +132,12 @@ class ModelRunner:
         self._prompt_logprobs(batch, flat.query_start_loc, hidden)
         samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
         if not samplers:
-            return [], []
+            return Sampled([], [])
         rows = torch.tensor([row for _, row in samplers], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         params = [e.seq.params for e, _ in samplers]
         histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e, _ in samplers]
-        return self.sampler(logits, params, [e.end for e, _ in samplers], histories)
+        return self.sampler.sample(logits, params, [e.end for e, _ in samplers], histories)
 
     def _prompt_logprobs(self, batch: ScheduledBatch, query_start_loc: list[int], hidden: torch.Tensor) -> None:
         """Prompt token ``p + 1``'s logprobs from position ``p``'s hidden state, for every prompt position this

@@ -78,8 +78,8 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
-        if config.num_kv_blocks is None:
-            raise ValueError("Scheduler needs config.num_kv_blocks; size the KV cache first")
+        if config.num_kv_blocks is None or config.max_num_batched_tokens is None:
+            raise ValueError("Scheduler needs config.num_kv_blocks and max_num_batched_tokens; resolve them first")
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)

@@ -17,11 +17,16 @@ the add: one device function per element wherever the element sits) or an exact 
 the row max, the argmax), so a row's bits cannot depend on its neighbours. Top-p (a softmax and a cumsum over
 the row) and every temperature row on the CPU go one ``[1, vocab]`` row per call: a CPU elementwise kernel
 computes its vector-width tail with scalar code, and which elements fall in the tail moves with the batch.
+
+Faults stay in their row: NaN scores count as -inf, so a token id is always in ``[0, vocab)``; a row with no
+score above -inf, or whose own adjustment or sampling raises, is reported in ``Sampled.errors`` (a group of rows
+that raises is retried one row at a time, which gives the same bits, see above) and the other rows are sampled
+as if it were not there.
 """
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +54,24 @@ class TokenLogprobs:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     rank: int | None = None
+
+
+@dataclass
+class Sampled:
+    """One step's samples: ``token_ids[i]`` and ``logprobs[i]`` for row ``i``, except for the rows in ``errors``
+    (row -> why it has no token), whose entries are placeholders (-1 and a NaN logprob)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class SamplingError(ValueError):
+    """Raised by ``Sampler.__call__`` when some rows have no token; ``errors`` maps those rows to the reason."""
+
+    def __init__(self, errors: dict[int, str]) -> None:
+        super().__init__("; ".join(f"row {i}: {why}" for i, why in sorted(errors.items())))
+        self.errors = errors
 
 
 def _as_signed(x: int) -> int:
@@ -110,11 +133,18 @@ def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device
 
 
 def argmax_lowest(x: torch.Tensor) -> torch.Tensor:
-    """Index of the largest value along the last dim, ties (and only ties) to the lowest index."""
-    # x: [..., V] -> [...] int64. Comparisons and an integer min: exact in any order.
+    """Index of the largest value along the last dim, ties (and only ties) to the lowest index. NaN counts as
+    -inf, so the index is always one of x's (0 for a row with nothing above -inf)."""
+    return _argmax_lowest(x)[0]
+
+
+def _argmax_lowest(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``argmax_lowest`` and the value it picked (-inf: the row had nothing to pick)."""
+    # x: [..., V] -> [...] int64. A select, comparisons and an integer min: exact in any order.
+    x = x.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     ids = torch.arange(x.shape[-1], device=x.device).expand_as(x)
     best = x.max(dim=-1, keepdim=True).values
-    return torch.where(x == best, ids, x.shape[-1]).min(dim=-1).values
+    return torch.where(x == best, ids, x.shape[-1]).min(dim=-1).values, best[..., 0]
 
 
 def _top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
@@ -151,9 +181,12 @@ def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
     return x.masked_fill(probs < sorted_probs[num_kept - 1], float("-inf"))
 
 
-def _gumbel_max(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
-    """Tokens for ``logits: [rows, V]`` fp32 at temperature > 0, each row's noise from its ``params.seed``; the
-    module docstring says which rows may share a call (top-p only ever comes one row at a time)."""
+def _gumbel_max(
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens for ``logits: [rows, V]`` fp32 at temperature > 0, each row's noise from its ``params.seed``, and
+    the fp64 scores that won (-inf: nothing to pick); the module docstring says which rows may share a call
+    (top-p only ever comes one row at a time)."""
     seeds = [p.seed for p in params]
     if any(s is None for s in seeds):
         raise ValueError("sampling with temperature > 0 needs a seed (the engine draws one per request)")
@@ -164,7 +197,7 @@ def _gumbel_max(logits: torch.Tensor, params: list[SamplingParams], positions: l
         if p.top_p < 1.0:
             x[i] = _top_p(x[i], p.top_p)
     noise = _gumbel(_row_keys(seeds, positions, logits.device), logits.shape[-1])
-    return argmax_lowest(x.double() + noise)  # [rows] int64, on the device
+    return _argmax_lowest(x.double() + noise)  # [rows] int64 and [rows] fp64, on the device
 
 
 def adjust_row(
@@ -204,17 +237,19 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, position: int) -> i
     ``params.seed`` is required when ``params.temperature > 0``."""
     if params.greedy:
         return int(argmax_lowest(logits))
-    return int(_gumbel_max(logits[None], [params], [position])[0])
+    return int(_gumbel_max(logits[None], [params], [position])[0][0])
 
 
 class Sampler:
     """Samples one token per logits row and reports its logprobs.
 
-    ``__call__(logits, params, positions, histories)`` with ``logits: [num_rows, vocab]`` fp32 and one entry per
+    ``sample(logits, params, positions, histories)`` with ``logits: [num_rows, vocab]`` fp32 and one entry per
     row in the lists; a sampled row's noise comes from ``params[i].seed``; ``positions[i]`` is the index, in its
     sequence, of the token row ``i`` samples; ``histories[i]`` is ``(token_ids, num_prompt_tokens)`` of row
-    ``i``'s sequence (needed only when a row has penalties). Returns the token ids and a ``TokenLogprobs`` per
-    row. Logprobs come from ``log_softmax`` (the kernel set's; default ``ops.log_softmax``).
+    ``i``'s sequence (needed only when a row has penalties). Returns a ``Sampled``: the token ids and a
+    ``TokenLogprobs`` per row, and the rows that could not be sampled. Calling the sampler is ``sample`` that
+    raises ``SamplingError`` for such rows. Logprobs come from ``log_softmax`` (the kernel set's; default
+    ``ops.log_softmax``).
     """
 
     def __init__(self, log_softmax: Callable[[torch.Tensor], torch.Tensor] = ops.log_softmax) -> None:
@@ -237,12 +272,25 @@ class Sampler:
         positions: list[int],
         histories: list[tuple[list[int], int]] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs]]:
+        sampled = self.sample(logits, params, positions, histories)
+        if sampled.errors:
+            raise SamplingError(sampled.errors)
+        return sampled.token_ids, sampled.logprobs
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        histories: list[tuple[list[int], int]] | None = None,
+    ) -> Sampled:
         num_rows = logits.shape[0]
         if logits.dim() != 2 or not len(params) == len(positions) == num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} for {len(params)} params, {len(positions)} positions")
         if num_rows == 0:
-            return [], []
+            return Sampled([], [])
         logits = logits.float()
+        errors: dict[int, str] = {}
         scores = logits  # what the choice is made from; logprobs stay raw
         adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.penalized or p.min_tokens]
         if adjusted:
@@ -250,21 +298,27 @@ class Sampler:
                 raise ValueError("penalties need each row's (token ids, number of prompt tokens)")
             scores = logits.clone()
             for i in adjusted:
-                banned = self.min_tokens_banned(params[i], histories[i], logits.shape[-1])
-                scores[i] = adjust_row(logits[i], params[i], *histories[i], banned=banned)
+                try:
+                    banned = self.min_tokens_banned(params[i], histories[i], logits.shape[-1])
+                    scores[i] = adjust_row(logits[i], params[i], *histories[i], banned=banned)
+                except Exception as e:  # this row's fault: reported with it
+                    errors[i] = _describe(e)
         # Tokens stay on the device until one copy brings them back with their logprobs: one sync a step.
-        tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+        tokens = torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
+        best = torch.zeros(num_rows, dtype=torch.float64, device=logits.device)  # the winning score, per row
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy_rows) == num_rows:
-            tokens = argmax_lowest(scores)
+            tokens, best = _argmax_lowest(scores)
+            best = best.double()
         elif greedy_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
-            tokens[rows] = argmax_lowest(scores[rows])
+            greedy_tokens, greedy_best = _argmax_lowest(scores[rows])
+            tokens[rows], best[rows] = greedy_tokens, greedy_best.double()
         batched = logits.device.type in BATCHED_DEVICES
         together: list[int] = []
         alone: list[list[int]] = []
         for i, p in enumerate(params):
-            if p.greedy:
+            if p.greedy or i in errors:
                 continue
             if batched and p.top_p >= 1.0:
                 together.append(i)
@@ -272,22 +326,55 @@ class Sampler:
                 alone.append([i])
         chunks = [together[j : j + ROWS_PER_CALL] for j in range(0, len(together), ROWS_PER_CALL)]
         for rows in chunks + alone:
-            index = torch.tensor(rows, device=logits.device)
-            tokens[index] = _gumbel_max(scores[index], [params[i] for i in rows], [positions[i] for i in rows])
+            try:
+                self._gumbel_rows(scores, params, positions, rows, tokens, best)
+            except Exception as e:  # whose? Alone, each row answers for itself
+                if len(rows) == 1:
+                    errors[rows[0]] = _describe(e)
+                    continue
+                for i in rows:
+                    try:
+                        self._gumbel_rows(scores, params, positions, [i], tokens, best)
+                    except Exception as e_i:
+                        errors[i] = _describe(e_i)
 
         logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
-        return gather_logprobs(logprobs, tokens, [p.logprobs for p in params])
+        token_ids, out, (best_host,) = gather_logprobs(logprobs, tokens, [p.logprobs for p in params], extra=[best])
+        for i, score in enumerate(best_host):
+            if score == -math.inf and i not in errors:
+                errors[i] = "no token can be sampled: every score is NaN or -inf"
+        for i in errors:
+            token_ids[i] = -1
+            out[i] = TokenLogprobs(math.nan)
+        return Sampled(token_ids, out, errors)
+
+    @staticmethod
+    def _gumbel_rows(
+        scores: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        rows: list[int],
+        tokens: torch.Tensor,
+        best: torch.Tensor,
+    ) -> None:
+        index = torch.tensor(rows, device=scores.device)
+        tokens[index], best[index] = _gumbel_max(scores[index], [params[i] for i in rows], [positions[i] for i in rows])
+
+
+def _describe(e: Exception) -> str:
+    return f"sampling failed: {type(e).__name__}: {e}"
 
 
 def gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]
-) -> tuple[list[int], list[TokenLogprobs]]:
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None], extra: list[torch.Tensor] = ()
+) -> tuple[list[int], list[TokenLogprobs], list[list[float]]]:
     """Row ``i``'s logprob of token ``token_ids[i]`` (``logprobs: [rows, vocab]``, ``token_ids: [rows]`` int64 on
     the same device) and, where ``num_top[i]`` is not None, the token's rank and the ``num_top[i]`` highest
     ``(token id, logprob)`` pairs. Every value is a gather, a comparison count or a stable sort of the row alone,
-    so it is exact whatever the other rows. Returns the token ids as ints and one ``TokenLogprobs`` per row."""
+    so it is exact whatever the other rows. Returns the token ids as ints, one ``TokenLogprobs`` per row, and the
+    ``extra`` per-row tensors as lists (they ride along in the same single copy to the host)."""
     chosen = logprobs.gather(1, token_ids[:, None])  # [rows, 1]
-    columns = [token_ids.double(), chosen[:, 0].double()]  # fp64 holds both exactly
+    columns = [token_ids.double(), chosen[:, 0].double(), *(x.double() for x in extra)]  # fp64 holds them exactly
     ranked = any(n is not None for n in num_top)
     if ranked:
         # The place in a stable descending sort: the tokens above it, and the lower ids level with it.
@@ -304,5 +391,5 @@ def gather_logprobs(
     out: list[TokenLogprobs] = []
     for i, n in enumerate(num_top):
         top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
-        out.append(TokenLogprobs(back[1][i], top, int(back[2][i]) if n is not None else None))
-    return [int(t) for t in back[0]], out
+        out.append(TokenLogprobs(back[1][i], top, int(back[-1][i]) if n is not None else None))
+    return [int(t) for t in back[0]], out, back[2 : 2 + len(extra)]

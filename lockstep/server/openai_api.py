@@ -14,11 +14,13 @@ but ``/health``, which then says only whether the server is up.
 import asyncio
 import gc
 import json
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lockstep.server.async_engine import EngineError
 from lockstep.server.listener import listen_with
 from lockstep.server.middleware import ERROR_ID_KEY, Gatekeeper, authorized, new_error_id, server_error_body
 from lockstep.server.protocol import APIError, error_body
@@ -46,6 +48,14 @@ def build_app(state: ServerState) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return json_response(error_body(str(e.detail), kind), e.status_code)
 
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, e: EngineError) -> Response:
+        # Overload (429), shutdown and a dead engine (503), time limits: the engine's own answers.
+        response = json_response(error_body(str(e), e.type, code=e.code), e.status)
+        if e.retry_after is not None:
+            response.headers["Retry-After"] = str(math.ceil(e.retry_after))
+        return response
+
     @app.exception_handler(Exception)
     async def _server_error(request: Request, e: Exception) -> Response:
         # The Gatekeeper logs the exception, once, under this id.
@@ -54,11 +64,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        ok = state.engine.alive
-        body = {"status": "ok" if ok else "engine thread stopped"}
+        status = state.engine.status  # "ok", "shutting down", or why the engine cannot serve
+        body = {"status": status}
         if authorized(state, dict(request.scope["headers"])):  # the weights' identity is for key holders only
             body |= {"model": state.model_name, "system_fingerprint": state.fingerprint, **state.fingerprint_parts}
-        return json_response(body, 200 if ok else 503)
+        return json_response(body, 200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -93,20 +103,45 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the server with uvicorn until it is stopped, then stop the engine thread."""
+def serve(
+    state: ServerState,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    shutdown_timeout: float = 30.0,
+) -> int:
+    """Run the server with uvicorn until it is stopped, then stop the engine thread; returns the exit status.
+
+    SIGTERM (or Ctrl-C) stops admission (new calls get 503, ``/health`` says "shutting down") and gives the calls
+    in flight ``shutdown_timeout`` seconds to finish; the rest then fail with 503 (a JSON body, or an error event
+    and ``[DONE]`` on a stream). If the engine dies, the calls in flight get 503 and the server exits with 1, for
+    an orchestrator to restart it."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            state.engine.drain(shutdown_timeout)
+            super().handle_exit(sig, frame)
+
     app = Gatekeeper(build_app(state), state)
+    # uvicorn's own grace period only has to outlast the drain: by then every call has its answer.
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
+        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=shutdown_timeout + 5
     )
     listen_with(config, state.http)
     # The model, torch and transformers are ~200k objects that live as long as the server: out of the garbage
     # collector's sight, a full collection (a request's many small lists can set one off) holds the GIL for
     # milliseconds instead of ~120 ms.
     gc.freeze()
+    server = Server(config)
+
+    def fatal() -> None:
+        server.should_exit = True  # uvicorn polls it; the calls in flight already have their 503
+
+    state.engine.on_fatal = fatal
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
+        dead = not state.engine.alive
         state.engine.stop()
+    return 1 if dead else 0

@@ -254,6 +254,7 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
             error_id = new_error_id()
             log.exception("a stream failed (%s)", error_id)
             yield _sse(server_error_body(error_id))
+            yield _sse("[DONE]")  # the stream still ends as streams do (a client waits for it)
         finally:
             r.group.abort()  # a client that went away: its requests stop and their KV blocks are freed
 

@@ -8,6 +8,7 @@ import torch
 from lockstep.layers import sampler
 from lockstep.layers.sampler import (
     Sampler,
+    SamplingError,
     argmax_lowest,
     gumbel_noise,
     mix64,
@@ -232,3 +233,56 @@ def test_min_p_keeps_tokens_within_the_ratio() -> None:
     kept = {sample(x, SamplingParams(temperature=1.0, min_p=0.3), s, 0) for s in range(300)}
     assert kept == {0, 1}
     assert {sample(x, SamplingParams(temperature=1.0, min_p=1.0), s, 0) for s in range(50)} == {0}
+
+
+def test_nan_counts_as_minus_inf_and_an_id_is_always_in_the_vocabulary() -> None:
+    # Issue 13: a NaN score made the argmax return the vocabulary size, which then broke the whole step.
+    x = logits_batch(4, 17)
+    x[0, 3] = float("nan")
+    x[0, 5] = x[0].nan_to_num().max() + 1
+    x[1] = float("nan")
+    x[2] = float("-inf")
+    x[3, :] = float("-inf")
+    x[3, 16] = float("nan")
+    assert argmax_lowest(x).tolist() == [5, 0, 0, 0]
+
+
+def test_a_row_with_nothing_to_sample_fails_alone() -> None:
+    # Rows whose scores are all NaN or -inf (a NaN temperature, NaN logits) get an error, not a token; every other
+    # row gets the token and logprob bits it gets alone, greedy or sampled, alone or grouped.
+    vocab, rows = 127, 6
+    x = logits_batch(rows, vocab, seed=3)
+    x[4] = float("nan")  # the model's logits themselves
+    params = seeded([SamplingParams(temperature=(0.0, 0.8)[i % 2], logprobs=2) for i in range(rows)], range(rows))
+    params[1].temperature = float("nan")  # bypasses validation, as a bug would
+    sampled = Sampler().sample(x, params, list(range(rows)))
+    assert set(sampled.errors) == {1, 4} and all("NaN or -inf" in why for why in sampled.errors.values())
+    assert [sampled.token_ids[i] for i in (1, 4)] == [-1, -1]
+    assert all(math.isnan(sampled.logprobs[i].logprob) for i in (1, 4))
+    for i in (0, 2, 3, 5):
+        alone = Sampler().sample(x[i : i + 1].clone(), [params[i]], [i])
+        assert (alone.token_ids, alone.logprobs) == ([sampled.token_ids[i]], [sampled.logprobs[i]])
+    with pytest.raises(SamplingError, match="row 1: no token can be sampled") as err:
+        Sampler()(x, params, list(range(rows)))
+    assert set(err.value.errors) == {1, 4}
+
+
+def test_a_row_that_raises_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A row whose own sampling raises (here: no seed, a bug upstream; then a bias on a token id past the
+    # vocabulary) is reported; the rest of its group is sampled again one row at a time, to the same bits.
+    vocab, rows = 127, 7
+    x = logits_batch(rows, vocab, seed=4)
+    params = seeded([SamplingParams(temperature=0.9) for _ in range(rows)], [10 + i for i in range(rows)])
+    params[2].seed = None
+    params[5] = SamplingParams(temperature=0, logit_bias={3: 1.0})
+    params[5].logit_bias = {vocab + 3: 1.0}
+    history = [([1, 2], 2)] * rows
+    want = {i: sample_row(x[i].clone(), params[i], i) for i in (0, 1, 3, 4, 6)}
+    for grouped in (False, True):
+        if grouped:  # the CUDA grouping, several rows a call, on the CPU
+            monkeypatch.setattr(sampler, "BATCHED_DEVICES", ("cpu", "cuda"))
+            monkeypatch.setattr(sampler, "ROWS_PER_CALL", 4)
+        sampled = Sampler().sample(x, params, list(range(rows)), history)
+        assert sorted(sampled.errors) == [2, 5], sampled.errors
+        assert "needs a seed" in sampled.errors[2] and "IndexError" in sampled.errors[5]
+        assert {i: sampled.token_ids[i] for i in want} == want

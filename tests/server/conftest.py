@@ -54,9 +54,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, log: Path, *args: str, env: dict | None = None, timeout: float = 300) -> Server:
+def start_server(
+    model: Path, log: Path, *args: str, env: dict | None = None, timeout: float = 300, launcher: tuple = ()
+) -> Server:
+    """``lockstep serve MODEL ARGS`` on a free port (``launcher``: python arguments that run the CLI instead of
+    ``-m lockstep.cli``, e.g. ``("-c", script)``)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "lockstep.cli", "serve", str(model), "--port", str(port), "--device", "cpu"]
+    cmd = [sys.executable, *(launcher or ("-m", "lockstep.cli")), "serve", str(model), "--port", str(port)]
+    cmd += ["--device", "cpu"]
     cmd += ["--log-level", "warning", *args]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
