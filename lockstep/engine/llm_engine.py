@@ -94,7 +94,7 @@ class LLMEngine:
         """Queue a request. Raises ValueError (naming the request and the problem) for one that cannot run;
         nothing is queued then.
 
-        ``deltas=True``: each of the request's outputs holds in ``token_ids``, ``logprobs`` and ``top_logprobs``
+        ``deltas=True``: each of the request's outputs holds in ``token_ids``, ``token_logprobs`` and ``logprobs``
         only what is new since its previous output (``text`` stays whole), so a consumer that keeps them does not
         keep a copy of the output per step; the default gives the whole output each time."""
         params = params if params is not None else SamplingParams()

@@ -18,9 +18,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.outputs import RequestOutput
-from lockstep.server.async_engine import RequestGroup
+from lockstep.server.async_engine import EngineError, RequestGroup
 from lockstep.server.middleware import new_error_id, server_error_body
-from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lockstep.server.requests import ChoiceSpec
 from lockstep.server.state import ServerState
 
@@ -250,6 +250,9 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
             yield _sse("[DONE]")
         except (asyncio.CancelledError, GeneratorExit):
             raise
+        except EngineError as e:  # the engine's own answer (shutting down, overload, time limit): said as it is
+            yield _sse(error_body(str(e), e.type, code=e.code))
+            yield _sse("[DONE]")
         except Exception:  # the engine failed mid-stream: the client hears it in-band, the log gets the details
             error_id = new_error_id()
             log.exception("a stream failed (%s)", error_id)

@@ -44,7 +44,7 @@ def test_engine_abort(engine: LLMEngine) -> None:
 
 def _bits(out) -> tuple:
     """Token ids and logprob bit patterns (float.hex tells -0.0 from 0.0, which == does not)."""
-    return out.token_ids, [x.hex() for x in out.logprobs], out.finish_reason
+    return out.token_ids, [x.hex() for x in out.token_logprobs], out.finish_reason
 
 
 def _run(engine: LLMEngine, requests: dict) -> dict:
@@ -125,8 +125,8 @@ def test_delta_outputs_add_up_to_the_whole_output(engine: LLMEngine) -> None:
         pieces += engine.step()
     assert [len(p.token_ids) for p in pieces] == [1] * 7
     assert sum((p.token_ids for p in pieces), []) == whole.token_ids
+    assert sum((p.token_logprobs for p in pieces), []) == whole.token_logprobs
     assert sum((p.logprobs for p in pieces), []) == whole.logprobs
-    assert sum((p.top_logprobs for p in pieces), []) == whole.top_logprobs
     assert pieces[-1].text == whole.text and pieces[-1].finish_reason == "length"
 
 
