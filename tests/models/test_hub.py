@@ -4,6 +4,7 @@ tiny checkpoint), with ``HF_HOME`` pointed at a temporary folder; offline, or wi
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -111,13 +112,14 @@ def test_cli_generate_and_serve_take_a_model_id(
 
     class State:
         model_name, fingerprint = REPO, "fp"
+        engine = SimpleNamespace(limits=None)  # serve sets the load limits on it
 
     def create_state(model, **kwargs):
         seen.update(model=model, name=kwargs["served_model_name"])
         return State()
 
     monkeypatch.setattr(lockstep.server.state, "create_state", create_state)
-    monkeypatch.setattr(lockstep.server.openai_api, "serve", lambda state, **kwargs: None)
+    monkeypatch.setattr(lockstep.server.openai_api, "serve", lambda *args, **kwargs: 0)
     assert main(["serve", REPO]) == 0
     assert Path(seen["model"]).name == MAIN and seen["name"] == REPO
     assert main(["serve", REPO, "--served-model-name", "tiny"]) == 0 and seen["name"] == "tiny"
