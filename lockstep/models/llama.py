@@ -303,6 +303,8 @@ class LlamaForCausalLM(nn.Module):
         """Map each Hugging Face checkpoint tensor name to the tensor (or slice of a stacked one) it fills.
 
         With tied embeddings there is no ``lm_head.weight`` entry: the head reads ``model.embed_tokens.weight``.
+        The tensors are ``detach()``-ed views: a ``copy_`` into one bumps its parameter's version counter, which
+        tells the CPU matmul to re-pack that weight (``ops.matmul._cpu_weight``); ``.data`` would not.
         """
         slots: dict[str, torch.Tensor] = {}
         for module_name, module in self.named_modules():
@@ -312,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
             for param_name, param in module.named_parameters(recurse=False):
                 if leaf in _STACKED:
                     for part, hf_leaf in enumerate(_STACKED[leaf]):
-                        slots[f"{parent}.{hf_leaf}.{param_name}"] = param.data[module.part_slice(part)]
+                        slots[f"{parent}.{hf_leaf}.{param_name}"] = param.detach()[module.part_slice(part)]
                 else:
-                    slots[f"{module_name}.{param_name}"] = param.data
+                    slots[f"{module_name}.{param_name}"] = param.detach()
         return slots

@@ -13,9 +13,11 @@ import torch
 # The dtypes lockstep's kernels compute (fp32 accumulation in every case).
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
-# Measured on the 2-core CPU machines (K=576, N=1536 and 49152): 16 rows costs about as much as one row at
-# decode sizes, where the weight read dominates, and stays within 2x of one big call at M=512.
-ROW_TILE = 16
+# Rows per CPU matmul call. Measured on the 2-core CPU machines with oneDNN and packed weights, SmolLM2-135M's
+# 30 layers + LM head (bench/cpu_decode.py's model): one decode step's matmuls took 39 / 51 / 33 / 42 / 64 ms at
+# 1 / 2 / 4 / 8 / 16 rows a call (torch's own M=1 F.linear: 48 ms), a 256-row prefill 11.3 / 5.8 / 3.5 / 2.7 /
+# 2.4 ms a row (F.linear at M=256: 2.7). 4 keeps decode fastest at a modest prefill cost.
+ROW_TILE = 4
 
 
 def interpreting() -> bool:
