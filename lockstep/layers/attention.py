@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep.ops.attention import CpuAttentionPlan, cpu_attention_plan
+
 if TYPE_CHECKING:
     from lockstep.layers.kernels import Kernels
 
@@ -48,6 +50,7 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     _host: tuple[list[int], list[int]] | None = field(default=None, init=False, repr=False)
     _sdpa: "tuple[tuple, list[SdpaGroup]] | None" = field(default=None, init=False, repr=False)  # torch path
+    _cpu_plan: CpuAttentionPlan | None = field(default=None, init=False, repr=False)  # invariant CPU path
 
     @property
     def num_seqs(self) -> int:
@@ -58,6 +61,18 @@ class AttentionMetadata:
         if self._host is None:
             self._host = (self.seq_lens.tolist(), self.query_start_loc.tolist())
         return self._host
+
+
+    def cpu_attention_plan(self, k_cache: torch.Tensor, num_q_heads: int) -> CpuAttentionPlan:
+        """The invariant CPU attention's work plan for this step (``ops.attention.cpu_attention_plan``), made on
+        the first layer's call and shared by every layer with the same cache layout."""
+        c = k_cache.shape
+        key = (c[1], c[2], c[3], num_q_heads // c[2])
+        if self._cpu_plan is None or self._cpu_plan.key != key:
+            self._cpu_plan = cpu_attention_plan(
+                self.block_tables, self.seq_lens, self.query_start_loc, k_cache.shape, num_q_heads
+            )
+        return self._cpu_plan
 
 
 def torch_write_kv(
