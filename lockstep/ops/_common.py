@@ -6,9 +6,14 @@ the last tile, removes the shape from the decision: every row sees the same call
 """
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
+
+# ATen splits an elementwise op or a lone row's reduction across threads only at this many elements
+# (at::internal::GRAIN_SIZE); some transcendental ops (exp) split earlier.
+ATEN_GRAIN = 32768
 
 # The dtypes lockstep's kernels compute (fp32 accumulation in every case).
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -23,6 +28,25 @@ ROW_TILE = 4
 def interpreting() -> bool:
     """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@contextmanager
+def intra_op_threads(n: int | None) -> Iterator[None]:
+    """Run the block on ``n`` intra-op threads (``None``: as it is), then restore the previous count.
+
+    For runs of small calls: each parallel region wakes the OpenMP workers, which costs more than such a call's
+    work (tens of microseconds with OMP_WAIT_POLICY=PASSIVE, or once the workers sleep). Only for ops whose bits
+    do not depend on the thread count.
+    """
+    previous = torch.get_num_threads()
+    if n is None or n == previous:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def map_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops._common import FLOATS, interpreting
+from lockstep.ops._common import FLOATS, interpreting, intra_op_threads
 
 # KV positions per reduction tile. 64 is FlashAttention's usual BLOCK_N for head_dim 64-128 on Hopper, and
 # on the CPU it keeps the per-step matmuls big enough to amortise the Python loop.
@@ -102,10 +102,12 @@ def write_kv(
     if k.is_cuda:
         _write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
         return
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 # ------------------------------------------------------------------------------------ attention (Triton)
@@ -439,6 +441,11 @@ def _paged_attention_triton(
 
 # Bytes of K one chunk of entries gathers (V as much again): bounds the memory of a long prefill.
 _CPU_CHUNK_BYTES = 32 << 20
+# Below this many (item, kv head) bmm entries a step runs on one thread: a decode step's attention is a few dozen
+# small calls, and waking the OpenMP workers for each made it 2-3x slower with OMP_WAIT_POLICY=PASSIVE on the
+# 2-core machines; with spinning workers two threads only won from ~100 entries. The bits do not depend on the
+# thread count (per-entry bmm results and elementwise ops; tested).
+_CPU_SERIAL_ENTRIES = 96
 
 
 @dataclass(frozen=True)
@@ -464,6 +471,11 @@ class CpuAttentionPlan:
     rows_per_entry: int
     chunks: tuple[_CpuChunk, ...]
     out_rows: torch.Tensor  # [tokens * H_q]: where each (token, query head) sits in the output [E * H_kv * R]
+
+    @property
+    def bmm_entries(self) -> int:
+        """(item, kv head) pairs: the entries of each of the step's two bmm passes."""
+        return sum(c.num_entries * c.num_tiles for c in self.chunks) * self.key[1]
 
 
 def cpu_attention_plan(
@@ -643,7 +655,8 @@ def _paged_attention_cpu(
     k_rows = k_cache.view(-1, head_dim)  # row slot * H_kv + kv head
     v_rows = v_cache.view(-1, head_dim)
     n_rows = rows_per_entry * group
-    outs = [_attend_chunk(q_rows, k_rows, v_rows, c, n_rows, split // TILE) for c in plan.chunks]
+    with intra_op_threads(1 if plan.bmm_entries < _CPU_SERIAL_ENTRIES else None):
+        outs = [_attend_chunk(q_rows, k_rows, v_rows, c, n_rows, split // TILE) for c in plan.chunks]
     o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [E, H_kv, R, D]
     out = o.view(-1, head_dim).index_select(0, plan.out_rows).view(q.shape)
     return out.add_(0.0).to(q.dtype)  # + 0.0 turns -0.0 into +0.0 (see the module docstring)

@@ -7,7 +7,7 @@ the weight and round again. With a residual, ``h = x + residual`` is rounded to 
 The contract: a row's sum of squares is combined in an order fixed by N alone. CUDA runs one Triton program per
 ``rows`` rows with the program shape from ``reduce.row_config(N)``: a row of up to ``MAX_FUSED`` columns is read
 once and kept in registers; a longer one is summed chunk by chunk into a fixed-width accumulator, then read again
-to normalize. The CPU folds the squares pairwise (``reduce.fold_rows``), elementwise ops only.
+to normalize. The CPU sums the squares with ``reduce.row_sums``; the rest is elementwise.
 """
 
 import math
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from lockstep.ops._common import FLOATS
-from lockstep.ops.reduce import RowConfig, fold_rows, row_config
+from lockstep.ops.reduce import RowConfig, row_config, row_sums
 
 
 @triton.jit
@@ -115,11 +115,11 @@ def _rms_norm_triton(
 def _rms_norm_cpu(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # x, residual: [M, N] -> out [M, N], h [M, N], rstd [M] fp32. Elementwise ops and a pairwise fold only, so
+    # x, residual: [M, N] -> out [M, N], h [M, N], rstd [M] fp32. Elementwise ops and row_sums only, so
     # a row's bits cannot depend on the batch it runs in.
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     hf = h.float()
-    rstd = torch.rsqrt(fold_rows(hf * hf, torch.add) / x.shape[1] + eps)
+    rstd = torch.rsqrt(row_sums(hf * hf) / x.shape[1] + eps)
     y = (hf * rstd[:, None]).to(x.dtype)
     if weight is not None:
         y = (y.float() * weight.float()).to(x.dtype)

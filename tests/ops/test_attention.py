@@ -275,6 +275,22 @@ def test_cpu_plan_and_chunks_do_not_change_bits(monkeypatch):
         assert_bitwise(out, ref)
 
 
+def test_cpu_bits_do_not_depend_on_the_thread_count():
+    # Small steps run on one thread (_CPU_SERIAL_ENTRIES), large ones on all: the same bits either way.
+    seq = Seq(300, 9, 3, 64, torch.float32, seed=1)
+    paged = Paged(3, 64, torch.float32)
+    paged.write("t", seq, 0, 300)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged.attend(cpu(128), [("t", seq, 0, 300)])[0]
+        torch.set_num_threads(max(2, threads))
+        assert_bitwise(paged.attend(cpu(128), [("t", seq, 0, 300)])[0], one)
+        assert torch.get_num_threads() == max(2, threads)  # restored after the step
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_cpu_plan_for_other_caches_is_refused():
     seq = Seq(20, 4, 2, 32, torch.float32, seed=0)
     paged = Paged(2, 32, torch.float32)
