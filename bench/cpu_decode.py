@@ -56,7 +56,9 @@ def run(folder, tokens: int, rounds: int, conversion_s: float) -> None:
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # like ignore_eos: argmax at every step, EOS included
     tokenizer = invariant.tokenizer
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
     prompt = list(tokenizer.encode(text, add_special_tokens=False))
 
     def lockstep_call(llm: LLM, n: int) -> list[int]:
@@ -90,7 +92,7 @@ def run(folder, tokens: int, rounds: int, conversion_s: float) -> None:
     print(f"decode: fp32, greedy, {len(prompt)}-token prompt, {tokens} new tokens, median of {rounds}")
     reference = outputs["lockstep invariant"]
     for name, ts in times.items():
-        same = next((i for i, (a, b) in enumerate(zip(outputs[name], reference)) if a != b), None)
+        same = next((i for i, (a, b) in enumerate(zip(outputs[name], reference, strict=True)) if a != b), None)
         agree = "same tokens as invariant" if same is None else f"first differs from invariant at token {same}"
         print(f"  {name:26s} {tokens / statistics.median(ts):6.1f} tok/s   ({agree})")
 

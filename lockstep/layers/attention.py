@@ -62,7 +62,6 @@ class AttentionMetadata:
             self._host = (self.seq_lens.tolist(), self.query_start_loc.tolist())
         return self._host
 
-
     def cpu_attention_plan(self, k_cache: torch.Tensor, num_q_heads: int) -> CpuAttentionPlan:
         """The invariant CPU attention's work plan for this step (``ops.attention.cpu_attention_plan``), made on
         the first layer's call and shared by every layer with the same cache layout."""

@@ -71,8 +71,6 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
 
     @staticmethod
-    def apply(
-        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q: [num_tokens, num_heads, head_dim]`` and ``k: [num_tokens, num_kv_heads, head_dim]``."""
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x: [num_tokens, heads, head_dim]``: queries, keys, or both side by side."""
+        return x * cos + _rotate_half(x) * sin

@@ -149,16 +149,18 @@ class LlamaAttention(nn.Module):
         self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
     ) -> torch.Tensor:
         # hidden: [num_tokens, hidden_size]
-        n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_parts, dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        n, num_qk = hidden.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(hidden).view(n, num_qk + self.num_kv_heads, self.head_dim)  # q, k, v heads side by side
+        v = qkv[:, num_qk:]
+        if self.q_norm is None:
+            # q and k sit side by side in qkv: one rotation for both (elementwise, so the bits of two).
+            q, k = RotaryEmbedding.apply(qkv[:, :num_qk], *rope).split((self.num_heads, self.num_kv_heads), dim=1)
+        else:
             # Qwen3: RMSNorm over each head's vector, before the rotation.
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(q, k, *rope)
+            q = self.q_norm(qkv[:, : self.num_heads].reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
+            k = self.k_norm(qkv[:, self.num_heads : num_qk].reshape(-1, self.head_dim))
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+            q, k = RotaryEmbedding.apply(q, *rope), RotaryEmbedding.apply(k, *rope)
         out = self.attn(q, k, v, attn)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 

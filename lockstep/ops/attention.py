@@ -579,23 +579,25 @@ def _attend_chunk(
     s = _bmm(q_items, k.transpose(1, 2)).view(e, t, num_kv_heads, n_rows, TILE)
     s.masked_fill_(c.masked, float("-inf"))
 
-    # m: the running max up to each tile, from the first tile of its split. alpha rescales the sums of the tiles
-    # before (m_prev: their max, -inf at a split's first tile, where nothing comes before).
+    # m: the running max up to each tile, from the first tile of its split; base: m with -inf (a row that has seen
+    # nothing) read as 0. alpha rescales the sums of the tiles before, whose max is m_prev (-inf at a split's first
+    # tile, where nothing comes before). Where m_prev == m, alpha = exp(0) = 1; where both are -inf, alpha = 0
+    # multiplies sums that are still exactly zero: either way the bits of "alpha = 1 where m did not move".
     m = s.amax(-1)  # [E, T, H, R]
-    base = torch.where(m == float("-inf"), 0.0, m)
     if t > 1:
         m_prev = torch.full_like(m, float("-inf"))
         for lo in range(0, t, tiles_per_split):
             hi = min(lo + tiles_per_split, t)
             m[:, lo:hi] = torch.cummax(m[:, lo:hi], dim=1).values
             m_prev[:, lo + 1 : hi] = m[:, lo : hi - 1]
-        base = torch.where(m == float("-inf"), 0.0, m)
-        alpha = torch.where(m_prev == m, 1.0, torch.exp(m_prev - base))
+    base = torch.nan_to_num(m, nan=math.nan, posinf=math.inf, neginf=0.0)
     p = s.sub_(base[..., None]).exp_()
     den = p.sum(-1)  # [E, T, H, R]
     acc = _bmm(p.view(-1, n_rows, TILE), v.view(-1, TILE, head_dim)).view(e, t, num_kv_heads, n_rows, head_dim)
+    # Every real row sees its own position: den >= 1. Padding rows (den = 0) come out NaN and are never read.
     if t == 1:
-        return acc[:, 0] / torch.where(den[:, 0] == 0, 1.0, den[:, 0])[..., None]  # den = 0 only on padding rows
+        return acc[:, 0] / den[:, 0, ..., None]
+    alpha = torch.exp(m_prev - base)
 
     # den and acc rescaled tile by tile within each split, all splits at once: [E, splits, tiles, ...]. Tiles
     # past the end pad the last split with alpha = 1 and zero sums, which leave den and acc as they are.
@@ -624,7 +626,7 @@ def _attend_chunk(
         for i in range(1, num_splits):
             run = _merge_cpu(run, (m_s[:, i], den_s[:, i], acc_s[:, i]))
         _, den_run, acc_run = run
-    return acc_run / torch.where(den_run == 0, 1.0, den_run)[..., None]  # den = 0 only on padding rows
+    return acc_run / den_run[..., None]
 
 
 def _paged_attention_cpu(

@@ -265,11 +265,13 @@ def _cpu_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def _mm_cpu(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, alpha: float, beta: float) -> torch.Tensor:
     # a: [M, K] any float dtype, w: [N, K] fp32 (plain or from _cpu_weight), bias: [N] -> [M, N] in a's dtype
-    if _ONEDNN:
-        tile_mm = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")  # noqa: E731
-    else:
+
+    def tile_mm(rows: torch.Tensor) -> torch.Tensor:
+        if _ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
         # aten.mm.out, not torch.mm: inside batch_invariant_mode torch.mm would come back here.
-        tile_mm = lambda rows: torch.ops.aten.mm.out(rows, w.t(), out=rows.new_empty((rows.shape[0], w.shape[0])))  # noqa: E731
+        return torch.ops.aten.mm.out(rows, w.t(), out=rows.new_empty((rows.shape[0], w.shape[0])))
+
     c = map_row_tiles(tile_mm, a.float())
     if alpha != 1.0:
         c = c * alpha

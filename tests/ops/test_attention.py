@@ -257,7 +257,7 @@ def test_cpu_plan_and_chunks_do_not_change_bits(monkeypatch):
     seqs = [Seq(n, 9, 3, 64, torch.float32, seed=i) for i, n in enumerate([300, 70, 5, 129])]
     paged = Paged(3, 64, torch.float32)
     items = [("a", seqs[0], 0, 300), ("b", seqs[1], 69, 70), ("c", seqs[2], 0, 5), ("d", seqs[3], 100, 129)]
-    for (name, seq, _, end) in items:
+    for name, seq, _, end in items:
         paged.write(name, seq, 0, end)
     whole = paged.attend(cpu(128), items)
 

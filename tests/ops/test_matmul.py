@@ -1,8 +1,9 @@
 import pytest
 import torch
-from invariance import INVARIANCE_MS, SIZES, randn
+from invariance import INVARIANCE_MS, MOVES, SIZES, check_moved_row, check_prefixes, randn
 
 from lockstep import ops
+from lockstep.ops import matmul
 from lockstep.ops.matmul import MatmulConfig, _bmm_triton, _cpu_weight, _mm_cpu, matmul_config
 
 # Relative error bounds against fp64 (METHOD.md: fp32 far under 1e-3; bf16 operands 1e-3..1e-2).
@@ -70,6 +71,15 @@ def test_cpu_packed_weight_gives_the_plain_weights_bits(k, n):
     assert torch.equal(packed, _mm_cpu(x, w, None, 1.0, 1.0))
     assert torch.equal(ops.linear(x, w), ops.mm(x, w.t()))
     assert torch.equal(ops.linear(x, w), ops.mm(x, w.t().contiguous()))
+
+
+def test_cpu_fallback_without_onednn_is_invariant(monkeypatch):
+    # Builds without oneDNN multiply through aten.mm on the same fixed row tiles.
+    monkeypatch.setattr(matmul, "_ONEDNN", False)
+    x, w = randn(200, 131, seed=1), randn(77, 131, seed=2)
+    assert rel_err(ops.linear(x, w), x.double() @ w.double().t()) < TOLERANCE[torch.float32]
+    check_prefixes(lambda t: ops.linear(t, w), x, [1, 3, 17, 127, 200])
+    check_moved_row(lambda t: ops.linear(t, w), x, MOVES)
 
 
 def test_cpu_packed_weight_follows_in_place_updates():
