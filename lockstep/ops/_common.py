@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 # ATen splits an elementwise op or a lone row's reduction across threads only at this many elements
 # (at::internal::GRAIN_SIZE); some transcendental ops (exp) split earlier.
@@ -56,16 +57,16 @@ def map_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t
     ``tile`` rows, so ``fn`` only ever sees one shape and one memory layout.
     """
     # x: [M, *rest]
-    x = x.contiguous()
     m = x.shape[0]
+    if m < tile:  # one padded block (a decode step's usual case): the zero rows in one call
+        return fn(F.pad(x, (0, 0) * (x.dim() - 1) + (0, tile - m)))[:m]
+    x = x.contiguous()
     full = m - m % tile
     parts = [fn(x[i : i + tile]) for i in range(0, full, tile)]
     if m > full:
         pad = x.new_zeros((tile, *x.shape[1:]))
         pad[: m - full] = x[full:]
         parts.append(fn(pad)[: m - full])
-    if not parts:
-        return fn(x.new_zeros((tile, *x.shape[1:])))[:0]
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 

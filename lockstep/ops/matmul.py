@@ -337,12 +337,11 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``: ``x: [..., K]``, ``weight: [N, K]``, ``bias: [N]`` -> ``[..., N]``."""
     # x: [*lead, K] -> [num_rows, K]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if x.is_cuda or weight.device != x.device:
         out = _addmm(bias, x2, weight.t(), 1.0, 1.0)
     else:  # the CPU keeps a packed copy of the weight (_cpu_weight)
         _check(x2, weight.t(), batched=False)
         _check_bias(bias, weight.shape[0])
         out = _mm_cpu(x2, _cpu_weight(weight), bias, 1.0, 1.0)
-    return out.reshape(*lead, weight.shape[0])
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
