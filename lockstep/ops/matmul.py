@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lockstep.ops._common import FLOATS, ROW_TILE, interpreting, map_row_tiles
+from lockstep.ops._common import FLOATS, ROW_TILE, interpreting, intra_op_threads, map_row_tiles
 
 
 @triton.jit
@@ -240,6 +240,11 @@ def _bmm_triton(
 # or packed by ``_reorder_linear_weight``). A packed and a plain weight give the same bits (tests check it): oneDNN
 # packs a plain weight itself on each call. Builds without oneDNN fall back to the BLAS behind aten.mm.
 _ONEDNN = torch.backends.mkldnn.is_available()
+# A call of one row tile on a weight this small (a decode step's projections) runs on one thread. It is over in
+# about 0.1 ms, reading a weight from memory, and a second thread adds little bandwidth but a fork/join per call:
+# 5 us with spinning OpenMP workers on an idle machine, tens of us with OMP_WAIT_POLICY=PASSIVE, and whole
+# scheduler slices when other processes share the cores. Threads never change the bits (tested).
+_CPU_SERIAL_WEIGHT_BYTES = 16 << 20
 
 
 def _cpu_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -272,7 +277,9 @@ def _mm_cpu(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, alpha: 
         # aten.mm.out, not torch.mm: inside batch_invariant_mode torch.mm would come back here.
         return torch.ops.aten.mm.out(rows, w.t(), out=rows.new_empty((rows.shape[0], w.shape[0])))
 
-    c = map_row_tiles(tile_mm, a.float())
+    serial = a.shape[0] <= ROW_TILE and w.shape[0] * w.shape[1] * 4 < _CPU_SERIAL_WEIGHT_BYTES
+    with intra_op_threads(1 if serial else None):
+        c = map_row_tiles(tile_mm, a.float())
     if alpha != 1.0:
         c = c * alpha
     if bias is not None:

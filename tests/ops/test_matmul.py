@@ -99,7 +99,8 @@ def test_cpu_packed_weight_follows_in_place_updates():
         assert not hasattr(wi, "_lockstep_packed")
 
 
-def test_cpu_linear_bits_do_not_depend_on_the_thread_count():
+def test_cpu_linear_bits_do_not_depend_on_the_thread_count(monkeypatch):
+    # One-tile calls on small weights run on one thread (_CPU_SERIAL_WEIGHT_BYTES), the rest on all of them.
     x, w = randn(9, 576, seed=1), randn(1536, 576, seed=2)
     threads = torch.get_num_threads()
     try:
@@ -107,6 +108,9 @@ def test_cpu_linear_bits_do_not_depend_on_the_thread_count():
         one = ops.linear(x, w)
         torch.set_num_threads(max(2, threads))
         assert torch.equal(ops.linear(x, w), one)
+        assert torch.equal(ops.linear(x[:3], w), one[:3])
+        monkeypatch.setattr(matmul, "_CPU_SERIAL_WEIGHT_BYTES", 0)
+        assert torch.equal(ops.linear(x[:3], w), one[:3])
     finally:
         torch.set_num_threads(threads)
 
