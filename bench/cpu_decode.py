@@ -11,8 +11,9 @@
    median of each is printed as tok/s = new tokens / wall time of the whole call (prefill included).
 
 The 2-core CPU machines are shared, so only figures from one run are comparable; nothing here asserts a speed.
-OpenMP's wait policy is left as the environment sets it (a user's default unless OMP_WAIT_POLICY is set): with
-PASSIVE, each parallel region wakes sleeping workers, which costs tens of microseconds on these machines.
+OMP_WAIT_POLICY defaults to PASSIVE here, as in the tests: on shared cores, OpenMP workers that spin while they
+wait (the default policy) make every engine's figures swing by several times from one run to the next, with
+the other users' load. Set OMP_WAIT_POLICY in the environment to measure another policy.
 """
 
 import argparse
@@ -22,7 +23,9 @@ import statistics
 import tempfile
 import time
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
+
+import torch  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 
