@@ -4,23 +4,25 @@ An elementwise op, yet not automatically batch-invariant on the CPU: ATen's vect
 few elements of each chunk they are handed with the scalar ``std::exp``, the rest with the SIMD ``exp``, and the
 two differ in the last bit of fp32 ``silu`` for some inputs. Chunk boundaries follow the tensor's size and the
 thread split, so an element's bits would follow the batch. ``silu_and_mul`` therefore only ever calls ATen on
-one fixed shape whose every element takes the SIMD path (see ``_cpu_tile``). On CUDA each element runs the same
-instruction sequence wherever it sits, so one call is safe.
+contiguous tiles of at most ``rows`` rows whose width is padded to a SIMD multiple and whose size stays under the
+threading grain, so that every element takes the SIMD path (see ``_cpu_tile``). On CUDA each element runs the
+same instruction sequence wherever it sits, so one call is safe.
 """
 
 import torch
 import torch.nn.functional as F
 
-# ATen splits an elementwise op across threads only above this many elements (at::internal::GRAIN_SIZE).
-_ATEN_GRAIN = 32768
+from lockstep.ops._common import ATEN_GRAIN
+
 # A multiple of every SIMD step (2 vectors of up to 16 fp32 lanes), so a whole row never leaves a scalar tail.
 _SIMD_STEP = 64
 
 
 def _cpu_tile(width: int) -> tuple[int, int]:
-    """(rows, padded width) of the one shape the CPU path calls ATen on."""
+    """(most rows, padded width) of the tiles the CPU path calls ATen on. Any number of rows up to the most gives a
+    tile of a whole number of SIMD steps, under the grain: one thread, no scalar tail."""
     padded = -(-width // _SIMD_STEP) * _SIMD_STEP
-    rows = _ATEN_GRAIN // padded
+    rows = ATEN_GRAIN // padded
     if rows == 0:
         # One row is already split across threads; every call then has the same shape, hence the same split,
         # relative to the row, so a row's bits still cannot depend on its neighbours.
@@ -33,16 +35,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     if gate_up.is_cuda:
         return F.silu(gate) * up
-    # gate: [num_tokens, I] -> fixed [rows, padded] tiles, zero-padded; silu(0) = 0 is harmless and cut off.
+    # gate: [num_tokens, I] -> [n <= rows, padded] tiles, zero-padded columns; silu(0) = 0 is harmless and cut off.
     num_tokens, width = gate.shape
     rows, padded = _cpu_tile(width)
     out = torch.empty_like(gate)
-    tile = gate.new_zeros((rows, padded))
     for start in range(0, num_tokens, rows):
         n = min(rows, num_tokens - start)
-        tile[:n, :width] = gate[start : start + n]
-        if n < rows:
-            tile[n:].zero_()
-        out[start : start + n] = F.silu(tile)[:n, :width]
+        if padded == width:
+            tile = gate[start : start + n].contiguous()
+        else:
+            tile = gate.new_zeros((n, padded))
+            tile[:, :width] = gate[start : start + n]
+        out[start : start + n] = F.silu(tile)[:, :width]
     # The product is one correctly rounded multiply per element: the same bits on every code path.
     return out.mul_(up)

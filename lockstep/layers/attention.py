@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lockstep.ops.attention import CpuAttentionPlan, cpu_attention_plan
+
 if TYPE_CHECKING:
     from lockstep.layers.kernels import Kernels
 
@@ -40,7 +42,7 @@ class AttentionMetadata:
             ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype (see
             ``LlamaForCausalLM.allocate_kv_cache``).
         scratch: what a kernel set derives from the metadata once per step and every layer reuses (the torch
-            path's SDPA groups).
+            path's SDPA groups, the invariant CPU attention's plan).
     """
 
     slot_mapping: torch.Tensor
@@ -59,6 +61,18 @@ class AttentionMetadata:
         if "host_lengths" not in self.scratch:
             self.scratch["host_lengths"] = (self.seq_lens.tolist(), self.query_start_loc.tolist())
         return self.scratch["host_lengths"]
+
+    def cpu_attention_plan(self, k_cache: torch.Tensor, num_q_heads: int) -> CpuAttentionPlan:
+        """The invariant CPU attention's work plan for this step (``ops.attention.cpu_attention_plan``), made on
+        the first layer's call and shared by every layer with the same cache layout."""
+        c = k_cache.shape
+        key = (c[1], c[2], c[3], num_q_heads // c[2])
+        plan = self.scratch.get("cpu_attention_plan")
+        if plan is None or plan.key != key:
+            lens, starts = self.seq_lens, self.query_start_loc
+            plan = cpu_attention_plan(self.block_tables, lens, starts, k_cache.shape, num_q_heads)
+            self.scratch["cpu_attention_plan"] = plan
+        return plan
 
 
 @dataclass

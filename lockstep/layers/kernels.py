@@ -63,7 +63,10 @@ class Kernels:
 def _invariant_attention(  # adapts ops.paged_attention to the metadata object
     q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: "AttentionMetadata", scale: float
 ) -> Tensor:
-    return ops.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale)
+    plan = None if q.is_cuda else attn.cpu_attention_plan(k_cache, q.shape[1])  # one per step, not per layer
+    return ops.paged_attention(
+        q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale, plan=plan
+    )
 
 
 _REGISTRY: dict[str, Kernels] = {}

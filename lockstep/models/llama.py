@@ -392,10 +392,10 @@ class LlamaForCausalLM(nn.Module):
                 if leaf in _STACKED:
                     for part, hf_leaf in enumerate(_STACKED[leaf]):
                         name = f"{parent}.{hf_leaf}.{param_name}"
-                        yield name, param.data[module.part_slice(part)], shard_of(param_name, part)
+                        yield name, param.detach()[module.part_slice(part)], shard_of(param_name, part)
                 else:
                     shard = shard_of(param_name, None)
-                    dest = param.data
+                    dest = param.detach()
                     if shard is not None:  # a vocabulary slice may be shorter than its padded rows
                         dest = dest.narrow(shard.dim, 0, shard.stop - shard.start)
                     yield f"{module_name}.{param_name}", dest, shard

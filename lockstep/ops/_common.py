@@ -6,21 +6,48 @@ the last tile, removes the shape from the decision: every row sees the same call
 """
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
+
+# ATen splits an elementwise op or a lone row's reduction across threads only at this many elements
+# (at::internal::GRAIN_SIZE); some transcendental ops (exp) split earlier.
+ATEN_GRAIN = 32768
 
 # The dtypes lockstep's kernels compute (fp32 accumulation in every case).
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
-# Measured on the 2-core CPU machines (K=576, N=1536 and 49152): 16 rows costs about as much as one row at
-# decode sizes, where the weight read dominates, and stays within 2x of one big call at M=512.
-ROW_TILE = 16
+# Rows per CPU matmul call. Measured on the 2-core CPU machines with oneDNN and packed weights, SmolLM2-135M's
+# 30 layers + LM head (bench/cpu_decode.py's model): one decode step's matmuls took 39 / 51 / 33 / 42 / 64 ms at
+# 1 / 2 / 4 / 8 / 16 rows a call (torch's own M=1 F.linear: 48 ms), a 256-row prefill 11.3 / 5.8 / 3.5 / 2.7 /
+# 2.4 ms a row (F.linear at M=256: 2.7). 4 keeps decode fastest at a modest prefill cost.
+ROW_TILE = 4
 
 
 def interpreting() -> bool:
     """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@contextmanager
+def intra_op_threads(n: int | None) -> Iterator[None]:
+    """Run the block on ``n`` intra-op threads (``None``: as it is), then restore the previous count.
+
+    For runs of small calls: each parallel region wakes the OpenMP workers, which costs more than such a call's
+    work (tens of microseconds with OMP_WAIT_POLICY=PASSIVE, or once the workers sleep). Only for ops whose bits
+    do not depend on the thread count.
+    """
+    previous = torch.get_num_threads()
+    if n is None or n == previous:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def map_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
@@ -30,16 +57,16 @@ def map_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t
     ``tile`` rows, so ``fn`` only ever sees one shape and one memory layout.
     """
     # x: [M, *rest]
-    x = x.contiguous()
     m = x.shape[0]
+    if m < tile:  # one padded block (a decode step's usual case): the zero rows in one call
+        return fn(F.pad(x, (0, 0) * (x.dim() - 1) + (0, tile - m)))[:m]
+    x = x.contiguous()
     full = m - m % tile
     parts = [fn(x[i : i + tile]) for i in range(0, full, tile)]
     if m > full:
         pad = x.new_zeros((tile, *x.shape[1:]))
         pad[: m - full] = x[full:]
         parts.append(fn(pad)[: m - full])
-    if not parts:
-        return fn(x.new_zeros((tile, *x.shape[1:])))[:0]
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 

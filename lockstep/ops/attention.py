@@ -23,12 +23,13 @@ The CPU runs the same tile/split structure with batched matmuls of one fixed per
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops._common import FLOATS, interpreting
+from lockstep.ops._common import FLOATS, interpreting, intra_op_threads
 
 # KV positions per reduction tile. 64 is FlashAttention's usual BLOCK_N for head_dim 64-128 on Hopper, and
 # on the CPU it keeps the per-step matmuls big enough to amortise the Python loop.
@@ -101,10 +102,12 @@ def write_kv(
     if k.is_cuda:
         _write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
         return
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 # ------------------------------------------------------------------------------------ attention (Triton)
@@ -421,55 +424,73 @@ def _paged_attention_triton(
 
 # --------------------------------------------------------------------------------------- attention (CPU)
 # The same structure: TILE-position tiles in order, an online softmax per SPLIT, splits merged in order. Work
-# is cut into entries of _CPU_ROWS consecutive query tokens of one sequence; step t processes tile t of every
-# entry that reaches it, as one bmm over (entry, kv head) of per-entry shape [ROWS * group, D] x [D, TILE].
-# The CPU BLAS picks its algorithm from the call's shape, but the per-entry result of aten.bmm does not depend
-# on the number of entries or an entry's slot in the batch (tests check this alongside the whole path), and the
-# other ops are elementwise, exact (max) or per-row sums over a fixed TILE. torch.exp, not exp2: CPU exp2
-# rounds a tensor's scalar tail differently from its vector body. Unlike the GPU, P stays fp32 for P@V (the
-# CPU computes in fp32 anyway), so CPU and GPU bits differ, as docs/design.md ("What is not invariant") allows.
+# is cut into entries of _CPU_ROWS consecutive query tokens of one sequence; an item is (entry, tile). Every
+# item's scores come from one bmm entry of the fixed shape [ROWS * group, D] x [D, TILE] and its P@V from one of
+# [ROWS * group, TILE] x [TILE, D]. The CPU BLAS picks its algorithm from the call's shape, but the per-entry
+# result of aten.bmm does not depend on the number of entries or an entry's slot in the batch (tests check
+# this alongside the whole path); the rest is elementwise, exact (max, cummax, where) or a per-row sum over a
+# fixed TILE. So the items of many entries and tiles go through each op together, and only the rescaled sums
+# (den, acc) walk the tiles one by one, every split at once; the splits are then merged in order. An entry
+# shorter than its chunk's longest gets tiles past its end that see nothing: they leave den exact and can
+# only flip the sign of an exact zero in acc (see the module docstring). torch.exp, not exp2: CPU exp2 rounds
+# a tensor's scalar tail differently from its vector body. Unlike the GPU, P stays fp32 for P@V (the CPU
+# computes in fp32 anyway), so CPU and GPU bits differ, as docs/design.md ("What is not invariant") allows.
+#
+# Which items exist, the cache rows they read and their causal masks are the same for every layer of a step:
+# ``cpu_attention_plan`` works them out once, and each layer's call takes the plan.
+
+# Bytes of K one chunk of entries gathers (V as much again): bounds the memory of a long prefill.
+_CPU_CHUNK_BYTES = 32 << 20
+# Below this many (item, kv head) bmm entries a step runs on one thread: a decode step's attention is a few dozen
+# small calls, and waking the OpenMP workers for each made it 2-3x slower with OMP_WAIT_POLICY=PASSIVE on the
+# 2-core machines; with spinning workers two threads only won from ~100 entries. The bits do not depend on the
+# thread count (per-entry bmm results and elementwise ops; tested).
+_CPU_SERIAL_ENTRIES = 96
 
 
-def _merge_cpu(run, part, rows):
-    # run, part: (m [E, H, R], den [E, H, R], acc [E, H, R, D]); fold part[:rows] into run[:rows] in place.
-    m_run, den_run, acc_run = (x[:rows] for x in run)
-    m, den, acc = (x[:rows] for x in part)
-    m_new = torch.maximum(m_run, m)
-    base = torch.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = torch.where(m_run == m_new, 1.0, torch.exp(m_run - base))
-    beta = torch.where(m == m_new, 1.0, torch.exp(m - base))
-    seen = m > float("-inf")
-    den_run.copy_(torch.where(seen, den_run * alpha + den * beta, den_run))
-    acc_run.copy_(torch.where(seen[..., None], acc_run * alpha[..., None] + acc * beta[..., None], acc_run))
-    m_run.copy_(torch.where(seen, m_new, m_run))
+@dataclass(frozen=True)
+class _CpuChunk:
+    """Entries ``[first, first + num_entries)`` of a plan, as a grid of ``num_entries x num_tiles`` items."""
+
+    first: int
+    num_entries: int
+    num_tiles: int  # tiles of the chunk's longest entry
+    q_rows: torch.Tensor  # [E * T * H_kv * R] rows of q viewed as [tokens * H_q, D] (padding rows read token 0)
+    kv_rows: torch.Tensor  # [E * T * H_kv * TILE] rows of the cache viewed as [slots * H_kv, D]
+    v_zero: torch.Tensor | None  # indices into kv_rows past a sequence's end (unused slots may hold NaN)
+    masked: torch.Tensor  # [E, T, 1, R, TILE] bool: True where a score is -inf
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # aten.bmm.out, not torch.bmm: inside batch_invariant_mode torch.bmm would come back to lockstep.
-    return torch.ops.aten.bmm.out(a, b, out=a.new_empty((a.shape[0], a.shape[1], b.shape[2])))
+@dataclass(frozen=True)
+class CpuAttentionPlan:
+    """How the CPU path cuts one batch into work, for caches with ``key = (page_size, num_kv_heads, head_dim,
+    group)``. Entries of ``rows_per_entry`` query tokens of one sequence are ordered longest first; each is
+    ``R = rows_per_entry * group`` matmul rows per KV head, (token, head of the group) token-major."""
+
+    key: tuple[int, int, int, int]
+    rows_per_entry: int
+    chunks: tuple[_CpuChunk, ...]
+    out_rows: torch.Tensor  # [tokens * H_q]: where each (token, query head) sits in the output [E * H_kv * R]
+
+    @property
+    def bmm_entries(self) -> int:
+        """(item, kv head) pairs: the entries of each of the step's two bmm passes."""
+        return sum(c.num_entries * c.num_tiles for c in self.chunks) * self.key[1]
 
 
-def _paged_attention_cpu(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+def cpu_attention_plan(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
-    scale: float,
+    cache_shape: tuple[int, ...],
+    num_q_heads: int,
     *,
-    split: int = SPLIT,
     rows_per_entry: int = _CPU_ROWS,
-) -> torch.Tensor:
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
+) -> CpuAttentionPlan:
+    """The CPU path's plan for one batch (``paged_attention``'s arguments; ``cache_shape`` is the K cache's)."""
+    _, page_size, num_kv_heads, head_dim = cache_shape
     group = num_q_heads // num_kv_heads
-    n_rows = rows_per_entry * group  # matmul rows per (entry, kv head)
-    out = torch.empty_like(q)
-    if num_tokens == 0:
-        return out
-
-    # Entries: tokens [E, ROWS] (-1 = padding), their positions, and the sequence they belong to.
+    n_rows = rows_per_entry * group
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     toks, poss, seqs = [], [], []
     for i in range(len(lens)):
@@ -483,78 +504,164 @@ def _paged_attention_cpu(
         seqs.append(torch.full((padded // rows_per_entry,), i))
     tok, pos, seq = torch.cat(toks), torch.cat(poss), torch.cat(seqs)
     n_tiles = pos.amax(1) // TILE + 1
-    # Longest first, so the entries that reach tile t are a prefix [:active] (the order is only a slot in a bmm).
+    # Longest first, so that a chunk's entries need about as many tiles each (the order is only a slot in a bmm).
     order = torch.argsort(n_tiles, descending=True, stable=True)
-    tok, pos, seq, n_tiles = tok[order], pos[order], seq[order], n_tiles[order]
+    tok, pos, seq, n_tiles = tok[order], pos[order], seq[order], n_tiles[order].tolist()
     num_entries = tok.shape[0]
-    lens_t, tables_t = seq_lens.long(), block_tables.long()
 
-    # q rows per (entry, kv head): [E * H_kv, ROWS * group, D], pre-scaled, fp32.
-    q_rows = (q.float() * scale)[tok.clamp(min=0)] * (tok >= 0)[..., None, None]  # [E, ROWS, H_q, D]
-    q_rows = q_rows.view(num_entries, rows_per_entry, num_kv_heads, group, head_dim).transpose(1, 2)
-    q_rows = q_rows.reshape(num_entries * num_kv_heads, n_rows, head_dim)
-    row_pos = pos.repeat_interleave(group, dim=1)[:, None, :, None]  # [E, 1, ROWS * group, 1]
+    # Matmul row (entry e, kv head h, row r * group + g) is query token tok[e, r], head h * group + g.
+    heads = torch.arange(num_kv_heads).view(1, -1, 1, 1) * group + torch.arange(group).view(1, 1, 1, -1)
+    q_rows = tok.clamp(min=0).view(num_entries, 1, rows_per_entry, 1) * num_q_heads + heads  # [E, H, ROWS, group]
+    live = (tok >= 0).view(num_entries, 1, rows_per_entry, 1).expand_as(q_rows).flatten()
+    out_rows = torch.empty(int(live.sum()), dtype=torch.int64)
+    out_rows[q_rows.flatten()[live]] = live.nonzero().squeeze(1)
+    q_rows = q_rows.reshape(num_entries, 1, num_kv_heads, n_rows)
+    row_pos = pos.repeat_interleave(group, dim=1)  # [E, R]
 
+    lens_t, tables = seq_lens.long(), block_tables.long()
+    kv_heads = torch.arange(num_kv_heads)[:, None]
+    item_bytes = num_kv_heads * TILE * head_dim * 4
+    chunks = []
+    first = 0
+    while first < num_entries:
+        num_tiles = n_tiles[first]
+        count = max(1, min(num_entries - first, _CPU_CHUNK_BYTES // (num_tiles * item_bytes)))
+        entries = slice(first, first + count)
+        offs = torch.arange(num_tiles * TILE)
+        kv_ok = offs < lens_t[seq[entries], None]  # [E, T * TILE]
+        blocks = tables[seq[entries]].gather(1, (offs // page_size).clamp(max=tables.shape[1] - 1).expand(count, -1))
+        slots = torch.where(kv_ok, blocks * page_size + offs % page_size, 0).view(count, num_tiles, 1, TILE)
+        v_zero = (~kv_ok).view(count, num_tiles, 1, TILE).expand(-1, -1, num_kv_heads, -1).flatten().nonzero()
+        chunks.append(
+            _CpuChunk(
+                first, count, num_tiles,
+                q_rows=q_rows[entries].expand(-1, num_tiles, -1, -1).flatten(),
+                kv_rows=(slots * num_kv_heads + kv_heads).flatten(),
+                v_zero=v_zero.squeeze(1) if v_zero.numel() else None,
+                masked=offs.view(1, num_tiles, 1, 1, TILE) > row_pos[entries, None, None, :, None],
+            )
+        )  # fmt: skip
+        first += count
+    return CpuAttentionPlan((page_size, num_kv_heads, head_dim, group), rows_per_entry, tuple(chunks), out_rows)
+
+
+def _merge_cpu(run, part):
+    # run, part: (m [E, H, R], den [E, H, R], acc [E, H, R, D]) -> part folded into run.
+    m_run, den_run, acc_run = run
+    m, den, acc = part
+    m_new = torch.maximum(m_run, m)
+    base = torch.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = torch.where(m_run == m_new, 1.0, torch.exp(m_run - base))
+    beta = torch.where(m == m_new, 1.0, torch.exp(m - base))
+    seen = m > float("-inf")
+    den_out = torch.where(seen, den_run * alpha + den * beta, den_run)
+    acc_out = torch.where(seen[..., None], acc_run * alpha[..., None] + acc * beta[..., None], acc_run)
+    return torch.where(seen, m_new, m_run), den_out, acc_out
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # aten.bmm.out, not torch.bmm: inside batch_invariant_mode torch.bmm would come back to lockstep.
+    return torch.ops.aten.bmm.out(a, b, out=a.new_empty((a.shape[0], a.shape[1], b.shape[2])))
+
+
+def _attend_chunk(
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, c: _CpuChunk, n_rows: int, tiles_per_split: int
+) -> torch.Tensor:
+    # q, k_rows, v_rows: [rows, D] views of q and the caches -> [E, H_kv, R, D] fp32 for the chunk's entries
+    head_dim = k_rows.shape[1]
+    e, t = c.num_entries, c.num_tiles
+    num_kv_heads = c.kv_rows.shape[0] // (e * t * TILE)
+    q_items = q.index_select(0, c.q_rows).view(-1, n_rows, head_dim)
+    k = k_rows.index_select(0, c.kv_rows).float().view(-1, TILE, head_dim)
+    v = v_rows.index_select(0, c.kv_rows).float()
+    if c.v_zero is not None:
+        v.index_fill_(0, c.v_zero, 0.0)
+    s = _bmm(q_items, k.transpose(1, 2)).view(e, t, num_kv_heads, n_rows, TILE)
+    s.masked_fill_(c.masked, float("-inf"))
+
+    # m: the running max up to each tile, from the first tile of its split; base: m with -inf (a row that has seen
+    # nothing) read as 0. alpha rescales the sums of the tiles before, whose max is m_prev (-inf at a split's first
+    # tile, where nothing comes before). Where m_prev == m, alpha = exp(0) = 1; where both are -inf, alpha = 0
+    # multiplies sums that are still exactly zero: either way the bits of "alpha = 1 where m did not move".
+    m = s.amax(-1)  # [E, T, H, R]
+    if t > 1:
+        m_prev = torch.full_like(m, float("-inf"))
+        for lo in range(0, t, tiles_per_split):
+            hi = min(lo + tiles_per_split, t)
+            m[:, lo:hi] = torch.cummax(m[:, lo:hi], dim=1).values
+            m_prev[:, lo + 1 : hi] = m[:, lo : hi - 1]
+    base = torch.nan_to_num(m, nan=math.nan, posinf=math.inf, neginf=0.0)
+    p = s.sub_(base[..., None]).exp_()
+    den = p.sum(-1)  # [E, T, H, R]
+    acc = _bmm(p.view(-1, n_rows, TILE), v.view(-1, TILE, head_dim)).view(e, t, num_kv_heads, n_rows, head_dim)
+    # Every real row sees its own position: den >= 1. Padding rows (den = 0) come out NaN and are never read.
+    if t == 1:
+        return acc[:, 0] / den[:, 0, ..., None]
+    alpha = torch.exp(m_prev - base)
+
+    # den and acc rescaled tile by tile within each split, all splits at once: [E, splits, tiles, ...]. Tiles
+    # past the end pad the last split with alpha = 1 and zero sums, which leave den and acc as they are.
+    num_splits = -(-t // tiles_per_split)
+    width = t if num_splits == 1 else tiles_per_split
+    pad = num_splits * width - t
+    if pad:
+        alpha = torch.cat([alpha, alpha.new_ones((e, pad, *alpha.shape[2:]))], 1)
+        den = torch.cat([den, den.new_zeros((e, pad, *den.shape[2:]))], 1)
+        acc = torch.cat([acc, acc.new_zeros((e, pad, *acc.shape[2:]))], 1)
+    alpha = alpha.view(e, num_splits, width, num_kv_heads, n_rows)
+    den = den.view(e, num_splits, width, num_kv_heads, n_rows)
+    acc = acc.view(e, num_splits, width, num_kv_heads, n_rows, head_dim)
+    # A split's first tile starts from den = acc = 0: 0 * alpha + x is x (up to the sign of a zero).
+    den_s, acc_s = den[:, :, 0], acc[:, :, 0]
+    for j in range(1, width):
+        den_s = den_s * alpha[:, :, j] + den[:, :, j]
+        acc_s = acc_s * alpha[:, :, j, ..., None] + acc[:, :, j]
+
+    # Merge the splits in order; from the empty state the first merge would give split 0 itself.
+    den_run, acc_run = den_s[:, 0], acc_s[:, 0]
+    if num_splits > 1:
+        last = torch.tensor([min(lo + tiles_per_split, t) - 1 for lo in range(0, t, tiles_per_split)])
+        m_s = m.index_select(1, last)  # [E, splits, H, R]: each split's max
+        run = m_s[:, 0], den_run, acc_run
+        for i in range(1, num_splits):
+            run = _merge_cpu(run, (m_s[:, i], den_s[:, i], acc_s[:, i]))
+        _, den_run, acc_run = run
+    return acc_run / den_run[..., None]
+
+
+def _paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    split: int = SPLIT,
+    rows_per_entry: int = _CPU_ROWS,
+    plan: CpuAttentionPlan | None = None,
+) -> torch.Tensor:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    if num_tokens == 0:
+        return torch.empty_like(q)
+    if plan is None:
+        plan = cpu_attention_plan(
+            block_tables, seq_lens, query_start_loc, k_cache.shape, num_q_heads, rows_per_entry=rows_per_entry
+        )
+    elif plan.key != (k_cache.shape[1], num_kv_heads, head_dim, group) or plan.rows_per_entry != rows_per_entry:
+        raise ValueError(f"the plan was made for other caches or heads: {plan.key}")
+    q_rows = (q.float() * scale).view(-1, head_dim)  # row token * H_q + head, pre-scaled
     k_rows = k_cache.view(-1, head_dim)  # row slot * H_kv + kv head
     v_rows = v_cache.view(-1, head_dim)
-    heads = torch.arange(num_kv_heads)[None, :, None]
-    state_shape = (num_entries, num_kv_heads, n_rows)
-    run = (torch.full(state_shape, float("-inf")), torch.zeros(state_shape), torch.zeros((*state_shape, head_dim)))
-    part = (torch.full(state_shape, float("-inf")), torch.zeros(state_shape), torch.zeros((*state_shape, head_dim)))
-    tiles_per_split = split // TILE
-    num_steps = int(n_tiles[0])
-    active_after = [int((n_tiles > t).sum()) for t in range(num_steps + 1)]
-    for t in range(num_steps):
-        active = active_after[t]
-        if t % tiles_per_split == 0 and t > 0:  # a new split: fold the finished one in, start from scratch
-            _merge_cpu(run, part, active)
-            part[0][:active] = float("-inf")
-            part[1][:active] = 0.0
-            part[2][:active] = 0.0
-        m, den, acc = (x[:active] for x in part)
-        offs = t * TILE + torch.arange(TILE)
-        # Gather tile t of each sequence once ([S, H_kv, TILE, D] rows of the cache), then copy it out to
-        # the entries that share it. Positions past a sequence's end read as zeros: unused cache slots may
-        # hold NaN, and their scores are masked below.
-        seqs_t = seq[:active]
-        unique_seqs, entry_seq = torch.unique(seqs_t, return_inverse=True)
-        shared = unique_seqs.shape[0] < active
-        src = unique_seqs if shared else seqs_t
-        kv_ok = offs < lens_t[src, None]  # [S, TILE]
-        blocks = tables_t[src].gather(1, (offs // page_size).clamp(max=tables_t.shape[1] - 1).expand(len(src), -1))
-        slots = torch.where(kv_ok, blocks * page_size + offs % page_size, 0)
-        rows = (slots[:, None, :] * num_kv_heads + heads).flatten()
-        k = k_rows.index_select(0, rows).float()
-        v = v_rows.index_select(0, rows).float()
-        past_end = (~kv_ok)[:, None, :].expand(-1, num_kv_heads, -1).flatten().nonzero().squeeze(1)
-        if past_end.numel():
-            v.index_fill_(0, past_end, 0.0)
-        if shared:
-            k = k.view(len(src), -1).index_select(0, entry_seq)
-            v = v.view(len(src), -1).index_select(0, entry_seq)
-        k = k.view(active * num_kv_heads, TILE, head_dim)
-        v = v.view(active * num_kv_heads, TILE, head_dim)
-
-        s = _bmm(q_rows[: active * num_kv_heads], k.transpose(1, 2)).view(active, num_kv_heads, n_rows, TILE)
-        s.masked_fill_(offs > row_pos[:active], float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))
-        base = torch.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = torch.where(m == m_new, 1.0, torch.exp(m - base))
-        p = s.sub_(base[..., None]).exp_()
-        den.mul_(alpha).add_(p.sum(-1))
-        pv = _bmm(p.view(active * num_kv_heads, n_rows, TILE), v).view(active, num_kv_heads, n_rows, head_dim)
-        acc.mul_(alpha[..., None]).add_(pv)
-        m.copy_(m_new)
-    _merge_cpu(run, part, num_entries)
-
-    _, den_run, acc_run = run
-    o = acc_run / torch.where(den_run == 0, 1.0, den_run)[..., None]  # den = 0 only on padding rows
-    o = o.masked_fill(o == 0, 0.0)  # -0.0 -> +0.0 (see the module docstring)
-    o = o.view(num_entries, num_kv_heads, rows_per_entry, group, head_dim).transpose(1, 2)
-    o = o.reshape(num_entries * rows_per_entry, num_q_heads, head_dim)
-    keep = tok.flatten() >= 0
-    out[tok.flatten()[keep]] = o[keep].to(q.dtype)
-    return out
+    n_rows = rows_per_entry * group
+    with intra_op_threads(1 if plan.bmm_entries < _CPU_SERIAL_ENTRIES else None):
+        outs = [_attend_chunk(q_rows, k_rows, v_rows, c, n_rows, split // TILE) for c in plan.chunks]
+    o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [E, H_kv, R, D]
+    out = o.view(-1, head_dim).index_select(0, plan.out_rows).view(q.shape)
+    return out.add_(0.0).to(q.dtype)  # + 0.0 turns -0.0 into +0.0 (see the module docstring)
 
 
 # ------------------------------------------------------------------------------------------------ wrapper
@@ -568,6 +675,8 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    plan: CpuAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of query tokens over the paged KV cache, batch-invariant.
 
@@ -578,6 +687,9 @@ def paged_attention(
     counts. The j-th of a sequence's q_len new tokens sits at position seq_len - q_len + j and attends to
     positions 0 .. that position. num_q_heads must be a multiple of num_kv_heads (GQA: query head h reads
     KV head h // group). Returns ``[num_tokens, num_q_heads, head_dim]`` in q's dtype.
+
+    ``plan`` (CPU only): ``cpu_attention_plan`` of the same batch, which every layer of a step can share; made
+    here when None.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -595,4 +707,4 @@ def paged_attention(
     q = q if q.stride(-1) == 1 else q.contiguous()
     if q.is_cuda:
         return _paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    return _paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    return _paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan=plan)

@@ -4,9 +4,11 @@ The contract: every output element is accumulated over K in one sequential loop 
 so its bits depend only on its own row and column and on K. No split-K, stream-K or atomics.
 
 CUDA runs a persistent-tile Triton kernel. The tile shape comes from a fixed table keyed by (dtype, N, K) and an
-M bucket: on the H200 the tile shape did not change the bits (docs/design.md, "Matmul"); bench/ops.py re-checks every M.
-The CPU runs the vendor BLAS on fixed-shape row tiles (see ``_common.map_row_tiles``); bf16/fp16 are upcast to
-fp32 there and rounded once at the end.
+M bucket: on the H200 the tile shape did not change the bits (docs/design.md, "Matmul"), and bench/ops.py re-checks
+every M.
+The CPU runs oneDNN's fp32 matmul on fixed-shape row tiles (see ``_common.map_row_tiles``); bf16/fp16 are upcast
+to fp32 there and rounded once at the end. A weight that ``linear`` sees again is kept in oneDNN's blocked layout
+(``_cpu_weight``): packing reads and writes the whole weight, which at decode sizes costs more than the multiply.
 """
 
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lockstep.ops._common import FLOATS, interpreting, map_row_tiles
+from lockstep.ops._common import FLOATS, ROW_TILE, interpreting, intra_op_threads, map_row_tiles
 
 
 @triton.jit
@@ -238,29 +240,63 @@ def _bmm_triton(
     return c
 
 
+# The CPU matmul: ``_linear_pointwise(x, w)`` is ``x @ w.T`` for ``x: [ROW_TILE, K]``, ``w: [N, K]`` (any strides,
+# or packed by ``_reorder_linear_weight``). A packed and a plain weight give the same bits (tests check it): oneDNN
+# packs a plain weight itself on each call. Builds without oneDNN fall back to the BLAS behind aten.mm.
+_ONEDNN = torch.backends.mkldnn.is_available()
+# A call of one row tile on a weight this small (a decode step's projections) runs on one thread. It is over in
+# about 0.1 ms, reading a weight from memory, and a second thread adds little bandwidth but a fork/join per call:
+# 5 us with spinning OpenMP workers on an idle machine, tens of us with OMP_WAIT_POLICY=PASSIVE, and whole
+# scheduler slices when other processes share the cores. Threads never change the bits (tested).
+_CPU_SERIAL_WEIGHT_BYTES = 16 << 20
+
+
+def _cpu_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight: [N, K]`` as the CPU path multiplies it: fp32, packed for ``ROW_TILE``-row calls when possible.
+
+    The packed copy is kept on the tensor and rebuilt whenever its version counter, storage or layout changes, so
+    an in-place update (``copy_`` on the tensor or a ``detach()``-ed view of it) is never served stale. Writes
+    through ``.data`` bypass the version counter: lockstep makes none. An inference tensor has no version counter,
+    so nothing shows it unchanged: it is converted on every call.
+    """
+    if not _ONEDNN or weight.numel() == 0:
+        return weight.detach().float()
+    try:
+        key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), weight.stride())
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return weight.detach().float()
+    memo = getattr(weight, "_lockstep_packed", None)
+    if memo is None or memo[0] != key:
+        memo = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), ROW_TILE))
+        weight._lockstep_packed = memo
+    return memo[1]
+
+
 def _mm_cpu(
     a: torch.Tensor,
-    b: torch.Tensor,
+    w: torch.Tensor,
     bias: torch.Tensor | None,
     alpha: float,
     beta: float,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    # a: [M, K], b: [K, N], bias: [N] -> [M, N] in out_dtype (default a's dtype; float32 keeps the fp32 result)
-    out_dtype = out_dtype or a.dtype
-    a32, b32 = a.float(), b.float()
-    n = b.shape[1]
+    # a: [M, K] any float dtype, w: [N, K] fp32 (plain or from _cpu_weight), bias: [N] -> [M, N] in out_dtype
+    # (default a's dtype; float32 keeps the fp32 result)
 
     def tile_mm(rows: torch.Tensor) -> torch.Tensor:
+        if _ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
         # aten.mm.out, not torch.mm: inside batch_invariant_mode torch.mm would come back here.
-        return torch.ops.aten.mm.out(rows, b32, out=rows.new_empty((rows.shape[0], n)))
+        return torch.ops.aten.mm.out(rows, w.t(), out=rows.new_empty((rows.shape[0], w.shape[0])))
 
-    c = map_row_tiles(tile_mm, a32)
+    serial = a.shape[0] <= ROW_TILE and w.shape[0] * w.shape[1] * 4 < _CPU_SERIAL_WEIGHT_BYTES
+    with intra_op_threads(1 if serial else None):
+        c = map_row_tiles(tile_mm, a.float())
     if alpha != 1.0:
         c = c * alpha
     if bias is not None:
         c = c + beta * bias.float()
-    return c.to(out_dtype)
+    return c.to(out_dtype or a.dtype)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, batched: bool) -> None:
@@ -275,13 +311,17 @@ def _check(a: torch.Tensor, b: torch.Tensor, batched: bool) -> None:
         raise ValueError(f"operands are on different devices: {a.device} and {b.device}")
 
 
+def _check_bias(bias: torch.Tensor | None, n: int) -> None:
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        raise ValueError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
+
+
 def _addmm(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
     _check(a, b, batched=False)
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[1]):
-        raise ValueError(f"bias must have shape [{b.shape[1]}], got {tuple(bias.shape)}")
+    _check_bias(bias, b.shape[1])
     if a.is_cuda:
         return _bmm_triton(a[None], b[None], bias, alpha, beta)[0]
-    return _mm_cpu(a, b, bias, alpha, beta)
+    return _mm_cpu(a, b.t().float(), bias, alpha, beta)
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -309,14 +349,18 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return _bmm_triton(a, b)
     out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
     for i in range(a.shape[0]):
-        out[i] = _mm_cpu(a[i], b[i], None, 1.0, 1.0)
+        out[i] = _mm_cpu(a[i], b[i].t().float(), None, 1.0, 1.0)
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``: ``x: [..., K]``, ``weight: [N, K]``, ``bias: [N]`` -> ``[..., N]``."""
     # x: [*lead, K] -> [num_rows, K]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    out = _addmm(bias, x2, weight.t(), 1.0, 1.0)
-    return out.reshape(*lead, weight.shape[0])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if x.is_cuda or weight.device != x.device:
+        out = _addmm(bias, x2, weight.t(), 1.0, 1.0)
+    else:  # the CPU keeps a packed copy of the weight (_cpu_weight)
+        _check(x2, weight.t(), batched=False)
+        _check_bias(bias, weight.shape[0])
+        out = _mm_cpu(x2, _cpu_weight(weight), bias, 1.0, 1.0)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])

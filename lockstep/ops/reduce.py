@@ -5,10 +5,13 @@ The contract: a row's terms are combined in an order fixed by the row length N a
 CUDA runs one Triton program per ``rows`` rows. Each program walks its rows in chunks of ``block`` columns,
 adding chunk after chunk into a ``[rows, block]`` fp32 accumulator, then reduces the accumulator once with
 ``tl.sum``. ``row_config`` picks (block, rows, warps) from N only, so the order of every addition is fixed by N.
-The CPU folds each row pairwise with elementwise ops (``fold_rows``): element j meets element j + ceil(n / 2),
-and so on until one is left. Elementwise IEEE arithmetic gives the same bits in any lane, tensor shape or thread,
-so the whole batch folds at once, with no row tiles and no padding. torch's own CPU ``sum`` gave one row other
-bits at M = 1 than at M >= 2 for long rows (see tests/ops/test_reduce.py).
+The CPU sums a row shorter than ATen's threading grain with torch's own ``sum`` (``row_sums``): ATen splits a
+reduction across threads only over its outputs, or, for a lone output, once the row reaches the grain, so a short
+row is always reduced whole by one thread, in a loop fixed by n, whatever the batch. A longer row folds pairwise
+with elementwise ops (``fold_rows``): element j meets element j + ceil(n / 2), and so on until one is left.
+Elementwise IEEE arithmetic gives the same bits in any lane, tensor shape or thread, so the whole batch folds at
+once, with no row tiles and no padding. torch's own CPU ``sum`` gave one such long row other bits at M = 1 than at
+M >= 2 (see tests/ops/test_reduce.py).
 """
 
 import math
@@ -19,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops._common import cast_for_reduction
+from lockstep.ops._common import ATEN_GRAIN, cast_for_reduction
 
 # Rows up to this long are held in registers in one piece (rms_norm and softmax then read them once).
 MAX_FUSED = 16384
@@ -98,9 +101,17 @@ def fold_rows(x: torch.Tensor, combine: Callable[..., torch.Tensor]) -> torch.Te
     return x[:, 0]
 
 
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """Sum the last dim of ``x: [M, n]`` (n >= 1) -> ``[M]`` on the CPU, in an order fixed by n (module docstring).
+
+    Short rows are one torch call (a few microseconds); the pairwise fold is ~log2(n) calls.
+    """
+    return x.sum(-1) if x.shape[1] < ATEN_GRAIN else fold_rows(x, torch.add)
+
+
 def _row_sum_cpu(x: torch.Tensor, mean: bool, out_dtype: torch.dtype) -> torch.Tensor:
     # x: [M, N] -> [M]; fp32 accumulation, rounded once to out_dtype
-    total = fold_rows(x.float(), torch.add)
+    total = row_sums(x.float())
     return (total / x.shape[1] if mean else total).to(out_dtype)
 
 

@@ -7,7 +7,7 @@ the weight and round again. With a residual, ``h = x + residual`` is rounded to 
 The contract: a row's sum of squares is combined in an order fixed by N alone. CUDA runs one Triton program per
 ``rows`` rows with the program shape from ``reduce.row_config(N)``: a row of up to ``MAX_FUSED`` columns is read
 once and kept in registers; a longer one is summed chunk by chunk into a fixed-width accumulator, then read again
-to normalize. The CPU folds the squares pairwise (``reduce.fold_rows``), elementwise ops only.
+to normalize. The CPU sums the squares with ``reduce.row_sums``; the rest is elementwise.
 """
 
 import math
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from lockstep.ops._common import FLOATS
-from lockstep.ops.reduce import RowConfig, fold_rows, row_config
+from lockstep.ops.reduce import RowConfig, row_config, row_sums
 
 
 @triton.jit
@@ -115,11 +115,17 @@ def _rms_norm_triton(
 def _rms_norm_cpu(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # x, residual: [M, N] -> out [M, N], h [M, N], rstd [M] fp32. Elementwise ops and a pairwise fold only, so
+    # x, residual: [M, N] -> out [M, N], h [M, N], rstd [M] fp32. Elementwise ops and row_sums only, so
     # a row's bits cannot depend on the batch it runs in.
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        # The same arithmetic without the casts, which are no-ops in fp32 (a decode step makes 61 of these calls).
+        h = x if residual is None else x + residual
+        rstd = row_sums(h * h).div_(x.shape[1]).add_(eps).rsqrt_()
+        y = h * rstd[:, None]
+        return (y if weight is None else y.mul_(weight)), h, rstd
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     hf = h.float()
-    rstd = torch.rsqrt(fold_rows(hf * hf, torch.add) / x.shape[1] + eps)
+    rstd = torch.rsqrt(row_sums(hf * hf) / x.shape[1] + eps)
     y = (hf * rstd[:, None]).to(x.dtype)
     if weight is not None:
         y = (y.float() * weight.float()).to(x.dtype)
@@ -142,15 +148,17 @@ def _rms_norm_rows(
     if n == 0:
         return x.clone(), x.clone(), torch.full((*lead, 1), torch.nan, device=x.device)
     # x: [*lead, N] -> [num_rows, N] with unit column stride
-    x2 = x.reshape(math.prod(lead), n)
+    x2 = x if x.dim() == 2 else x.reshape(math.prod(lead), n)
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-    r2 = None if residual is None else residual.reshape(x2.shape)
+    r2 = residual if residual is None or residual.dim() == 2 else residual.reshape(x2.shape)
     r2 = r2 if r2 is None or r2.stride(1) == 1 else r2.contiguous()
-    weight = None if weight is None else weight.contiguous()
+    weight = weight if weight is None or weight.is_contiguous() else weight.contiguous()
     if x.is_cuda:
         out, h, rstd = _rms_norm_triton(x2, weight, eps, r2)
     else:
         out, h, rstd = _rms_norm_cpu(x2, weight, eps, r2)
+    if x.dim() == 2:
+        return out, h, rstd[:, None]
     return out.reshape(x.shape), h.reshape(x.shape), rstd.reshape(*lead, 1)
 
 

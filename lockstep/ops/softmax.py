@@ -6,9 +6,9 @@ CUDA runs one Triton program per ``rows`` rows, shaped by ``reduce.row_config(N)
 columns is read once into registers (max, exp, sum, write: one read and one write per element). A longer row
 takes two passes: an online pass keeps a running max and a ``[rows, block]`` accumulator of exponentials,
 rescaled whenever the max grows, reduced once at the end; the second pass reads the row again (last chunk first,
-for L2 hits) and writes the result. The CPU folds max and sum pairwise (``reduce.fold_rows``) over the whole
-batch: elementwise ops only, and torch's CPU ``exp``/``log`` gave an element the same bits at any position and in
-any shape (the tests move rows around to check it).
+for L2 hits) and writes the result. The CPU folds the max pairwise (``reduce.fold_rows``) and sums with
+``reduce.row_sums``, over the whole batch; torch's CPU ``exp``/``log`` gave an element the same bits at any
+position and in any shape (the tests move rows around to check it).
 """
 
 import math
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from lockstep.ops._common import cast_for_reduction
-from lockstep.ops.reduce import RowConfig, fold_rows, row_config
+from lockstep.ops.reduce import RowConfig, fold_rows, row_config, row_sums
 
 
 @triton.jit
@@ -98,7 +98,7 @@ def _softmax_cpu(x: torch.Tensor, log: bool, out_dtype: torch.dtype) -> torch.Te
     xf = x.float()
     shifted = xf - fold_rows(xf, torch.maximum)[:, None]
     e = torch.exp(shifted)
-    total = fold_rows(e, torch.add)[:, None]
+    total = row_sums(e)[:, None]
     y = shifted - torch.log(total) if log else e * (1.0 / total)
     return y.to(out_dtype)
 

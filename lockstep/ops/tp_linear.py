@@ -63,9 +63,10 @@ def chunk_partials(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> to
         return _bmm_triton(x_chunks, w_chunks, out_dtype=torch.float32)
     out = torch.empty((num_chunks, m, n), dtype=torch.float32, device=x.device)
     for c in range(num_chunks):
-        # The CPU BLAS sees one canonical B layout ([w, N] from a contiguous [N, w]) on every rank count, so
+        # The CPU matmul sees one canonical weight layout (a contiguous fp32 [N, w]) on every rank count, so
         # the weight's row stride (K or K / N) cannot steer its algorithm.
-        out[c] = _mm_cpu(x_chunks[c], w_chunks[c].t().contiguous().t(), None, 1.0, 1.0, out_dtype=torch.float32)
+        w = w_chunks[c].t().contiguous().float()
+        out[c] = _mm_cpu(x_chunks[c], w, None, 1.0, 1.0, out_dtype=torch.float32)
     return out
 
 

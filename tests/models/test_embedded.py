@@ -21,6 +21,33 @@ def test_conversion_writes_a_complete_hf_folder(embedded_model_dir):
     assert not list(embedded_model_dir.parent.glob(".*.tmp")), "a temporary conversion folder was left behind"
 
 
+def test_conversion_matches_transformers_gguf_loader(embedded_model_dir, tmp_path):
+    # convert_gguf reads the GGUF with the gguf package directly; transformers' own GGUF loading (which it went
+    # through before, at several times the cost) must give the same config and bit-identical weights.
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf = embedded.gguf_path()
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    ref = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32)
+    ref = ref["tensors"]
+    ref.pop("lm_head.weight", None)  # tied
+    ours = load_file(embedded_model_dir / "model.safetensors")
+    assert ours.keys() == ref.keys()
+    differ = [name for name in ours if not torch.equal(ours[name], ref[name])]
+    assert not differ, differ[:5]
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = torch.float32
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads(
+        (embedded_model_dir / "config.json").read_text()
+    )
+
+
 def test_greedy_answer_is_english(embedded_model_dir, smollm_tokenizer, chat_prompt):
     model = load_model(embedded_model_dir)
     out = PagedRunner(model).greedy("q", chat_prompt, 8, stop=model.config.eos_token_ids)

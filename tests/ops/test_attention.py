@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from lockstep.ops import paged_attention, write_kv
+from lockstep.ops import attention, paged_attention, write_kv
 from lockstep.ops.attention import (
     _CPU_ROWS,
     _PART_CAP_BYTES,
@@ -17,6 +17,7 @@ from lockstep.ops.attention import (
     _paged_attention_triton,
     _use_split_programs,
     _write_kv_triton,
+    cpu_attention_plan,
 )
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -248,6 +249,59 @@ def test_cpu_bmm_entry_is_independent_of_the_batch():
     whole = _bmm(a, b)
     for lo, hi in [(0, 1), (7, 8), (3, 9), (0, 17), (21, 40)]:
         assert_bitwise(_bmm(a[lo:hi], b[lo:hi]), whole[lo:hi])
+
+
+def test_cpu_plan_and_chunks_do_not_change_bits(monkeypatch):
+    # The engine builds one plan per step and hands it to every layer; a long batch is cut into chunks of
+    # entries. Neither may change a bit. (A chunk budget of 1 byte puts every entry in a chunk of its own.)
+    seqs = [Seq(n, 9, 3, 64, torch.float32, seed=i) for i, n in enumerate([300, 70, 5, 129])]
+    paged = Paged(3, 64, torch.float32)
+    items = [("a", seqs[0], 0, 300), ("b", seqs[1], 69, 70), ("c", seqs[2], 0, 5), ("d", seqs[3], 100, 129)]
+    for name, seq, _, end in items:
+        paged.write(name, seq, 0, end)
+    whole = paged.attend(cpu(128), items)
+
+    def with_plan(q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale):
+        plan = cpu_attention_plan(tables, seq_lens, query_start_loc, k_cache.shape, q.shape[1])
+        assert len(plan.chunks) == expected_chunks
+        return _paged_attention_cpu(q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, split=128, plan=plan)
+
+    expected_chunks = 1
+    for out, ref in zip(paged.attend(with_plan, items), whole, strict=True):
+        assert_bitwise(out, ref)
+    monkeypatch.setattr(attention, "_CPU_CHUNK_BYTES", 1)
+    expected_chunks = 75 + 1 + 2 + 8  # one per entry of _CPU_ROWS query tokens
+    for out, ref in zip(paged.attend(with_plan, items), whole, strict=True):
+        assert_bitwise(out, ref)
+
+
+def test_cpu_bits_do_not_depend_on_the_thread_count():
+    # Small steps run on one thread (_CPU_SERIAL_ENTRIES), large ones on all: the same bits either way.
+    seq = Seq(300, 9, 3, 64, torch.float32, seed=1)
+    paged = Paged(3, 64, torch.float32)
+    paged.write("t", seq, 0, 300)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged.attend(cpu(128), [("t", seq, 0, 300)])[0]
+        torch.set_num_threads(max(2, threads))
+        assert_bitwise(paged.attend(cpu(128), [("t", seq, 0, 300)])[0], one)
+        assert torch.get_num_threads() == max(2, threads)  # restored after the step
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_cpu_plan_for_other_caches_is_refused():
+    seq = Seq(20, 4, 2, 32, torch.float32, seed=0)
+    paged = Paged(2, 32, torch.float32)
+    paged.write("t", seq, 0, 20)
+
+    def wrong_plan(q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale):
+        plan = cpu_attention_plan(tables, seq_lens, query_start_loc, k_cache.shape, 2 * q.shape[1])
+        return paged_attention(q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, plan=plan)
+
+    with pytest.raises(ValueError, match="plan was made for other"):
+        paged.attend(wrong_plan, [("t", seq, 0, 20)])
 
 
 def test_cpu_same_bits_inside_batch_invariant_mode():

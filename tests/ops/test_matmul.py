@@ -1,9 +1,10 @@
 import pytest
 import torch
-from invariance import INVARIANCE_MS, SIZES, randn
+from invariance import INVARIANCE_MS, MOVES, SIZES, check_moved_row, check_prefixes, randn
 
 from lockstep import ops
-from lockstep.ops.matmul import MatmulConfig, _bmm_triton, matmul_config
+from lockstep.ops import matmul
+from lockstep.ops.matmul import MatmulConfig, _bmm_triton, _cpu_weight, _mm_cpu, matmul_config
 
 # Relative error bounds against fp64 (METHOD.md: fp32 far under 1e-3; bf16 operands 1e-3..1e-2).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -59,6 +60,59 @@ def test_linear_rows_are_batch_invariant(dtype):
         batch = randn(m, k, dtype=dtype, seed=100 + m)
         batch[pos] = row
         assert torch.equal(ops.linear(batch, w, b)[pos], full[5]), f"row moved to {pos} of {m} differs"
+
+
+@pytest.mark.parametrize("k,n", [(131, 77), (576, 960), (1536, 576), (64, 17)])
+def test_cpu_packed_weight_gives_the_plain_weights_bits(k, n):
+    # linear keeps a packed copy of its weight (_cpu_weight); mm/addmm/bmm hand oneDNN the plain weight. Both
+    # must give the same bits, so every entry point agrees with every other.
+    x, w = randn(37, k, seed=1), randn(n, k, seed=2)
+    packed = _mm_cpu(x, _cpu_weight(w), None, 1.0, 1.0)
+    assert torch.equal(packed, _mm_cpu(x, w, None, 1.0, 1.0))
+    assert torch.equal(ops.linear(x, w), ops.mm(x, w.t()))
+    assert torch.equal(ops.linear(x, w), ops.mm(x, w.t().contiguous()))
+
+
+def test_cpu_fallback_without_onednn_is_invariant(monkeypatch):
+    # Builds without oneDNN multiply through aten.mm on the same fixed row tiles.
+    monkeypatch.setattr(matmul, "_ONEDNN", False)
+    x, w = randn(200, 131, seed=1), randn(77, 131, seed=2)
+    assert rel_err(ops.linear(x, w), x.double() @ w.double().t()) < TOLERANCE[torch.float32]
+    check_prefixes(lambda t: ops.linear(t, w), x, [1, 3, 17, 127, 200])
+    check_moved_row(lambda t: ops.linear(t, w), x, MOVES)
+
+
+def test_cpu_packed_weight_follows_in_place_updates():
+    x = randn(5, 64, seed=1)
+    w = torch.nn.Parameter(randn(33, 64, seed=2), requires_grad=False)
+    before = ops.linear(x, w)
+    new = randn(33, 64, seed=3)
+    w.copy_(new)  # on the tensor itself
+    assert torch.equal(ops.linear(x, w), ops.mm(x, new.t()))
+    w.detach()[:10].copy_(randn(10, 64, seed=4))  # a view, as ModelRunner.load_weights writes
+    assert torch.equal(ops.linear(x, w), ops.mm(x, w.detach().clone().t()))
+    w.data = randn(33, 64, seed=2)  # new storage
+    assert torch.equal(ops.linear(x, w), before)
+    with torch.inference_mode():  # no version counter: never cached, still right
+        wi = randn(33, 64, seed=2) + 0
+        assert torch.equal(ops.linear(x, wi), before)
+        assert not hasattr(wi, "_lockstep_packed")
+
+
+def test_cpu_linear_bits_do_not_depend_on_the_thread_count(monkeypatch):
+    # One-tile calls on small weights run on one thread (_CPU_SERIAL_WEIGHT_BYTES), the rest on all of them.
+    x, w = randn(9, 576, seed=1), randn(1536, 576, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.linear(x, w)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(ops.linear(x, w), one)
+        assert torch.equal(ops.linear(x[:3], w), one[:3])
+        monkeypatch.setattr(matmul, "_CPU_SERIAL_WEIGHT_BYTES", 0)
+        assert torch.equal(ops.linear(x[:3], w), one[:3])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bmm_entries_are_batch_invariant():

@@ -57,6 +57,21 @@ def test_cpu_rows_are_batch_invariant(dtype):
     check_moved_row(ops.mean, x, MOVES)
 
 
+@pytest.mark.parametrize("n", [3, 577, 20011])
+def test_cpu_short_rows_through_torch_sum_are_batch_invariant(n):
+    # Rows under ATen's grain go to torch's own sum (reduce.row_sums): odd lengths put rows at every alignment.
+    x = randn(300, n, seed=n, scale=1e3)
+    check_prefixes(ops.sum, x, [1, 2, 3, 17, 299])
+    check_moved_row(ops.sum, x, MOVES)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.sum(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert same_bits(one, ops.sum(x))
+
+
 def test_cpu_strided_and_non_last_dims_keep_row_bits():
     x = randn(40, 300, seed=3)
     full = ops.sum(x)
