@@ -304,16 +304,17 @@ class Sampler:
                 except Exception as e:  # this row's fault: reported with it
                     errors[i] = _describe(e)
         # Tokens stay on the device until one copy brings them back with their logprobs: one sync a step.
-        tokens = torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
-        best = torch.zeros(num_rows, dtype=torch.float64, device=logits.device)  # the winning score, per row
+        # best: the winning score, per row (-inf: nothing could be sampled).
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        if len(greedy_rows) == num_rows:
+        if len(greedy_rows) == num_rows:  # the usual greedy step: one call, nothing to scatter
             tokens, best = _argmax_lowest(scores)
-            best = best.double()
-        elif greedy_rows:
-            rows = torch.tensor(greedy_rows, device=logits.device)
-            greedy_tokens, greedy_best = _argmax_lowest(scores[rows])
-            tokens[rows], best[rows] = greedy_tokens, greedy_best.double()
+        else:
+            tokens = torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
+            best = torch.zeros(num_rows, dtype=torch.float64, device=logits.device)
+            if greedy_rows:
+                rows = torch.tensor(greedy_rows, device=logits.device)
+                greedy_tokens, greedy_best = _argmax_lowest(scores[rows])
+                tokens[rows], best[rows] = greedy_tokens, greedy_best.double()
         batched = logits.device.type in BATCHED_DEVICES
         together: list[int] = []
         alone: list[list[int]] = []

@@ -523,9 +523,15 @@ class _Output:
     def output(self) -> RequestOutput:
         logprobs = list(self.logprobs) if self.logprobs is not None else None
         c = CompletionOutput(
-            0, self.text, list(self.token_ids), list(self.token_logprobs), logprobs, self.finish_reason, self.seed,
-            self.error,
-        )  # fmt: skip
+            index=0,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            token_logprobs=list(self.token_logprobs),
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            seed=self.seed,
+            error=self.error,
+        )
         return RequestOutput(self.request_id, None, self.prompt_token_ids, [c])
 
 
