@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tiny_models import save_tiny_llama
 
 from .conftest import Server, start_server, stop_server
 
@@ -150,11 +151,13 @@ async def _stream(c: httpx.AsyncClient, url: str, payload: dict, started: asynci
         return lines
 
 
-def test_sigterm_drains_then_ends_what_is_left(tiny_server_model_dir: Path, tmp_path: Path) -> None:
+def test_sigterm_drains_then_ends_what_is_left(tmp_path: Path) -> None:
     # Reproducer 10: SIGTERM cut streams without [DONE] and answered non-streaming calls with a plain-text 500.
     # Now admission stops, calls that finish within --shutdown-timeout finish, and the rest end with an error
-    # event and [DONE] (streams) or a JSON 503 (the others).
-    s = start_server(tiny_server_model_dir, tmp_path / "drain.log", "--shutdown-timeout", "5")
+    # event and [DONE] (streams) or a JSON 503 (the others). The long calls must outlast the drain on an idle
+    # machine too: 6000 tokens on a model with room for them (1000 took under 5 s on an idle CI machine).
+    model = save_tiny_llama(tmp_path / "tiny", max_position_embeddings=8192)
+    s = start_server(model, tmp_path / "drain.log", "--shutdown-timeout", "5")
     url = s.base_url + "/completions"
     try:
 
@@ -163,9 +166,9 @@ def test_sigterm_drains_then_ends_what_is_left(tiny_server_model_dir: Path, tmp_
                 events = [asyncio.Event(), asyncio.Event()]
                 short = asyncio.ensure_future(_stream(c, url, body(s, "short", max_tokens=60), events[0]))
                 long = asyncio.ensure_future(
-                    _stream(c, url, body(s, "long", max_tokens=1000, ignore_eos=True), events[1])
+                    _stream(c, url, body(s, "long", max_tokens=6000, ignore_eos=True), events[1])
                 )
-                reply = asyncio.ensure_future(c.post(url, json=body(s, "reply", max_tokens=1000, ignore_eos=True)))
+                reply = asyncio.ensure_future(c.post(url, json=body(s, "reply", max_tokens=6000, ignore_eos=True)))
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
                 deadline = time.monotonic() + 30
                 while s.metrics()["lockstep_num_requests_running"] < 3 - short.done():  # the reply is in too
