@@ -45,13 +45,15 @@ def main() -> None:
     prompts = [[rng.randrange(1000, 100_000) for _ in range(args.input_len)] for _ in range(args.batch)]
     for mode in args.modes.split(","):
         decode_steps = args.warm_steps + 2 * args.output_len + KERNEL_STEPS
-        seq_len = args.input_len + decode_steps + 1
+        # Room for the decode steps that ride along with other requests' prefills too: every request must still
+        # be running in the profiled steps.
+        seq_len = args.input_len + 2 * decode_steps + 64
         llm = LLM(
             str(workdir), kernels=mode, device=str(device), dtype="bfloat16",
             max_num_seqs=args.batch, num_kv_blocks=args.batch * (seq_len // 16 + 1) + 64,
             max_model_len=seq_len + 16, enable_prefix_caching=False,
         )  # fmt: skip
-        params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=seq_len - args.input_len, ignore_eos=True)
         llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         engine = llm.engine
         for i, p in enumerate(prompts):

@@ -76,16 +76,16 @@ class DecodeGraphs:
         num_seqs = len(flat.seq_lens)
         return flat.num_tokens == num_seqs and 0 < num_seqs <= self.max_batch
 
-    def fill(self, flat: FlatBatch) -> int:
-        """Copy a decode step into the buffers, padded up to its bucket; returns the bucket."""
+    def fill(self, flat: FlatBatch, block_tables: torch.Tensor) -> int:
+        """Copy a decode step into the buffers, padded up to its bucket; returns the bucket. ``block_tables``:
+        the step's ``[num_seqs, width <= max_blocks]`` table on the device."""
         n = len(flat.seq_lens)
         size = next(s for s in self.sizes if s >= n)
         device = self.input_ids.device
         # One host tensor for the per-row values, copied in one transfer.
         rows = torch.tensor([flat.input_ids, flat.positions, flat.slot_mapping, flat.seq_lens], dtype=torch.int64)
-        tables = torch.tensor(flat.block_tables, dtype=torch.int32)
         if device.type == "cuda":
-            rows, tables = rows.pin_memory(), tables.pin_memory()
+            rows = rows.pin_memory()
         rows = rows.to(device, non_blocking=True)
         self.input_ids[:n].copy_(rows[0])
         self.positions[:n].copy_(rows[1])
@@ -94,12 +94,12 @@ class DecodeGraphs:
         if size > n:  # padding rows: write nothing, attend over one position
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
-        self.block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
         return size
 
-    def run(self, flat: FlatBatch) -> torch.Tensor:
+    def run(self, flat: FlatBatch, block_tables: torch.Tensor) -> torch.Tensor:
         """Replay the smallest bucket that holds ``flat``; its hidden states ``[num_seqs, hidden]`` (a view into
         the graph's output, valid until the next replay)."""
-        size = self.fill(flat)
+        size = self.fill(flat, block_tables)
         self.graphs[size].replay()
         return self.outputs[size][: len(flat.seq_lens)]

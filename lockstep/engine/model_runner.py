@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from lockstep.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from lockstep.engine.block_tables import DeviceBlockTables
 from lockstep.engine.cuda_graph import DecodeGraphs
 from lockstep.engine.scheduler import ScheduledBatch
 from lockstep.engine.sequence import Sequence
@@ -72,9 +73,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_caches = self.model.allocate_kv_cache(num_kv_blocks, config.block_size)
         self.sampler = Sampler(self.model.kernels.log_softmax)
+        max_blocks = -(-self.config.max_model_len // config.block_size)
+        # Twice the rows a step can use, so a row is taken back only every max_num_seqs new sequences or so.
+        self.block_tables = DeviceBlockTables(2 * config.max_num_seqs, max_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.model.kernels.capturable:
-            max_blocks = -(-self.config.max_model_len // config.block_size)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_blocks)
             self.graphs.capture()
         self.use_graphs = self.graphs is not None  # bench/engine.py turns them off to compare
@@ -124,11 +127,14 @@ class ModelRunner:
         names the entries, counted among those that sample, that could not be sampled)."""
         if not batch:
             return Sampled([], [])
-        flat = flatten_batch(((e.token_ids, e.start, e.seq.block_table) for e in batch.entries), self.block_size)
+        entries = batch.entries
+        flat = flatten_batch(((e.token_ids, e.start, e.seq.block_table) for e in entries), self.block_size, tables=False)
+        picks = self.block_tables.prepare([e.seq for e in entries])
         if self.use_graphs and self.graphs.can_run(flat):
-            hidden = self.graphs.run(flat)
+            hidden = self.graphs.run(flat, self.block_tables.gather(picks, self.graphs.block_tables.shape[1]))
         else:
-            hidden = self.model(*flat.to(self.device, self.kv_caches))  # [num_tokens, hidden_size]
+            tables = self.block_tables.gather(picks, -(-max(flat.seq_lens) // self.block_size))
+            hidden = self.model(*flat.to(self.device, self.kv_caches, tables))  # [num_tokens, hidden_size]
         self._prompt_logprobs(batch, flat.query_start_loc, hidden)
         samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
         if not samplers:

@@ -83,7 +83,7 @@ class FlatBatch:
     input_ids: list[int]
     positions: list[int]
     slot_mapping: list[int]
-    block_tables: list[list[int]]  # each padded with 0 to the longest
+    block_tables: list[list[int]]  # each padded with 0 to the longest; empty when flatten_batch(tables=False)
     seq_lens: list[int]
     query_start_loc: list[int]
 
@@ -92,16 +92,20 @@ class FlatBatch:
         return len(self.input_ids)
 
     def to(
-        self, device: torch.device | str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        device: torch.device | str,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_tables: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """``(input_ids, positions, metadata)`` as fresh tensors on ``device``."""
+        """``(input_ids, positions, metadata)`` as fresh tensors on ``device``; ``block_tables``, when given, is
+        the step's table already on the device (the engine keeps its tables there)."""
 
         def tensor(xs: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)
 
         attn = AttentionMetadata(
             slot_mapping=tensor(self.slot_mapping, torch.int64),
-            block_tables=tensor(self.block_tables),
+            block_tables=tensor(self.block_tables) if block_tables is None else block_tables,
             seq_lens=tensor(self.seq_lens),
             query_start_loc=tensor(self.query_start_loc),
             kv_caches=kv_caches,
@@ -109,17 +113,21 @@ class FlatBatch:
         return tensor(self.input_ids, torch.int64), tensor(self.positions, torch.int64), attn
 
 
-def flatten_batch(chunks: Iterable[tuple[Sequence[int], int, Sequence[int]]], block_size: int) -> FlatBatch:
+def flatten_batch(
+    chunks: Iterable[tuple[Sequence[int], int, Sequence[int]]], block_size: int, *, tables: bool = True
+) -> FlatBatch:
     """Lay out one forward: ``chunks`` holds, per sequence in batch order, ``(token_ids, start, block_table)``:
     the tokens this forward computes, the position of the first of them, and the sequence's cache blocks (at
-    least enough for ``start + len(token_ids)`` positions)."""
+    least enough for ``start + len(token_ids)`` positions). ``tables=False`` leaves ``block_tables`` empty, for a
+    caller that keeps the tables elsewhere."""
     flat = FlatBatch([], [], [], [], [], [0])
     for token_ids, start, table in chunks:
         end = start + len(token_ids)
         flat.input_ids += token_ids
         flat.positions += range(start, end)
         flat.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        flat.block_tables.append(table[: -(-end // block_size)])
+        if tables:
+            flat.block_tables.append(table[: -(-end // block_size)])
         flat.seq_lens.append(end)
         flat.query_start_loc.append(flat.query_start_loc[-1] + len(token_ids))
     width = max((len(t) for t in flat.block_tables), default=0)

@@ -34,7 +34,7 @@ def test_padded_buckets_give_every_real_row_its_eager_bits(tiny_model_dir):
         chunks = [([(p + step) % 90 + 3], len(prompts[i]) + step, tables[i]) for i, p in enumerate(seqs)]
         flat = flatten_batch(chunks, block_size)
         eager = model(*flat.to("cpu", kv_caches))
-        size = graphs.fill(flat)
+        size = graphs.fill(flat, torch.tensor(flat.block_tables, dtype=torch.int32))
         assert size == {5: 8, 3: 4, 1: 1}[len(seqs)]
         padded = graphs._forward(size)
         assert torch.equal(padded[: len(seqs)], eager)
