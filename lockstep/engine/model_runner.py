@@ -139,8 +139,12 @@ class ModelRunner:
         samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
         if not samplers:
             return Sampled([], [])
-        rows = torch.tensor([row for _, row in samplers], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        rows = [row for _, row in samplers]
+        if rows[-1] == len(rows) - 1:  # rows 0, 1, ..., n - 1 (a decode step): no gather, no host-to-device copy
+            hidden = hidden[: len(rows)]
+        else:
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         params = [e.seq.params for e, _ in samplers]
         histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e, _ in samplers]
         return self.sampler.sample(logits, params, [e.end for e, _ in samplers], histories)
