@@ -420,11 +420,17 @@ def timed_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, deadli
     out_tokens = steps = 0
     started: set[str] = set()
     partial = False
+    # Seconds of each step, split by whether some request got its first token in it (a step with prefill work).
+    prefill_steps: list[float] = []
+    decode_steps: list[float] = []
     while engine.has_unfinished_requests():
+        t_step = time.perf_counter()
         outs = engine.step()
+        before = len(started)
         steps += 1
         out_tokens += len(outs)
         started.update(o.request_id for o in outs)
+        (prefill_steps if len(started) > before else decode_steps).append(time.perf_counter() - t_step)
         if time.perf_counter() > deadline and engine.has_unfinished_requests():
             partial = True
             for rid in ids:
@@ -439,7 +445,16 @@ def timed_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, deadli
         "output_tokens": out_tokens,
         "prefill_tokens": prefill,
         "partial": partial,
+        "prefill_steps": {"count": len(prefill_steps), "seconds": round(sum(prefill_steps), 3)},
+        "decode_steps": {"count": len(decode_steps), "seconds": round(sum(decode_steps), 3),
+                         # mean ms a step in each quarter of the decode steps (the context grows along them)
+                         "quarter_ms": [round(sum(q) / max(len(q), 1) * 1e3, 2) for q in quarters(decode_steps)]},
     }
+
+
+def quarters(xs: list[float]) -> list[list[float]]:
+    n = len(xs)
+    return [xs[i * n // 4 : (i + 1) * n // 4] for i in range(4)]
 
 
 def run_throughput(llm: LLM, plan: Plan, vocab: int, temperature: float, deadline: float) -> dict:
@@ -539,6 +554,9 @@ def print_table(report: dict) -> None:
                     )
                     + f"{r['full']['seconds']:9.1f}"
                 )
+                ps, ds = r["full"]["prefill_steps"], r["full"]["decode_steps"]
+                print(f"  {'':22s}steps with prefill: {ps['count']} in {ps['seconds']:.1f} s; decode-only: "
+                      f"{ds['count']} in {ds['seconds']:.1f} s, ms a step by quarter {ds['quarter_ms']}")  # fmt: skip
             on = modes.get("invariant", {})
             for other in ("default", "torch-linear"):
                 off = modes.get(other, {})
