@@ -1,8 +1,8 @@
 """Tensor parallelism through ``LLM``: a request's token ids, logprobs and prompt logprobs are the same bits at TP 1
 (``tp_invariant=True``), 2 and 4 (gloo worker processes), and at each TP size under the invariance matrix (alone,
 in a batch, chunked prefill, prefix-cache hit, preemption). The RL trainer at TP 1 with the tree numerics
-reproduces a TP 2 and TP 4 sampler's logprobs. Negative controls: one process without the tree, and a trainer
-without it, differ from the tensor-parallel engine."""
+reproduces a TP 2 and TP 4 sampler's logprobs, and ``LLM.load_weights`` reaches every rank. Negative controls: one
+process without the tree, and a trainer without it, differ from the tensor-parallel engine."""
 
 import dataclasses
 import struct
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_llm import BLOCK, TARGET_PARAMS, TARGET_PROMPTS, bits, run_mixed
+from tiny_models import save_tiny_llama
 
 from lockstep.engine.scheduler import Scheduler
 from lockstep.llm import LLM
@@ -92,18 +93,31 @@ def rl_samples(llm: LLM) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.fixture(scope="module")
-def tp1(tiny_model_dir: Path) -> dict:
+def other_weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Another checkpoint of the same architecture, and its tensors (what a trainer would send)."""
+    from safetensors.torch import load_file
+
+    folder = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-b"), seed=1)
+    return folder, load_file(str(folder / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny_model_dir: Path, other_weights) -> dict:
     """TP 1 with the chunk tree, in this process: the bits every TP size must give."""
     llm = make_llm(tiny_model_dir, tp_invariant=True)
-    return {"matrix": invariance_matrix(llm), "rl": rl_samples(llm)}
+    fresh = make_llm(other_weights[0], tp_invariant=True)
+    return {"matrix": invariance_matrix(llm), "rl": rl_samples(llm), "reloaded": alone(fresh)}
 
 
 @pytest.fixture(scope="module", params=TP_SIZES, ids=[f"tp{n}" for n in TP_SIZES])
-def tp(request, tiny_model_dir: Path) -> tuple[int, dict]:
+def tp(request, tiny_model_dir: Path, other_weights) -> tuple[int, dict]:
     """One spawned engine per TP size, closed before the next starts (a process drives one at a time)."""
     with make_llm(tiny_model_dir, tensor_parallel_size=request.param) as llm:
         assert llm.engine.config.tp_invariant and len(llm.engine.workers.pids) == request.param - 1
-        yield request.param, {"matrix": invariance_matrix(llm), "rl": rl_samples(llm)}
+        runs = {"matrix": invariance_matrix(llm), "rl": rl_samples(llm)}
+        llm.load_weights(other_weights[1])  # whole checkpoint tensors: each rank keeps its slice
+        runs["reloaded"] = alone(llm)
+        yield request.param, runs
 
 
 def test_tp1_with_the_tree_is_batch_invariant(tp1: dict) -> None:
@@ -120,6 +134,13 @@ def test_outputs_do_not_depend_on_the_tp_size(tp: tuple[int, dict], tp1: dict, c
     differ = [i for i, (g, r) in enumerate(zip(got, reference, strict=True)) if g != r]
     assert not differ, f"TP {size}, {case}: targets {differ} differ from TP 1"
     assert runs["rl"] == tp1["rl"]
+
+
+def test_load_weights_reaches_every_rank(tp: tuple[int, dict], tp1: dict) -> None:
+    # The spawned engine after LLM.load_weights answers like a fresh engine on those weights; they are other weights.
+    size, runs = tp
+    assert runs["reloaded"] == tp1["reloaded"], f"TP {size}"
+    assert runs["reloaded"] != runs["matrix"]["alone"]
 
 
 def test_negative_control_one_process_without_the_tree_differs(tp1: dict, tiny_model_dir: Path) -> None:
