@@ -167,3 +167,39 @@ def test_a_driver_that_dies_takes_its_workers_along(tiny_model_dir: Path, tmp_pa
         if driver.poll() is None:
             driver.kill()
             driver.wait()
+
+
+LAUNCHED = textwrap.dedent(
+    """
+    import json
+    import sys
+    from lockstep import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        # Every launched process builds the LLM; rank 1 serves rank 0 inside the constructor and exits when rank 0
+        # closes, so only rank 0 gets here.
+        llm = LLM(sys.argv[1], tensor_parallel_size=2, block_size=4, num_kv_blocks=64)
+        params = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
+        [out] = llm.generate([[5, 17, 42, 8, 63, 21, 3]], params, use_tqdm=False)
+        print("RESULT", json.dumps([out.outputs[0].token_ids, out.outputs[0].token_logprobs]), flush=True)
+        llm.close()
+    """
+)
+
+
+def test_processes_launched_by_torchrun_join_through_env(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # The multi-node path (README): torch.distributed's standard rendezvous, here on one machine.
+    import json
+
+    script = tmp_path / "launched.py"
+    script.write_text(LAUNCHED)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+    proc = subprocess.run([*cmd, str(tiny_model_dir)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    tokens, logprobs = json.loads(line.split(" ", 1)[1])
+    llm = LLM(str(tiny_model_dir), tp_invariant=True, block_size=4, num_kv_blocks=64)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
+    [out] = llm.generate([[5, 17, 42, 8, 63, 21, 3]], params, use_tqdm=False)
+    assert (tokens, logprobs) == (out.outputs[0].token_ids, out.outputs[0].token_logprobs)
