@@ -86,6 +86,23 @@ class WorkerPool:
         self.failure: str | None = None  # why the pool can no longer run steps
         self._stop: Callable[[], None] = lambda: None  # sends the stop message (the runner's, once it exists)
         _open_pools.add(self)
+        self._watch_end: Connection | None = None  # closing it ends the watcher
+        if device.type == "cuda" and workers:
+            # NCCL waits for a dead peer on the GPU, where no error arrives until the collective timeout (and then
+            # the watchdog ends the process). A watcher aborts the group as soon as a worker dies, so rank 0's
+            # pending collective fails now and ``fail`` names the rank. (Never run on a GPU in the tests.)
+            watch_end, self._watch_end = mp.get_context("spawn").Pipe(duplex=False)
+            threading.Thread(target=self._watch, args=(watch_end,), name="lockstep-tp-watch", daemon=True).start()
+
+    def _watch(self, stop: Connection) -> None:
+        ready = wait([w.process.sentinel for w in self.workers] + [stop])
+        if stop in ready or self.closed or self.failure is not None:
+            return
+        import torch.distributed as dist
+
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None and dist.is_initialized():
+            abort()
 
     # -- starting --------------------------------------------------------------------------------------------------
 
@@ -223,6 +240,8 @@ class WorkerPool:
         self._release()
 
     def _release(self) -> None:
+        if self._watch_end is not None:
+            self._watch_end.close()  # the watcher returns
         destroy_tp_group()
         for w in self.workers:
             w.reports.close()
