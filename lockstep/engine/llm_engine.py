@@ -74,6 +74,9 @@ class LLMEngine:
                 raise SystemExit(0)
             try:
                 self.runner = ModelRunner(config, self.workers.tp, self.workers.channel, self.workers.device)
+            except (ValueError, FileNotFoundError) as e:  # settings every rank rejects alike: rank 0's own words
+                self.workers.stop_now(f"the engine failed to start: {e}")
+                raise
             except BaseException as e:
                 self.workers.fail(e)
             self.workers.attach(self.runner)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lockstep.config import EngineConfig
@@ -98,8 +99,6 @@ class WorkerPool:
         ready = wait([w.process.sentinel for w in self.workers] + [stop])
         if stop in ready or self.closed or self.failure is not None:
             return
-        import torch.distributed as dist
-
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if abort is not None and dist.is_initialized():
             abort()
@@ -110,8 +109,6 @@ class WorkerPool:
     def spawn(cls, config: EngineConfig) -> "WorkerPool":
         """Start ``config.tensor_parallel_size - 1`` worker processes on this machine and join their group as
         rank 0. Returns once every worker has joined (their runners are then being built)."""
-        import torch.distributed as dist
-
         if dist.is_initialized():
             raise RuntimeError(
                 "this process already has a torch.distributed default group: a process drives one "
@@ -194,15 +191,19 @@ class WorkerPool:
         # interrupt (Ctrl-C) or a fault of rank 0's own does not wait.
         dead = self._dead_workers(DEATH_GRACE if isinstance(error, Exception) else 0.0)
         if dead:
-            self.failure = "; ".join(_describe(w) for w in dead) + "; the engine's other workers were stopped"
+            self.stop_now("; ".join(_describe(w) for w in dead) + "; the engine's other workers were stopped")
         else:
             what = f"{type(error).__name__}: {error}"
-            self.failure = f"rank 0 stopped mid-step ({what}), leaving the workers out of step; they were stopped"
-        _kill(self.workers)
-        self._release()
+            self.stop_now(f"rank 0 stopped mid-step ({what}), leaving the workers out of step; they were stopped")
         if dead or error is None:
             raise WorkerError(self.failure) from error
         raise error
+
+    def stop_now(self, why: str) -> None:
+        """Kill the workers and leave the group: the pool has failed, and ``check`` raises ``why`` from now on."""
+        self.failure = why
+        _kill(self.workers)
+        self._release()
 
     def _dead_workers(self, grace: float) -> list[_Worker]:
         sentinels = {w.process.sentinel: w for w in self.workers}

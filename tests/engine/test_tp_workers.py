@@ -117,6 +117,13 @@ def test_bad_tp_settings_fail_before_any_process_starts(tiny_model_dir: Path) ->
         LLM(str(tiny_model_dir), tensor_parallel_size=3)
 
 
+def test_settings_every_rank_rejects_raise_rank_0s_own_error(tiny_model_dir: Path) -> None:
+    # Found once the workers load the model: the ValueError itself, not a worker failure, and the workers stopped.
+    with pytest.raises(ValueError, match="max_model_len=999 exceeds the model's 256 positions"):
+        LLM(str(tiny_model_dir), tensor_parallel_size=2, max_model_len=999)
+    make_llm(tiny_model_dir, 2).close()  # the group was left: a new engine starts
+
+
 DRIVER = textwrap.dedent(
     """
     import signal
