@@ -147,7 +147,8 @@ def test_a_driver_that_dies_takes_its_workers_along(tiny_model_dir: Path, tmp_pa
     # process group, as Ctrl-C in a terminal: the workers ignore it, the driver's KeyboardInterrupt stops them.
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+    # TMPDIR: a killed driver cannot remove its rendezvous folder; let it be the test's.
+    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"), TMPDIR=str(tmp_path))
     driver = subprocess.Popen(
         [sys.executable, str(script), str(tiny_model_dir)],
         stdout=subprocess.PIPE,
