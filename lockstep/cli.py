@@ -15,13 +15,22 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (on CUDA, decode replays graphs)")
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+        help="shard the model over N processes (one GPU each; gloo processes on the CPU); same bits at every N",
+    )  # fmt: skip
+    p.add_argument(
+        "--tp-invariant", action="store_true",
+        help="the chunk-tree reduction at --tensor-parallel-size 1 too: the bits every TP size gives",
+    )  # fmt: skip
 
 
 def kernel_args(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields ``add_kernel_args`` parsed."""
     invariant = False if args.no_batch_invariant else None  # None: whatever --kernels is (default "invariant")
     return {"kernels": args.kernels, "batch_invariant": invariant, "device": args.device, "dtype": args.dtype,
-            "enforce_eager": args.enforce_eager}  # fmt: skip
+            "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
+            "tp_invariant": True if args.tp_invariant else None}  # fmt: skip
 
 
 def add_revision_arg(p: argparse.ArgumentParser) -> None:
@@ -87,7 +96,11 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
-    llm = LLM(args.model, revision=args.revision, **kernel_args(args))
+    with LLM(args.model, revision=args.revision, **kernel_args(args)) as llm:  # leaving it stops TP workers
+        return _generate(llm, args, params)
+
+
+def _generate(llm, args: argparse.Namespace, params) -> int:
     tokenizer = llm.tokenizer
     chat = not args.raw and tokenizer is not None and bool(tokenizer.chat_template)
     if chat:

@@ -53,6 +53,13 @@ class EngineConfig:
     batch_invariant: bool | None = None
     seed: int | None = None  # seeds the draw of per-request seeds for sampled requests that bring none
     enforce_eager: bool = False  # True: no CUDA graphs (on CUDA, decode steps replay captured graphs)
+    # Tensor parallelism: the model sharded over this many processes (one per GPU on CUDA, gloo processes on the
+    # CPU), each with its own copy of the decode graphs. ``tp_invariant`` reduces the row-parallel layers through
+    # the chunk tree (ops.tp_linear), whose bits do not depend on the TP size; None: on exactly when
+    # tensor_parallel_size > 1 and the kernel set is batch-invariant (then it must be on: a plain all-reduce
+    # follows the batch). Set it True at TP 1 to get the bits every TP size gives.
+    tensor_parallel_size: int = 1
+    tp_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -85,6 +92,7 @@ class EngineConfig:
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enforce_eager", self.enforce_eager)
         self._resolve_kernels()
+        self._resolve_tp()
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_model_len is not None and self.num_kv_blocks is not None:
@@ -110,3 +118,26 @@ class EngineConfig:
                 f"{'' if invariant else 'not '}batch-invariant"
             )
         self.batch_invariant = invariant
+
+    def _resolve_tp(self) -> None:
+        from lockstep.ops.tp_linear import CHUNKS
+
+        size = self.tensor_parallel_size
+        _check_int("tensor_parallel_size", size, 1)
+        if self.tp_invariant is not None:
+            _check_bool("tp_invariant", self.tp_invariant)
+        else:
+            self.tp_invariant = size > 1 and self.batch_invariant
+        if self.tp_invariant and not self.batch_invariant:
+            raise ValueError(f"tp_invariant=True needs a batch-invariant kernel set, not kernels={self.kernels!r}")
+        if size > 1 and self.batch_invariant and not self.tp_invariant:
+            raise ValueError(
+                f"tensor_parallel_size={size} with the batch-invariant kernel set {self.kernels!r} reduces through "
+                "the chunk tree (tp_invariant=True): a plain all-reduce would make results depend on the batch; "
+                "use batch_invariant=False for the non-invariant fast mode"
+            )
+        if self.tp_invariant and CHUNKS % size:
+            raise ValueError(
+                f"tensor_parallel_size={size}: the chunk tree supports tensor-parallel sizes dividing {CHUNKS} "
+                "(1, 2, 4, 8)"
+            )

@@ -32,6 +32,13 @@ class LLM:
     ``num_kv_blocks=None`` sizes the KV cache from free memory times ``gpu_memory_utilization`` (CUDA) or a
     fixed budget (CPU). ``seed`` makes the seeds drawn for sampled requests without one reproducible (each
     output reports the seed it used).
+
+    ``tensor_parallel_size=N`` shards the model over N processes (one GPU each, ``cuda:0`` to ``cuda:N-1``; gloo
+    processes on the CPU) that this process starts and stops: the token ids and logprobs are the same bits at
+    every N (the chunk-tree reduction, ``tp_invariant``; pass ``tp_invariant=True`` at N = 1 for the same
+    numerics in one process). ``close()`` (or leaving a ``with LLM(...)`` block) stops the workers; so do garbage
+    collection and interpreter exit. A script that builds one must guard its entry point with
+    ``if __name__ == "__main__":`` (the workers are spawned, and re-import the main module).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
@@ -41,6 +48,24 @@ class LLM:
             raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; it takes {', '.join(sorted(fields))}")
         self.engine = LLMEngine(EngineConfig(model=None if model is None else str(model), **engine_args))
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any; the LLM cannot generate afterwards. Idempotent."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass  # at interpreter exit the atexit hook has stopped the workers already
 
     @property
     def tokenizer(self):

@@ -117,6 +117,20 @@ def test_kernel_and_dtype_options_reach_the_engine(
     assert bf16.tokens == fp32.tokens and 5e-3 < err(bf16) < 0.1
 
 
+def test_tensor_parallel_generate_prints_what_one_process_with_the_tree_prints(
+    capsys: pytest.CaptureFixture, cli_model_dir: Path
+) -> None:
+    # A process of its own that starts a gloo worker, generates and stops it; the same printout (ids, logprobs to
+    # 6 decimals, text) as one process with the chunk tree. tests/test_llm_tp.py checks the bits.
+    args = ["generate", "--raw", "hello", "--model", str(cli_model_dir), "--max-tokens", "8", "--logprobs"]
+    proc = run_cli(*args, "--tensor-parallel-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert main([*args, "--tp-invariant"]) == 0
+    assert proc.stdout == capsys.readouterr().out
+    proc = run_cli(*args, "--tensor-parallel-size", "3")
+    assert proc.returncode != 0 and "tensor-parallel sizes dividing 8" in proc.stderr
+
+
 def test_python_m_lockstep_cli_prints_what_main_prints(capsys: pytest.CaptureFixture, cli_model_dir: Path) -> None:
     args = ["generate", "--raw", "hello", "--model", str(cli_model_dir), "--max-tokens", "5", "--logprobs"]
     proc = run_cli(*args)

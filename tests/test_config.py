@@ -40,3 +40,28 @@ def test_kernels_and_batch_invariant_resolve_to_one_kernel_set():
         EngineConfig(kernels="fast")
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
         EngineConfig(batch_invariant=1)
+
+
+def test_tensor_parallel_size_and_tp_invariant_resolve():
+    # tp_invariant=None: the chunk tree exactly when TP > 1 on a batch-invariant kernel set.
+    cases = [
+        ({}, (1, False)),
+        ({"tp_invariant": True}, (1, True)),
+        ({"tensor_parallel_size": 2}, (2, True)),
+        ({"tensor_parallel_size": 8, "tp_invariant": True}, (8, True)),
+        ({"tensor_parallel_size": 4, "batch_invariant": False}, (4, False)),  # the fast mode: a plain all-reduce
+        ({"tensor_parallel_size": 3, "batch_invariant": False}, (3, False)),  # no tree: any size the shapes allow
+    ]
+    for kwargs, expected in cases:
+        config = EngineConfig(**kwargs)
+        assert (config.tensor_parallel_size, config.tp_invariant) == expected, kwargs
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tp_invariant must be a bool"):
+        EngineConfig(tp_invariant="yes")
+    with pytest.raises(ValueError, match="tensor-parallel sizes dividing 8"):
+        EngineConfig(tensor_parallel_size=6)
+    with pytest.raises(ValueError, match="would make results depend on the batch"):
+        EngineConfig(tensor_parallel_size=2, tp_invariant=False)
+    with pytest.raises(ValueError, match="tp_invariant=True needs a batch-invariant kernel set"):
+        EngineConfig(batch_invariant=False, tp_invariant=True)

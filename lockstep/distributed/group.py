@@ -1,12 +1,12 @@
-"""The tensor-parallel process group: a rank, a size, and the three collectives the sharded layers use.
+"""The tensor-parallel process group: a rank, a size, and the collectives the sharded layers and the engine use.
 
 Gloo on the CPU, NCCL on CUDA (``init_tp_group``). A ``TPGroup`` of size 1 needs no process group at all, so a
 single-process model runs the same layer code with every collective a no-op.
 
-Only exact collectives reach a batch-invariant forward: ``all_gather`` moves bits without arithmetic, and
-``sum_disjoint`` adds integer bit patterns of which at most one per element is nonzero. ``all_reduce`` (a float
-sum in the library's order, which follows the message size and the rank count) is for the non-invariant fast
-mode and the negative control.
+Only exact collectives reach a batch-invariant forward: ``all_gather`` and ``broadcast`` move bits without
+arithmetic, and ``sum_disjoint`` adds integer bit patterns of which at most one per element is nonzero.
+``all_reduce`` (a float sum in the library's order, which follows the message size and the rank count) is for the
+non-invariant fast mode and the negative control.
 """
 
 import datetime
@@ -55,6 +55,12 @@ class TPGroup:
             raise ValueError("sum_disjoint needs a contiguous tensor whose size in bytes is a multiple of 4")
         # gloo and NCCL add int32 but not int16: two bf16 values share an int32, both from the same rank.
         dist.all_reduce(x.view(-1).view(torch.int32), group=self.group)
+        return x
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In place, rank ``src``'s ``x`` on every rank (the engine's weight updates). Exact: no arithmetic."""
+        if self.size > 1:
+            dist.broadcast(x, src, group=self.group)
         return x
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

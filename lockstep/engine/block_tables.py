@@ -12,6 +12,7 @@ object changes. The bits of attention never depend on which row a sequence has.
 """
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -27,8 +28,23 @@ class _Row:
         self.written = 0  # leading entries of that list already in the device row
 
 
+@dataclass
+class TableUpdate:
+    """What one step does to the device table: the row of each of its sequences (in batch order) and the entries
+    ``table[rows[i], cols[i]] = values[i]`` to write first. Plain lists: rank 0 sends them to the other
+    tensor-parallel ranks as part of the step."""
+
+    picks: list[int]
+    rows: list[int]
+    cols: list[int]
+    values: list[int]
+
+
 class DeviceBlockTables:
-    """``table: [num_rows, max_blocks]`` int32 on ``device``; ``num_rows`` must cover the largest step."""
+    """``table: [num_rows, max_blocks]`` int32 on ``device``; ``num_rows`` must cover the largest step.
+
+    ``plan`` (rank 0, which has the sequences) decides the rows and the new entries; ``apply`` (every rank)
+    writes them into its own copy of the table."""
 
     def __init__(self, num_rows: int, max_blocks: int, device: torch.device) -> None:
         self.table = torch.zeros((num_rows, max_blocks), dtype=torch.int32, device=device)
@@ -36,14 +52,11 @@ class DeviceBlockTables:
         self._row_of: dict[int, int] = {}  # id(seq) -> row; the row holds seq, so the id cannot be reused meanwhile
         self._free = list(range(num_rows - 1, -1, -1))
 
-    def prepare(self, seqs: Seq[Sequence]) -> torch.Tensor:
-        """Bring the rows of ``seqs`` up to date; their row indices in order, int64 on the table's device."""
+    def plan(self, seqs: Seq[Sequence]) -> TableUpdate:
+        """Rows for ``seqs`` and the entries appended to their tables since their rows were last written."""
         if len(seqs) > self.table.shape[0]:
             raise ValueError(f"{len(seqs)} sequences in one step, the block tables hold {self.table.shape[0]}")
-        picks: list[int] = []
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[int] = []
+        update = TableUpdate([], [], [], [])
         for seq in seqs:
             index = self._row_of.get(id(seq))
             if index is None:
@@ -56,21 +69,28 @@ class DeviceBlockTables:
             if n > row.written:
                 if n > self.table.shape[1]:
                     raise ValueError(f"{seq.request_id!r} holds {n} blocks, the block tables hold {self.table.shape[1]}")
-                rows += [index] * (n - row.written)
-                cols += range(row.written, n)
-                vals += table[row.written :]
+                update.rows += [index] * (n - row.written)
+                update.cols += range(row.written, n)
+                update.values += table[row.written :]
                 row.written = n
-            picks.append(index)
-        # One transfer: the picks, then the new entries' rows, columns and values.
-        host = torch.tensor(picks + rows + cols + vals, dtype=torch.int64)
+            update.picks.append(index)
+        return update
+
+    def apply(self, update: TableUpdate) -> torch.Tensor:
+        """Write ``update``'s entries; its rows, int64 on the table's device. One host-to-device copy."""
+        host = torch.tensor(update.picks + update.rows + update.cols + update.values, dtype=torch.int64)
         device = self.table.device
         if device.type == "cuda":
             host = host.pin_memory()
         data = host.to(device, non_blocking=True)
-        if rows:
-            u, p = len(rows), len(picks)
+        p, u = len(update.picks), len(update.rows)
+        if u:
             self.table[data[p : p + u], data[p + u : p + 2 * u]] = data[p + 2 * u :].to(torch.int32)
-        return data[: len(picks)]
+        return data[:p]
+
+    def prepare(self, seqs: Seq[Sequence]) -> torch.Tensor:
+        """``apply(plan(seqs))``: one process's step."""
+        return self.apply(self.plan(seqs))
 
     def _take_row(self, seq: Sequence, step: Seq[Sequence]) -> int:
         if not self._free:  # give back the rows of every sequence this step does not use

@@ -4,6 +4,10 @@
 the sampled tokens, detects stop strings (by detokenising) and reports every request that got a token or
 finished. The engine never looks at how the batch was formed: the kernels make that irrelevant to the bits.
 
+Under tensor parallelism (``config.tensor_parallel_size > 1``) the engine's process is rank 0: it starts the other
+ranks' worker processes (``tp_workers.WorkerPool``) and runs every step with them; ``close()`` stops them. A
+worker's death raises ``WorkerError`` naming the rank, and the engine cannot run further steps.
+
 A fault that belongs to one request (a row the sampler could not sample, its detokenising or stop-string check
 raising) finishes that request alone, with finish reason "abort" and ``CompletionOutput.error`` saying why; its
 blocks are freed and every other request of the step carries on with the bits it would have had anyway. A fault
@@ -11,16 +15,19 @@ of the whole step (the model's forward) raises, for the caller to abort what is 
 """
 
 import dataclasses
+import os
 import random
 import secrets
 from dataclasses import dataclass, field
 
 from lockstep.config import EngineConfig
+from lockstep.distributed import TPGroup
 from lockstep.engine.detokenizer import IncrementalDetokenizer, decode, find_stop
 from lockstep.engine.logprobs import LogprobDicts
 from lockstep.engine.model_runner import ModelRunner
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.sequence import FinishReason, Sequence
+from lockstep.engine.tp_workers import WorkerPool
 from lockstep.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from lockstep.sampling_params import SamplingParams
 
@@ -59,9 +66,23 @@ class LLMEngine:
             from lockstep.models.hub import resolve_model
 
             config = dataclasses.replace(config, model=resolve_model(config.model, config.revision), revision=None)
-        self.runner = ModelRunner(config)
-        self.config = self.runner.config
         self.tokenizer = _load_tokenizer_or_none(config.model)
+        self.workers: WorkerPool | None = None
+        if config.tensor_parallel_size > 1:
+            self.workers = _start_workers(config)
+            if self.workers is None:  # a launched rank other than 0: it served rank 0 until it stopped
+                raise SystemExit(0)
+            try:
+                self.runner = ModelRunner(config, self.workers.tp, self.workers.channel, self.workers.device)
+            except (ValueError, FileNotFoundError) as e:  # settings every rank rejects alike: rank 0's own words
+                self.workers.stop_now(f"the engine failed to start: {e}")
+                raise
+            except BaseException as e:
+                self.workers.fail(e)
+            self.workers.attach(self.runner)
+        else:
+            self.runner = ModelRunner(config)
+        self.config = self.runner.config
         self.logprob_dicts = LogprobDicts(self.tokenizer)
         eos = tuple(self.runner.model.config.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -155,7 +176,7 @@ class LLMEngine:
         whose K/V the old weights computed. Only while no request is in flight."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("load_weights: requests are still running; finish or abort them first")
-        loaded = self.runner.load_weights(weights)
+        loaded = self._on_every_rank(self.runner.load_weights, weights)
         self.scheduler.block_manager.reset_prefix_cache()
         return loaded
 
@@ -168,7 +189,7 @@ class LLMEngine:
             if batch.preempted or not self.scheduler.has_unfinished():
                 return []
             raise RuntimeError("the scheduler made no progress with requests waiting (cache too small?)")
-        sampled = self.runner.run(batch)
+        sampled = self._on_every_rank(self.runner.run, batch)
         sampling = [entry for entry in batch.entries if entry.sample]
         for k, why in sampled.errors.items():
             self._fail(self._requests[sampling[k].seq.request_id], why)  # postprocess skips finished sequences
@@ -185,6 +206,22 @@ class LLMEngine:
             if request.seq.is_finished:
                 del self._requests[entry.seq.request_id]
         return outputs
+
+    def _on_every_rank(self, fn, arg):
+        """``fn(arg)`` on rank 0, which the workers follow; under TP a failure there (a worker's death, an
+        interrupt) stops the workers and raises (``WorkerPool.fail``)."""
+        if self.workers is None:
+            return fn(arg)
+        self.workers.check()
+        try:
+            return fn(arg)
+        except BaseException as e:
+            self.workers.fail(e)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot run steps afterwards). Idempotent."""
+        if self.workers is not None:
+            self.workers.close()
 
     def _fail(self, request: _Request, why: str) -> None:
         """Abort one request for a fault of its own; the output reports ``why``."""
@@ -256,6 +293,29 @@ class LLMEngine:
         if len(computed) == len(request.prompt_token_ids) - 1:
             request.prompt_logprobs = dicts
         return dicts
+
+
+def _start_workers(config: EngineConfig) -> WorkerPool | None:
+    """Rank 0's pool of workers: spawned here, or, in processes a launcher started (torchrun's ``RANK`` and
+    ``WORLD_SIZE`` in the environment), joined through ``env://``; None on a launched rank other than 0."""
+    from lockstep.models.llama import LlamaForCausalLM
+    from lockstep.models.loader import read_config
+
+    size = config.tensor_parallel_size
+    # Shapes the TP size cannot split fail here, before any process starts (a model on the meta device).
+    LlamaForCausalLM(
+        read_config(config.model), kernels=config.kernels, device="meta", tp=TPGroup(0, size),
+        tp_invariant=config.tp_invariant,
+    )  # fmt: skip
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != size:
+            raise ValueError(
+                f"launched with WORLD_SIZE={world} but tensor_parallel_size={size}: the engine's tensor "
+                "parallelism takes every launched process"
+            )
+        return WorkerPool.join_launched(config, int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)))
+    return WorkerPool.spawn(config)
 
 
 def _load_tokenizer_or_none(folder: str):

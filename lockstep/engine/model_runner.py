@@ -5,19 +5,26 @@ flattened batch of tokens with its ``AttentionMetadata``, computes logits only f
 that samples, and returns one token id and ``TokenLogprobs`` per such entry. For requests that asked for prompt
 logprobs it also puts the logits of their prompt positions through the same head and log_softmax
 (``batch.prompt_logprobs``): the values a decode step would report for those tokens, whatever the chunking.
+
+Under tensor parallelism every rank has a runner over its shard of the model and a KV cache of the same number of
+blocks. Rank 0's runner (the engine's) plans each step as a ``ForwardStep`` (the flattened batch, whose KV slots
+the driver's block manager chose, and the rows that go through the LM head), sends it to the other ranks on the
+``ControlChannel`` and runs it like them; the other ranks' runners ``serve`` those steps. Only rank 0 samples.
 """
 
 import dataclasses
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from lockstep.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from lockstep.engine.block_tables import DeviceBlockTables
+from lockstep.distributed import ControlChannel, TPGroup
+from lockstep.engine.block_tables import DeviceBlockTables, TableUpdate
 from lockstep.engine.cuda_graph import DecodeGraphs
 from lockstep.engine.scheduler import ScheduledBatch
 from lockstep.engine.sequence import Sequence
-from lockstep.layers.attention import flatten_batch
+from lockstep.layers.attention import FlatBatch, flatten_batch
 from lockstep.layers.sampler import Sampled, Sampler, TokenLogprobs, gather_logprobs
 from lockstep.models.loader import load_model
 
@@ -31,10 +38,70 @@ CUDA_ACTIVATION_RESERVE_BYTES = 2 << 30
 PROMPT_LOGPROB_ROWS = 128
 
 
+# What rank 0 asks the other ranks to do: the first element of each control message.
+STEP, WEIGHTS, STOP = 1, 2, 3
+
+
 def resolve_device(device: str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def rank_device(device: str | None, rank: int, size: int) -> torch.device:
+    """The device of tensor-parallel rank ``rank`` of ``size``: ``cuda:(i + rank)`` from ``cuda:i`` (or
+    ``cuda``), the CPU for every rank of a CPU engine."""
+    base = resolve_device(device)
+    if base.type != "cuda" or size == 1:
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+@dataclass
+class ForwardStep:
+    """One forward, as every rank runs it: the flattened batch (without block tables), what it does to the block
+    tables each rank keeps on its device, the groups of its hidden rows that go through the LM head (one
+    ``compute_logits`` call each, in order: the collectives inside must line up on every rank), and whether a
+    decode step may replay a CUDA graph."""
+
+    flat: FlatBatch
+    tables: TableUpdate
+    logit_rows: list[list[int]]
+    use_graphs: bool
+
+    def encode(self) -> torch.Tensor:
+        """The control message: ``[STEP, num_tokens, num_seqs, num_table_entries, use_graphs, num_groups,
+        *group_sizes]``, then the flat batch's lists, the table update's and the groups, concatenated."""
+        f, t = self.flat, self.tables
+        header = [STEP, f.num_tokens, len(f.seq_lens), len(t.rows), int(self.use_graphs), len(self.logit_rows)]
+        header += [len(rows) for rows in self.logit_rows]
+        rows = [r for group in self.logit_rows for r in group]
+        values = header + f.input_ids + f.positions + f.slot_mapping + f.seq_lens + f.query_start_loc
+        values += t.picks + t.rows + t.cols + t.values + rows
+        return torch.tensor(values, dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, message: torch.Tensor) -> "ForwardStep":
+        values = message.tolist()
+        op, num_tokens, num_seqs, num_entries, use_graphs, num_groups = values[:6]
+        if op != STEP:
+            raise ValueError(f"not a step message (op {op})")
+        sizes = values[6 : 6 + num_groups]
+        at = 6 + num_groups
+
+        def take(n: int) -> list[int]:
+            nonlocal at
+            at += n
+            return values[at - n : at]
+
+        input_ids, positions, slot_mapping = take(num_tokens), take(num_tokens), take(num_tokens)
+        seq_lens, query_start_loc = take(num_seqs), take(num_seqs + 1)
+        tables = TableUpdate(take(num_seqs), take(num_entries), take(num_entries), take(num_entries))
+        logit_rows = [take(n) for n in sizes]
+        if at != len(values):
+            raise ValueError(f"a step message of {len(values)} values holds {at}")
+        flat = FlatBatch(input_ids, positions, slot_mapping, [], seq_lens, query_start_loc)
+        return cls(flat, tables, logit_rows, bool(use_graphs))
 
 
 class ModelRunner:
@@ -43,12 +110,29 @@ class ModelRunner:
     ``config.model`` must be a checkpoint folder. After construction ``self.config`` has ``max_model_len``,
     ``num_kv_blocks`` and ``max_num_batched_tokens`` filled in (from the model, from memory and from the device
     when they were None).
+
+    Under tensor parallelism (``tp`` of ``config.tensor_parallel_size`` ranks, ``channel`` to reach them) every
+    rank builds its runner with the same config at the same time: the constructor agrees on the number of KV blocks
+    and captures the CUDA graphs collectively. ``device`` is this rank's (default: ``rank_device``).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp: TPGroup | None = None,
+        channel: ControlChannel | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         if config.model is None:
             raise ValueError("ModelRunner needs config.model, a checkpoint folder")
-        self.device = resolve_device(config.device)
+        self.tp = tp or TPGroup()
+        if self.tp.size != config.tensor_parallel_size or (self.tp.size > 1) != (channel is not None):
+            raise ValueError(
+                f"a runner of tensor_parallel_size={config.tensor_parallel_size} needs a group of that size and, "
+                f"past one rank, a control channel (got size {self.tp.size})"
+            )
+        self.channel = channel
+        self.device = device if device is not None else rank_device(config.device, self.tp.rank, self.tp.size)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model = load_model(
             config.model,
@@ -56,6 +140,8 @@ class ModelRunner:
             device=self.device,
             kernels=config.kernels,
             max_model_len=config.max_model_len,
+            tp=self.tp,
+            tp_invariant=config.tp_invariant,
         )
         limit = self.model.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
@@ -69,6 +155,8 @@ class ModelRunner:
             budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS[self.device.type], config.max_num_seqs)
         config = dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget)
         num_kv_blocks = config.num_kv_blocks or self._default_num_kv_blocks(config)
+        if channel is not None:  # ranks may have different free memory: the block ids must mean the same on all
+            num_kv_blocks = channel.min(num_kv_blocks)
         self.config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
         self.block_size = config.block_size
         self.kv_caches = self.model.allocate_kv_cache(num_kv_blocks, config.block_size)
@@ -78,6 +166,8 @@ class ModelRunner:
         self.block_tables = DeviceBlockTables(2 * config.max_num_seqs, max_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.model.kernels.capturable:
+            # Under TP every rank captures its own graphs, the model's collectives (NCCL) inside them, in the
+            # same bucket order, so the captured collectives pair up when rank 0's step replays a bucket.
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_blocks)
             self.graphs.capture()
         self.use_graphs = self.graphs is not None  # bench/engine.py turns them off to compare
@@ -102,9 +192,11 @@ class ModelRunner:
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy checkpoint tensors (Hugging Face names, any dtype/device) into the model; returns the names loaded.
 
-        Raises ValueError for an unknown name or a wrong shape before anything is copied.
+        Raises ValueError for an unknown name or a wrong shape before anything is copied. Under tensor parallelism
+        the tensors are whole checkpoint tensors: rank 0 broadcasts each one and every rank keeps its slice.
         """
         slots = self.model.checkpoint_tensors()
+        shards = self.model.checkpoint_shards()
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
         tied = self.model.config.tie_word_embeddings
         todo = []
@@ -114,12 +206,33 @@ class ModelRunner:
             dest = slots.get(name)
             if dest is None:
                 raise ValueError(f"load_weights: unexpected tensor {name!r} for a {self.model.config.architecture}")
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise ValueError(f"load_weights: {name!r} has shape {list(tensor.shape)}, expected {list(dest.shape)}")
+            expected = list(dest.shape)
+            shard = shards.get(name)
+            if shard is not None:
+                expected[shard.dim] = shard.full
+            if list(tensor.shape) != expected:
+                raise ValueError(f"load_weights: {name!r} has shape {list(tensor.shape)}, expected {expected}")
             todo.append((name, dest, tensor))
-        for _, dest, tensor in todo:
-            dest.copy_(tensor.detach())
+        if self.channel is not None:
+            self.channel.send(torch.tensor([WEIGHTS]))
+            self.channel.send_object([(name, list(tensor.shape)) for name, _, tensor in todo])
+        for name, dest, tensor in todo:
+            self._copy_weight(name, dest, tensor.detach().to(self.device, dest.dtype), shards.get(name))
         return [name for name, _, _ in todo]
+
+    def _copy_weight(self, name: str, dest: torch.Tensor, full: torch.Tensor, shard) -> None:
+        if self.tp.size > 1:
+            self.tp.broadcast(full.contiguous())
+        dest.copy_(full if shard is None else full[shard.index()])
+
+    @torch.inference_mode()
+    def _receive_weights(self) -> None:
+        """Ranks > 0: rank 0's ``load_weights``."""
+        slots, shards = self.model.checkpoint_tensors(), self.model.checkpoint_shards()
+        for name, shape in self.channel.recv_object():
+            dest = slots[name]
+            full = torch.empty(shape, dtype=dest.dtype, device=self.device)
+            self._copy_weight(name, dest, full, shards.get(name))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> Sampled:
@@ -129,34 +242,62 @@ class ModelRunner:
             return Sampled([], [])
         entries = batch.entries
         flat = flatten_batch(((e.token_ids, e.start, e.seq.block_table) for e in entries), self.block_size, tables=False)
-        picks = self.block_tables.prepare([e.seq for e in entries])
-        if self.use_graphs and self.graphs.can_run(flat):
+        tables = self.block_tables.plan([e.seq for e in entries])
+        prompt = self._prompt_logprob_rows(batch, flat.query_start_loc)
+        groups = [prompt.rows[j : j + PROMPT_LOGPROB_ROWS] for j in range(0, len(prompt.rows), PROMPT_LOGPROB_ROWS)]
+        samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
+        step = ForwardStep(flat, tables, groups + ([[row for _, row in samplers]] if samplers else []), self.use_graphs)
+        if self.channel is not None:
+            self.channel.send(step.encode())
+        logits = self.execute(step)
+        self._prompt_logprobs(batch, prompt, logits[: len(groups)])
+        if not samplers:
+            return Sampled([], [])
+        params = [e.seq.params for e, _ in samplers]
+        histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e, _ in samplers]
+        return self.sampler.sample(logits[-1], params, [e.end for e, _ in samplers], histories)
+
+    @torch.inference_mode()
+    def execute(self, step: ForwardStep) -> list[torch.Tensor]:
+        """The forward of ``step`` on this rank: fp32 logits ``[len(rows), vocab_size]`` for each group of rows."""
+        flat = step.flat
+        picks = self.block_tables.apply(step.tables)
+        if step.use_graphs and self.graphs is not None and self.graphs.can_run(flat):
             hidden = self.graphs.run(flat, self.block_tables.gather(picks, self.graphs.block_tables.shape[1]))
         else:
             tables = self.block_tables.gather(picks, -(-max(flat.seq_lens) // self.block_size))
             hidden = self.model(*flat.to(self.device, self.kv_caches, tables))  # [num_tokens, hidden_size]
-        self._prompt_logprobs(batch, flat.query_start_loc, hidden)
-        samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
-        if not samplers:
-            return Sampled([], [])
-        rows = [row for _, row in samplers]
-        if rows[-1] == len(rows) - 1:  # rows 0, 1, ..., n - 1 (a decode step): no gather, no host-to-device copy
-            hidden = hidden[: len(rows)]
-        else:
-            hidden = hidden[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
-        params = [e.seq.params for e, _ in samplers]
-        histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e, _ in samplers]
-        return self.sampler.sample(logits, params, [e.end for e, _ in samplers], histories)
+        return [self.model.compute_logits(self._hidden_rows(hidden, rows)) for rows in step.logit_rows]
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, query_start_loc: list[int], hidden: torch.Tensor) -> None:
-        """Prompt token ``p + 1``'s logprobs from position ``p``'s hidden state, for every prompt position this
-        step computed that a request asking for them has not had yet; appended to ``batch.prompt_logprobs``.
-        The head and log_softmax are the sampler's, so a prompt token gets the bits a decode step would give it."""
-        rows: list[int] = []  # rows of hidden
-        targets: list[int] = []
-        nums: list[int] = []
-        owners: list[tuple[Sequence, int]] = []  # (sequence, how many of the rows are its)
+    def _hidden_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if rows[-1] == len(rows) - 1:  # rows 0, 1, ..., n - 1 (increasing; a decode step): a view, no copy
+            return hidden[: len(rows)]
+        return hidden[torch.tensor(rows, device=self.device)]
+
+    def serve(self) -> None:
+        """Ranks > 0: run what rank 0 sends (steps, weight updates) until it says stop."""
+        while True:
+            message = self.channel.recv()
+            op = int(message[0])
+            if op == STEP:
+                self.execute(ForwardStep.decode(message))
+            elif op == WEIGHTS:
+                self._receive_weights()
+            elif op == STOP:
+                return
+            else:
+                raise RuntimeError(f"unknown control message {op} from rank 0")
+
+    def stop_workers(self) -> None:
+        """Rank 0: tell the other ranks' ``serve`` to return."""
+        if self.channel is not None:
+            self.channel.send(torch.tensor([STOP]))
+
+    def _prompt_logprob_rows(self, batch: ScheduledBatch, query_start_loc: list[int]) -> "_PromptRows":
+        """Which rows of the step's hidden states give prompt logprobs: prompt token ``p + 1``'s come from
+        position ``p``'s row, for every prompt position this step computes that a request asking for them has not
+        had yet."""
+        prompt = _PromptRows([], [], [], [])
         for i, e in enumerate(batch.entries):
             seq = e.seq
             if seq.params.prompt_logprobs is None:
@@ -167,19 +308,30 @@ class ModelRunner:
                 continue
             if e.start > len(seq.computed_prompt_logprobs):
                 raise RuntimeError(f"prompt logprobs of {seq.request_id!r}: positions before {e.start} were skipped")
-            rows += range(query_start_loc[i] + first - e.start, query_start_loc[i] + last - e.start)
-            targets += seq.token_ids[first + 1 : last + 1]
-            nums += [seq.params.prompt_logprobs] * (last - first)
-            owners.append((seq, last - first))
-        if not rows:
-            return
+            prompt.rows.extend(range(query_start_loc[i] + first - e.start, query_start_loc[i] + last - e.start))
+            prompt.targets.extend(seq.token_ids[first + 1 : last + 1])
+            prompt.nums.extend([seq.params.prompt_logprobs] * (last - first))
+            prompt.owners.append((seq, last - first))
+        return prompt
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, prompt: "_PromptRows", logits: list[torch.Tensor]) -> None:
+        """Appends each request's prompt logprobs to ``batch.prompt_logprobs``. The head and log_softmax are the
+        sampler's, so a prompt token gets the bits a decode step would give it."""
         results: list[TokenLogprobs] = []
-        for j in range(0, len(rows), PROMPT_LOGPROB_ROWS):
-            index = torch.tensor(rows[j : j + PROMPT_LOGPROB_ROWS], device=self.device)
-            logprobs = self.sampler.log_softmax(self.model.compute_logits(hidden[index]).float())
-            target = torch.tensor(targets[j : j + PROMPT_LOGPROB_ROWS], dtype=torch.int64, device=self.device)
-            results += gather_logprobs(logprobs, target, nums[j : j + PROMPT_LOGPROB_ROWS])[1]
+        for j, group_logits in zip(range(0, len(prompt.rows), PROMPT_LOGPROB_ROWS), logits, strict=True):
+            logprobs = self.sampler.log_softmax(group_logits)
+            targets = prompt.targets[j : j + PROMPT_LOGPROB_ROWS]
+            target = torch.tensor(targets, dtype=torch.int64, device=self.device)
+            results += gather_logprobs(logprobs, target, prompt.nums[j : j + PROMPT_LOGPROB_ROWS])[1]
         k = 0
-        for seq, count in owners:
+        for seq, count in prompt.owners:
             batch.prompt_logprobs.append((seq, results[k : k + count]))
             k += count
+
+
+@dataclass
+class _PromptRows:
+    rows: list[int]  # rows of the step's hidden states
+    targets: list[int]  # the prompt token each row predicts
+    nums: list[int]  # how many top logprobs each row's request asked for
+    owners: list[tuple[Sequence, int]]  # (sequence, how many of the rows are its), in row order

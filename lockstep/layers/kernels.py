@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from lockstep import ops
 from lockstep.layers import torch_kernels
 from lockstep.layers.activation import silu_and_mul
+from lockstep.ops import tp_linear
 
 if TYPE_CHECKING:
     from lockstep.layers.attention import AttentionMetadata
@@ -42,6 +43,9 @@ class Kernels:
       ``q: [num_tokens, num_heads, head_dim]`` -> same shape.
     - ``rotary(q, k, cos, sin)``: rotary embedding of ``q, k: [n, heads, head_dim]`` by ``cos, sin: [n, 1, head_dim]``.
     - ``log_softmax(logits)``: ``[n, vocab]`` -> fp32 logprobs, the sampler's and the RL trainer's.
+    - ``tree_linear(x, weight, bias)``: ``linear`` through the chunk tree (``ops.tp_linear``), the row-parallel
+      layers' numerics in one process (``tp_invariant``); the same for every set unless one needs a variant (the
+      RL trainer's, with autograd).
 
     ``batch_invariant`` says whether the set keeps the contract (a row's bits never depend on its batch);
     ``capturable`` whether a decode forward on it can be captured in a CUDA graph (no host syncs, a launch grid
@@ -58,6 +62,7 @@ class Kernels:
     attention: Callable[[Tensor, Tensor, Tensor, "AttentionMetadata", float], Tensor]
     log_softmax: Callable[[Tensor], Tensor]
     capturable: bool = False
+    tree_linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = tp_linear.tree_linear
 
 
 def _invariant_attention(  # adapts ops.paged_attention to the metadata object

@@ -104,10 +104,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features / tp.size] -> [num_tokens, out_features]
+        if self.tree and self.tp.size == 1:
+            return self.kernels.tree_linear(x, self.weight, self.bias)  # the whole tree (with autograd: RL)
         if self.tree:
             root = tp_linear.subtree(x, self.weight, tp_linear.CHUNKS // self.tp.size)  # [num_tokens, out] fp32
-            if self.tp.size > 1:
-                root = tp_linear.tree_reduce(self.tp.all_gather(root))
+            root = tp_linear.tree_reduce(self.tp.all_gather(root))
             return tp_linear.finish(root, self.bias, x.dtype)
         if self.tp.size == 1:
             return self.kernels.linear(x, self.weight, self.bias)

@@ -12,7 +12,7 @@ comparison), or any other registered set.
 
 Under tensor parallelism (``tp``, a ``TPGroup`` of N ranks) each rank builds the same model with its shard of the
 weights: attention heads and the MLP's intermediate split N ways, KV heads split or replicated, the vocabulary
-split for the embedding and the head (docs/design.md, "Tensor parallelism (in progress)"). With
+split for the embedding and the head (docs/design.md, "Tensor parallelism"). With
 ``tp_invariant`` the row-parallel layers reduce through the chunk tree, so the logits have the same bits at every
 N, one process included.
 """

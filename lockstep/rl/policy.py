@@ -79,6 +79,7 @@ TRAINABLE = Kernels(
     rotary=rotary,
     attention=attention.paged_attention,
     log_softmax=autograd.log_softmax,
+    tree_linear=autograd.tree_linear,
 )
 
 
@@ -103,8 +104,16 @@ def load_policy(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
+    tp_invariant: bool = False,
 ) -> LlamaForCausalLM:
-    """Load a checkpoint folder as a trainable policy (see ``make_trainable``)."""
+    """Load a checkpoint folder as a trainable policy (see ``make_trainable``).
+
+    ``tp_invariant=True`` gives o_proj and down_proj the chunk-tree numerics of a tensor-parallel engine
+    (``ops.tp_linear``, with autograd): the policy's logprobs then equal bit for bit those of an engine at any
+    ``tensor_parallel_size`` (or at 1 with ``tp_invariant=True``). Without it they equal a one-process engine's
+    default numerics."""
     kernels = "invariant" if batch_invariant else "torch"
-    model = load_model(path, dtype=dtype, device=device, kernels=kernels, max_model_len=max_model_len)
+    model = load_model(
+        path, dtype=dtype, device=device, kernels=kernels, max_model_len=max_model_len, tp_invariant=tp_invariant
+    )
     return make_trainable(model)

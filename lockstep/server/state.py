@@ -92,6 +92,8 @@ def create_state(
         "dtype": str(engine.runner.model.dtype).removeprefix("torch."),
         "kernels": engine.runner.model.kernels.name,
     }
+    if engine.config.tp_invariant:  # other numerics than one process's default, the same at every TP size
+        parts["reduction"] = "tp-chunk-tree"
     tokenizer = load_tokenizer(model) if engine.tokenizer is not None else None
     async_engine = AsyncEngine(engine)
     async_engine.metrics.info = {k: v for k, v in parts.items() if k != "weights_blake2b"}

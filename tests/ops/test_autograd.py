@@ -1,4 +1,4 @@
-"""The autograd Functions over the batch-invariant ops (linear, rms_norm, log_softmax): each fp32 gradient,
+"""The autograd Functions over the batch-invariant ops (linear, tree_linear, rms_norm, log_softmax): each fp32 gradient,
 projected on a random direction, equals the central finite difference of a float64 reference of the same
 function along that direction."""
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from gradients import check_directional, randn
 
-from lockstep.ops import autograd
+from lockstep.ops import autograd, tp_linear
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -17,6 +17,18 @@ def test_linear_grad(bias):
         check_directional(autograd.linear, F.linear, [x, w, b])
     else:
         check_directional(lambda x, w: autograd.linear(x, w), lambda x, w: F.linear(x, w), [x, w])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_tree_linear_grad_and_forward_bits(bias):
+    # K = 33: the tree pads it to 40 (8 chunks of 5). The forward is the op's own bits.
+    x, w, b = randn(17, 33), randn(19, 33, seed=2) * 0.2, randn(19, seed=3)
+    b_or_none = b if bias else None
+    assert torch.equal(autograd.tree_linear(x, w, b_or_none), tp_linear.tree_linear(x, w, b_or_none))
+    if bias:
+        check_directional(autograd.tree_linear, F.linear, [x, w, b])
+    else:
+        check_directional(lambda x, w: autograd.tree_linear(x, w), lambda x, w: F.linear(x, w), [x, w])
 
 
 def _rms_ref(x, w, eps=1e-6):
