@@ -158,19 +158,26 @@ class GrammarState:
         self._start = matcher.deep_copy()  # to replay from, should the tokens ever go back
         self.num_words = bitmask_words(vocab_size)  # the grammar's vocabulary (at least the model's), in words
         self.eos_token_ids = tuple(eos_token_ids)
-        self.num_tokens = 0  # output tokens consumed
+        self._consumed: list[int] = []  # the output tokens fed to the matcher
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._consumed)
 
     def advance(self, output_token_ids: list[int]) -> None:
-        """Consume the output tokens not consumed yet; GrammarError if the grammar does not allow one."""
-        if len(output_token_ids) < self.num_tokens:
-            self._matcher, self.num_tokens = self._start.deep_copy(), 0
-        new = output_token_ids[self.num_tokens :]
+        """Bring the state to ``output_token_ids``: consume the new ones, or replay from the start if the tokens
+        are not an extension of those consumed; GrammarError if the grammar does not allow one."""
+        n = len(self._consumed)
+        if output_token_ids[:n] != self._consumed:
+            self._matcher, self._consumed, n = self._start.deep_copy(), [], 0
+        new = output_token_ids[n:]
         if not new:
             return
         if not self._matcher.consume_tokens(new):
             why = self._matcher.get_error().splitlines()[0]
+            self._matcher, self._consumed = self._start.deep_copy(), []  # a later call starts afresh
             raise GrammarError(f"the structured output's grammar rejects the output: {why}")
-        self.num_tokens = len(output_token_ids)
+        self._consumed.extend(new)
 
     @property
     def finished(self) -> bool:
