@@ -207,10 +207,13 @@ def main() -> None:
                 f"{r['fill'][0] * 1e6:.0f} / {r['fill'][1] * 1e6:.0f} | {r['accept'][0] * 1e6:.0f} |"
             )
         a, b = results["xgrammar"]["masks"], results["llguidance"]["masks"]
-        differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if not torch.equal(_allowed(x, vocab), _allowed(y, vocab))]
-        sizes = [(int(_allowed(x, vocab).sum()), int(_allowed(y, vocab).sum())) for x, y in zip(a, b, strict=True)]
-        detail = ", ".join(f"step {i}: {sizes[i][0]} vs {sizes[i][1]} allowed" for i in differ[:4])
-        print(f"{label}: {len(ids)} document tokens; the allowed sets differ at {len(differ)} of {len(a)} steps {detail}")
+        pairs = [(_allowed(x, vocab), _allowed(y, vocab)) for x, y in zip(a, b, strict=True)]
+        differ = [i for i, (x, y) in enumerate(pairs) if not torch.equal(x, y)]
+        detail = ", ".join(
+            f"step {i}: {int(pairs[i][0].sum())} vs {int(pairs[i][1].sum())} allowed" for i in differ[:4]
+        )
+        print(f"{label}: {len(ids)} document tokens; the allowed sets differ at {len(differ)} of {len(a)} steps")
+        print(f"  (xgrammar vs llguidance) {detail}")
     print("installed sizes (MiB):", {k: round(v, 1) for k, v in install_sizes().items()})
 
 

@@ -188,7 +188,12 @@ class GrammarState:
         """The tokens allowed after ``output_token_ids`` as a bitmask into ``out: [ceil(n_vocab / 32)]`` int32 on
         the CPU (bit ``t % 32`` of word ``t // 32`` set: token ``t`` allowed); without ``allow_eos``, EOS is not."""
         self.advance(output_token_ids)
-        if not out.is_contiguous() or out.dtype != torch.int32 or out.device.type != "cpu" or len(out) != self.num_words:
+        if (
+            out.dtype != torch.int32
+            or out.device.type != "cpu"
+            or not out.is_contiguous()
+            or len(out) != self.num_words
+        ):
             raise ValueError(f"the bitmask must be a contiguous int32 CPU tensor of {self.num_words} words")
         self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
         if not allow_eos:

@@ -52,9 +52,9 @@ class StructuredOutputsParams:
             raise ValueError(f"structured outputs: grammar must be a non-empty string, got {self.grammar!r:.200}")
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice:
-                raise ValueError(f"structured outputs: choice must be a non-empty list of strings, got {self.choice!r:.200}")
+                raise ValueError(f"structured outputs: choice must be a non-empty list of strings, got {self.choice!r}")
             if not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError(f"structured outputs: every choice must be a non-empty string, got {self.choice!r:.200}")
+                raise ValueError(f"structured outputs: every choice must be a non-empty string, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured outputs: json_object must be a bool, got {self.json_object!r}")
@@ -62,7 +62,9 @@ class StructuredOutputsParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured outputs: {name} must be a bool, got {getattr(self, name)!r}")
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
-            raise ValueError(f"structured outputs: whitespace_pattern must be a string, got {self.whitespace_pattern!r}")
+            raise ValueError(
+                f"structured outputs: whitespace_pattern must be a string, not {self.whitespace_pattern!r}"
+            )
 
     @property
     def kind(self) -> str:

@@ -178,7 +178,8 @@ def test_n_choices_each_follow_the_grammar(tiny_model_dir: Path) -> None:
 def test_end_of_grammar_with_ignore_eos_and_min_tokens(tiny_model_dir: Path) -> None:
     llm = make_llm(tiny_model_dir)
     choice = CONSTRAINTS["choice"]
-    [plain] = llm.generate(["go"], SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice), use_tqdm=False)
+    greedy = SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice)
+    [plain] = llm.generate(["go"], greedy, use_tqdm=False)
     assert plain.token_ids[-1] == TINY_EOS and plain.text in choice.choice
     # EOS may not end these requests: the grammar's end does, with the same text and no EOS.
     for extra in ({"ignore_eos": True}, {"min_tokens": 15}):
