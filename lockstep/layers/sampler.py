@@ -316,6 +316,9 @@ class Sampler:
                 scores = logits.clone()
             index = torch.tensor(masked_rows, device=logits.device)
             scores[index] = scores[index].masked_fill(~mask, float("-inf"))
+            # Rows whose grammar allows no token at all, told apart from other dead ends (same copy to the host).
+            empty_mask = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
+            empty_mask[index] = ~mask.any(dim=-1)
         # Tokens stay on the device until one copy brings them back with their logprobs: one sync a step.
         # best: the winning score, per row (-inf: nothing could be sampled).
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
@@ -353,10 +356,14 @@ class Sampler:
                         errors[i] = _describe(e_i)
 
         logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
-        token_ids, out, (best_host,) = gather_logprobs(logprobs, tokens, [p.logprobs for p in params], extra=[best])
-        for i, score in enumerate(best_host):
+        extra = [best] if allowed is None or not allowed[0] else [best, empty_mask]
+        token_ids, out, back = gather_logprobs(logprobs, tokens, [p.logprobs for p in params], extra=extra)
+        for i, score in enumerate(back[0]):
             if score == -math.inf and i not in errors:
-                errors[i] = "no token can be sampled: every score is NaN or -inf"
+                if len(back) > 1 and back[1][i]:
+                    errors[i] = "no token can be sampled: the structured output's grammar allows none here"
+                else:
+                    errors[i] = "no token can be sampled: every score is NaN or -inf"
         for i in errors:
             token_ids[i] = -1
             out[i] = TokenLogprobs(math.nan)

@@ -70,10 +70,14 @@ class _TokenTable:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         special = set(tokenizer.all_special_ids)
-        self.tokens = []
+        self.tokens = []  # a special token's bytes are its name (llguidance marks it as special)
         for i in range(vocab_size):
-            text = tokenizer.decode([i]) if i < len(tokenizer) else ""
-            self.tokens.append(text.encode() if i not in special else b"")
+            if i >= len(tokenizer):
+                self.tokens.append(f"<unused_{i}>".encode())
+            else:
+                self.tokens.append(
+                    (tokenizer.convert_ids_to_tokens(i) if i in special else tokenizer.decode([i])).encode()
+                )
         self.special_token_ids = sorted(special | set(range(len(tokenizer), vocab_size)))
         self.eos_token_id = eos_token_ids[0]
         self.bos_token_id = tokenizer.bos_token_id
