@@ -1,5 +1,6 @@
 """xgrammar vs llguidance on the numbers that decide which one lockstep uses for structured outputs.
 
+    pip install xgrammar   # not a dependency of lockstep: only this comparison needs it
     PYTHONPATH=. python bench/grammar.py [--rounds 5]
 
 For each tokenizer — the embedded SmolLM2's (49,152 tokens) and a 151,936-token byte-level BPE (Qwen2/3's vocab

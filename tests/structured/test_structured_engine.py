@@ -208,3 +208,16 @@ def test_bad_grammar_raises_and_the_engine_keeps_working(tiny_model_dir: Path) -
     assert bits(outs[1]) == bits(before)
     [after] = llm.generate(["a"], ok, use_tqdm=False)
     assert bits(after) == bits(before)
+
+
+def test_chat_passes_tools_and_template_variables(tiny_model_dir: Path) -> None:
+    # vLLM's LLM.chat(..., tools=...): the tools and chat_template_kwargs reach the template.
+    template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ greeting }}{{ messages[0].content }}:"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    llm = make_llm(tiny_model_dir)
+    p = SamplingParams(temperature=0, max_tokens=2, structured_outputs=CONSTRAINTS["choice"])
+    [out] = llm.chat(
+        [{"role": "user", "content": "hi"}], p, chat_template=template, tools=[tool],
+        chat_template_kwargs={"greeting": "hello "}, use_tqdm=False,
+    )  # fmt: skip
+    assert out.prompt == "[get_weather]hello hi:"
