@@ -11,6 +11,7 @@ from lockstep.ops.mode import (
 )
 from lockstep.outputs import Logprob
 from lockstep.sampling_params import SamplingParams, choice_seed
+from lockstep.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
     "batch_invariant_mode",
     "check_batch_invariance",

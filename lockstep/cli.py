@@ -147,8 +147,35 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--header-timeout", type=float, default=10.0, help="seconds for a request's line and headers")
     p.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body (408)")
     add_limit_args(p)
+    add_chat_args(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling and reasoning options of serve."""
+    from lockstep.structured.tools import REASONING_PARSERS, TOOL_PARSERS
+
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto" (needs --tool-call-parser)'
+    )
+    p.add_argument(
+        "--tool-call-parser", default=None, choices=TOOL_PARSERS, help="how tool calls are found in chat replies"
+    )
+    p.add_argument(
+        "--reasoning-parser", default=None, choices=REASONING_PARSERS, help="split <think> into reasoning_content"
+    )
+
+
+def chat_args(args: argparse.Namespace) -> dict:
+    """``ServerState``'s tool and reasoning settings; --enable-auto-tool-choice without a parser is an error."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    return {
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
+    }
 
 
 def http_config(args: argparse.Namespace):
@@ -207,12 +234,13 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = ServingLimits(**limit_args(args))
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    chat = chat_args(args)
     # The server fingerprints the folder's weights: resolve a model id here, and serve it under its id (vLLM's name).
     if args.model is None and args.revision is not None:
         raise ValueError("--revision needs a Hugging Face model id")
     folder = None if args.model is None else resolve_model(args.model, args.revision)
     name = args.served_model_name or (args.model if folder != args.model else None)
-    state = create_state(folder, http=http, served_model_name=name, **kernel_args(args), **engine_args(args))
+    state = create_state(folder, http=http, served_model_name=name, chat=chat, **kernel_args(args), **engine_args(args))
     print(
         f"lockstep: serving {state.model_name!r} on http://{args.host}:{args.port}/v1 "
         f"(system_fingerprint {state.fingerprint})",

@@ -189,23 +189,28 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
-        rendered with the tokenizer's chat template and the generation prompt added."""
+        rendered with the tokenizer's chat template and the generation prompt added. ``tools`` (OpenAI function
+        definitions) and ``chat_template_kwargs`` go to the template, as in vLLM's ``LLM.chat``."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model folder has no tokenizer")
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        texts = [self.apply_chat_template(conv, chat_template) for conv in messages]
+        extra = dict(chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
+        texts = [self.apply_chat_template(conv, chat_template, **extra) for conv in messages]
         # The template already holds the special tokens it wants (vLLM does the same).
         items = [(t, list(self.tokenizer.encode(t, add_special_tokens=False))) for t in texts]
         return self._generate(items, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[Message], chat_template: str | None = None) -> str:
+    def apply_chat_template(self, conversation: list[Message], chat_template: str | None = None, **kwargs) -> str:
+        """The conversation as the prompt text; ``kwargs`` (``tools``, template variables) go to the template."""
         if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
             raise TypeError(f"a conversation must be a list of message dicts, got {conversation!r}")
         if chat_template is None and not self.tokenizer.chat_template:
             raise ValueError("the tokenizer has no chat template; use generate() or pass chat_template")
         return self.tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, add_generation_prompt=True, tokenize=False
+            conversation, chat_template=chat_template, add_generation_prompt=True, tokenize=False, **kwargs
         )

@@ -5,6 +5,8 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+from lockstep.structured.params import StructuredOutputsParams
+
 
 def _is_int(value: object) -> bool:
     # bool is an int subclass; ``max_tokens=True`` is a bug, not 1.
@@ -65,6 +67,11 @@ class SamplingParams:
     that only with slow tokenizers: for its text from a fast one, pass False). ``include_stop_str_in_output``
     keeps the stop string that ended the text. ``truncate_prompt_tokens=k`` keeps only the last ``k`` prompt
     tokens (``-1``: as many as leave room to generate, ``max_model_len - 1``).
+
+    ``structured_outputs`` (a ``StructuredOutputsParams``) constrains the output to a JSON schema, a regex, a
+    choice of strings or a grammar: tokens that cannot continue a valid output are set to -inf before the choice
+    (like a ``logit_bias``: logprobs stay those of the raw distribution). The allowed tokens are a function of the
+    request's own output, so the guarantee holds for constrained requests too.
     """
 
     n: int = 1
@@ -88,6 +95,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -152,6 +160,9 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or not (k >= 1 or k == -1)):
             raise ValueError(f"truncate_prompt_tokens must be None, -1 or an int >= 1, got {k!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be None or a StructuredOutputsParams, got {so!r:.200}")
 
     def for_choice(self, index: int) -> "SamplingParams":
         """The parameters of choice ``index`` run as a request of its own (``n=1``, its own seed). Only choice 0

@@ -30,6 +30,7 @@ from lockstep.engine.sequence import FinishReason, Sequence
 from lockstep.engine.tp_workers import WorkerPool
 from lockstep.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from lockstep.sampling_params import SamplingParams
+from lockstep.structured.grammar import GrammarCompiler, GrammarError
 
 
 @dataclass
@@ -93,6 +94,15 @@ class LLMEngine:
         seed = config.seed
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom(secrets.randbits(64))
         self._requests: dict[str, _Request] = {}  # lookup only; batch order comes from the scheduler
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output constraints (cached; thread-safe: a server compiles a request's constraint
+        in its own thread first, so ``add_request`` finds it compiled). GrammarError without a tokenizer."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     @property
     def vocab_size(self) -> int:
@@ -158,6 +168,11 @@ class LLMEngine:
             # The request's noise comes from its own seed alone (the output reports it).
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
         seq = Sequence(request_id, ids, params, block_size=self.config.block_size)
+        if params.structured_outputs is not None:
+            try:
+                seq.grammar = self.grammars.start(params.structured_outputs)
+            except GrammarError as e:
+                raise GrammarError(f"request {request_id!r}: {e}") from None
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(seq, prompt, ids, deltas=deltas)
 
@@ -197,6 +212,8 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for entry in sampling:
             request = self._requests[entry.seq.request_id]
+            if entry.seq.grammar is not None and request.error is None:
+                self._advance_grammar(request)
             if request.error is None:
                 try:
                     self._update_text(request)
@@ -222,6 +239,20 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (the engine cannot run steps afterwards). Idempotent."""
         if self.workers is not None:
             self.workers.close()
+
+    def _advance_grammar(self, request: _Request) -> None:
+        """Feed a structured request's new token to its grammar. A grammar that allows nothing more but EOS ends a
+        request that may not sample EOS now (``ignore_eos``, or short of ``min_tokens``) with "stop"."""
+        seq = request.seq
+        if seq.is_finished:
+            return
+        try:
+            seq.grammar.advance(seq.output_token_ids)
+        except GrammarError as e:
+            self._fail(request, str(e))
+            return
+        if seq.grammar.finished and (seq.params.ignore_eos or seq.num_output_tokens < seq.params.min_tokens):
+            self.scheduler.finish(seq.request_id, FinishReason.STOP)
 
     def _fail(self, request: _Request, why: str) -> None:
         """Abort one request for a fault of its own; the output reports ``why``."""

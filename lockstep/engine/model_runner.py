@@ -27,6 +27,7 @@ from lockstep.engine.sequence import Sequence
 from lockstep.layers.attention import FlatBatch, flatten_batch
 from lockstep.layers.sampler import Sampled, Sampler, TokenLogprobs, gather_logprobs
 from lockstep.models.loader import load_model
+from lockstep.structured.grammar import token_masks
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Without num_kv_blocks, the CPU cache gets this much memory (at least one full-length sequence's worth).
@@ -255,7 +256,17 @@ class ModelRunner:
             return Sampled([], [])
         params = [e.seq.params for e, _ in samplers]
         histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e, _ in samplers]
-        return self.sampler.sample(logits[-1], params, [e.end for e, _ in samplers], histories)
+        return self.sampler.sample(logits[-1], params, [e.end for e, _ in samplers], histories, self._masks(samplers))
+
+    def _masks(self, samplers: list) -> tuple[list[int], torch.Tensor] | None:
+        """The tokens each structured-output row may choose, from its grammar state and its own output tokens (EOS
+        only where it could end the request: not under ``ignore_eos``)."""
+        rows = [k for k, (e, _) in enumerate(samplers) if e.seq.grammar is not None]
+        if not rows:
+            return None
+        seqs = [samplers[k][0].seq for k in rows]
+        states = [(s.grammar, s.output_token_ids, not s.params.ignore_eos) for s in seqs]
+        return rows, token_masks(states, self.vocab_size, self.device)
 
     @torch.inference_mode()
     def execute(self, step: ForwardStep) -> list[torch.Tensor]:

@@ -56,6 +56,9 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, prefix-cache hits at the latest admission
         self.num_preemptions = 0
         self.arrival = -1  # set by Scheduler.add; orders FIFO admission and preemption
+        # With params.structured_outputs: the request's place in its grammar (a GrammarState, set by the engine),
+        # a function of output_token_ids alone, so preemption keeps it valid.
+        self.grammar = None
 
     def __repr__(self) -> str:
         return (

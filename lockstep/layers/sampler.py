@@ -3,7 +3,8 @@
 Every row's result is a function of that row's logits and its request's (params, seed, position, tokens) alone:
 
 - ``logit_bias`` and the repetition, frequency and presence penalties first change the row's logits, from its
-  own prompt and output tokens;
+  own prompt and output tokens; a structured output's mask then sets the tokens its grammar does not allow to
+  -inf (an elementwise select of the row: the mask comes from the request's own output, ``lockstep.structured``);
 - greedy (``temperature == 0``): the largest logit, ties to the lowest token id (an exact integer reduction);
 - ``temperature > 0``: divide by the temperature, drop tokens outside top-k, min-p and top-p, then Gumbel-max:
   add noise ``-log(-log(u))`` and take the largest score. ``u`` is a counter-based hash of ``(seed, position,
@@ -246,7 +247,9 @@ class Sampler:
     ``sample(logits, params, positions, histories)`` with ``logits: [num_rows, vocab]`` fp32 and one entry per
     row in the lists; a sampled row's noise comes from ``params[i].seed``; ``positions[i]`` is the index, in its
     sequence, of the token row ``i`` samples; ``histories[i]`` is ``(token_ids, num_prompt_tokens)`` of row
-    ``i``'s sequence (needed only when a row has penalties). Returns a ``Sampled``: the token ids and a
+    ``i``'s sequence (needed only when a row has penalties); ``allowed`` is ``(rows, mask)`` with ``mask: [len(rows),
+    vocab]`` bool on the logits' device, the tokens each of those rows may choose (structured outputs; the other
+    rows choose from all). Returns a ``Sampled``: the token ids and a
     ``TokenLogprobs`` per row, and the rows that could not be sampled. Calling the sampler is ``sample`` that
     raises ``SamplingError`` for such rows. Logprobs come from ``log_softmax`` (the kernel set's; default
     ``ops.log_softmax``).
@@ -271,8 +274,9 @@ class Sampler:
         params: list[SamplingParams],
         positions: list[int],
         histories: list[tuple[list[int], int]] | None = None,
+        allowed: tuple[list[int], torch.Tensor] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs]]:
-        sampled = self.sample(logits, params, positions, histories)
+        sampled = self.sample(logits, params, positions, histories, allowed)
         if sampled.errors:
             raise SamplingError(sampled.errors)
         return sampled.token_ids, sampled.logprobs
@@ -283,6 +287,7 @@ class Sampler:
         params: list[SamplingParams],
         positions: list[int],
         histories: list[tuple[list[int], int]] | None = None,
+        allowed: tuple[list[int], torch.Tensor] | None = None,
     ) -> Sampled:
         num_rows = logits.shape[0]
         if logits.dim() != 2 or not len(params) == len(positions) == num_rows:
@@ -303,6 +308,17 @@ class Sampler:
                     scores[i] = adjust_row(logits[i], params[i], *histories[i], banned=banned)
                 except Exception as e:  # this row's fault: reported with it
                     errors[i] = _describe(e)
+        if allowed is not None and allowed[0]:
+            masked_rows, mask = allowed
+            if mask.shape != (len(masked_rows), logits.shape[-1]):
+                raise ValueError(f"a mask {tuple(mask.shape)} for {len(masked_rows)} rows of {logits.shape[-1]} tokens")
+            if scores is logits:
+                scores = logits.clone()
+            index = torch.tensor(masked_rows, device=logits.device)
+            scores[index] = scores[index].masked_fill(~mask, float("-inf"))
+            # Rows whose grammar allows no token at all, told apart from other dead ends (same copy to the host).
+            empty_mask = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
+            empty_mask[index] = ~mask.any(dim=-1)
         # Tokens stay on the device until one copy brings them back with their logprobs: one sync a step.
         # best: the winning score, per row (-inf: nothing could be sampled).
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
@@ -340,10 +356,14 @@ class Sampler:
                         errors[i] = _describe(e_i)
 
         logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
-        token_ids, out, (best_host,) = gather_logprobs(logprobs, tokens, [p.logprobs for p in params], extra=[best])
-        for i, score in enumerate(best_host):
+        extra = [best] if allowed is None or not allowed[0] else [best, empty_mask]
+        token_ids, out, back = gather_logprobs(logprobs, tokens, [p.logprobs for p in params], extra=extra)
+        for i, score in enumerate(back[0]):
             if score == -math.inf and i not in errors:
-                errors[i] = "no token can be sampled: every score is NaN or -inf"
+                if len(back) > 1 and back[1][i]:
+                    errors[i] = "no token can be sampled: the structured output's grammar allows none here"
+                else:
+                    errors[i] = "no token can be sampled: every score is NaN or -inf"
         for i in errors:
             token_ids[i] = -1
             out[i] = TokenLogprobs(math.nan)

@@ -4,24 +4,31 @@ prompt(s), fit ``max_tokens`` to the context and build one ``ChoiceSpec`` per ch
 All of it runs in a worker thread (``ServerState.workers``), never on the event loop: ``parse_call``.
 """
 
+import json
 from typing import NamedTuple, TypeVar
 
 from pydantic import ValidationError
 
 from lockstep.sampling_params import SamplingParams
+from lockstep.server.chat_format import ChatFormat
 from lockstep.server.json_body import decode_object
 from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from lockstep.server.state import ServerState
+from lockstep.structured.grammar import GrammarError
+from lockstep.structured.params import StructuredOutputsParams
+from lockstep.structured.tools import named_tool_schema, required_tools_schema
 
 AnyRequest = TypeVar("AnyRequest", CompletionRequest, ChatCompletionRequest)
 _UNION_TAGS = {"text", "texts", "ids", "id_lists", "str"}  # in a validation error's location, not fields
 
 
 class ChoiceSpec(NamedTuple):
-    """One engine request of an API call: a prompt's token ids and the sampling params of one of its choices."""
+    """One engine request of an API call: a prompt's token ids and the sampling params of one of its choices
+    (for chat, how its text becomes the message: tool calls, reasoning)."""
 
     prompt_ids: list[int]
     params: SamplingParams
+    chat_format: ChatFormat | None = None
 
 
 def parse_call(state: ServerState, body: bytes, chat: bool) -> tuple[AnyRequest, list[ChoiceSpec]]:
@@ -53,10 +60,11 @@ def parse_body(body: bytes, model: type[AnyRequest]) -> AnyRequest:
 def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceSpec]:
     """A /v1/completions call's engine requests: the ``n`` choices of the first prompt, then of the next, ..."""
     _check_common(state, req)
+    structured = _compile(state, *_structured_outputs(req))
     prompts = _completion_prompts(state, req)
     max_tokens = [_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts]
     return [
-        ChoiceSpec(p, _params(req, m, req.logprobs, i))
+        ChoiceSpec(p, _params(req, m, req.logprobs, i, structured))
         for p, m in zip(prompts, max_tokens, strict=True)
         for i in range(req.n)
     ]
@@ -67,10 +75,90 @@ def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpe
     _check_common(state, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    prompt = _chat_prompt(state, req)
+    fmt, forced = _tool_format(state, req)
+    param, structured = _structured_outputs(req)
+    if forced is not None:
+        if structured is not None:
+            raise APIError(400, f"{param} cannot constrain the output of a forced tool call", param=param)
+        param, structured = "tools", forced
+    structured = _compile(state, param, structured)
+    prompt, opened = _chat_prompt(state, req)
+    if fmt.reasoning:
+        fmt = ChatFormat(fmt.tool_mode, fmt.function, fmt.parser, True, opened)
     max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return [ChoiceSpec(prompt, _params(req, max_tokens, logprobs, i)) for i in range(req.n)]
+    return [ChoiceSpec(prompt, _params(req, max_tokens, logprobs, i, structured), fmt) for i in range(req.n)]
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, StructuredOutputsParams | None]:
+    """The call's output constraint and the parameter that set it: ``structured_outputs``, a ``guided_*`` field
+    or ``response_format``; 400 for a bad one, or for more than one."""
+    given: list[tuple[str, StructuredOutputsParams]] = []
+    candidates: list[tuple[str, dict]] = []  # (parameter, StructuredOutputsParams fields)
+    if req.structured_outputs is not None:
+        candidates.append(("structured_outputs", req.structured_outputs.model_dump(by_alias=True)))
+    candidates += [
+        (name, {kind: getattr(req, name)}) for name, kind in _GUIDED.items() if getattr(req, name) is not None
+    ]
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        candidates.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        candidates.append(("response_format", {"json": rf.json_schema.schema_}))
+    for name, fields in candidates:
+        try:
+            given.append((name, StructuredOutputsParams(**fields)))
+        except ValueError as e:
+            raise APIError(400, str(e), param=name) from None
+    if len(given) > 1:
+        names = ", ".join(name for name, _ in given)
+        raise APIError(400, f"only one of these may constrain the output, got {names}", param=given[1][0])
+    return given[0] if given else ("structured_outputs", None)
+
+
+def _compile(state: ServerState, param: str, params: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+    """Compile the constraint here, in a request thread, so that the engine step finds it in the cache; 400 for
+    one that does not compile."""
+    if params is not None:
+        try:
+            state.engine.engine.grammars.compile(params)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=param) from None
+    return params
+
+
+def _tool_format(state: ServerState, req: ChatCompletionRequest) -> tuple[ChatFormat, StructuredOutputsParams | None]:
+    """How the reply's text becomes a message, and the constraint a forced tool call puts on it (vLLM's rules:
+    ``tool_choice`` defaults to "auto" with tools, "auto" needs ``--enable-auto-tool-choice`` and a parser)."""
+    reasoning = state.reasoning_parser is not None
+    tools = [t.function for t in req.tools or []]
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if choice == "none":
+        return ChatFormat(reasoning=reasoning), None
+    if choice == "auto":
+        if not state.enable_auto_tool_choice or state.tool_call_parser is None:
+            raise APIError(
+                400,
+                '"auto" tool choice needs the server to run with --enable-auto-tool-choice and --tool-call-parser',
+                param="tool_choice",
+            )
+        return ChatFormat("auto", parser=state.tool_call_parser, reasoning=reasoning), None
+    as_dicts = [t.model_dump(exclude_none=True) for t in tools]
+    if choice == "required":
+        schema = required_tools_schema(as_dicts, req.parallel_tool_calls)
+        return ChatFormat("required", reasoning=reasoning), StructuredOutputsParams(json=schema)
+    name = choice.function.name
+    function = next((f for f in as_dicts if f["name"] == name), None)
+    if function is None:
+        raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice")
+    return ChatFormat("named", name, reasoning=reasoning), StructuredOutputsParams(json=named_tool_schema(function))
 
 
 def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -120,7 +208,11 @@ def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, w
 
 
 def _params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None, index: int
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    index: int,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -137,6 +229,7 @@ def _params(
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+            structured_outputs=structured,
         ).for_choice(index)
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -156,18 +249,42 @@ def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list
     return [p] if isinstance(p[0], int) else p
 
 
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+def _message(m) -> dict:
+    """One request message as the chat template reads it: tool calls' arguments as objects (what Hugging Face
+    templates expect; vLLM does the same), tool results with their call's id."""
+    out: dict = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            try:
+                arguments = json.loads(c.function.arguments)
+            except json.JSONDecodeError:
+                arguments = c.function.arguments
+            calls.append({"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": arguments}})
+        out["tool_calls"] = calls
+    return out
+
+
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool]:
+    """The templated conversation's token ids, and whether the text ends inside an open ``<think>``."""
     tok = state.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [_message(m) for m in req.messages]
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
+    extra = dict(req.chat_template_kwargs or {})
+    if req.tools:
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     except Exception as e:  # a template that rejects the conversation
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
     _check_chars(state, len(text), "messages")
-    return list(tok.encode(text, add_special_tokens=False))
+    return list(tok.encode(text, add_special_tokens=False)), text.rstrip().endswith("<think>")

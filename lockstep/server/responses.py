@@ -19,6 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.outputs import RequestOutput
 from lockstep.server.async_engine import EngineError, RequestGroup
+from lockstep.server.chat_format import ChoiceStream
 from lockstep.server.middleware import new_error_id, server_error_body
 from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lockstep.server.requests import ChoiceSpec
@@ -141,22 +142,38 @@ class _Response:
         }
 
     def choice(
-        self, index: int, out: RequestOutput, text: str, start: int = 0, offset: int = 0, delta: bool = False
+        self,
+        index: int,
+        out: RequestOutput,
+        text: str,
+        start: int = 0,
+        offset: int = 0,
+        delta: bool = False,
+        shaper: ChoiceStream | None = None,
     ) -> dict:
         """Choice ``index`` of a reply (``text`` is the whole text), or of a stream chunk (``delta``: ``text`` is
-        the new piece, which begins at character ``offset`` of the choice; logprobs from token ``start`` on)."""
+        the new piece, which begins at character ``offset`` of the choice; logprobs from token ``start`` on;
+        ``shaper``: the choice's tool-call and reasoning stream, for chat calls that have one)."""
         tok = self.state.tokenizer
         n = self.specs[index].params.logprobs
+        finish_reason = out.finish_reason
         if self.chat:
             lp = _chat_logprobs(tok, out, start, n) if self.logprobs else None
-            if delta:
+            fmt = self.specs[index].chat_format
+            if delta and shaper is not None:
+                body = {"delta": shaper.feed(text, out.finished)}
+                finish_reason = shaper.finish_reason(out.finish_reason)
+            elif delta:
                 body = {"delta": {"content": text} if text else {}}
+            elif fmt is not None and not fmt.plain:
+                message, finish_reason = fmt.message(text, out.finish_reason)
+                body = {"message": message}
             else:
                 body = {"message": {"role": "assistant", "content": text}}
         else:
             lp = _completion_logprobs(tok, out, start, offset, n) if self.logprobs else None
             body = {"text": text}
-        return {"index": index, **body, "logprobs": lp, "finish_reason": out.finish_reason}
+        return {"index": index, **body, "logprobs": lp, "finish_reason": finish_reason}
 
     def usage(self, finals: list[RequestOutput]) -> dict:
         prompt = sum(len(s.prompt_ids) for s in self.specs)
@@ -223,6 +240,7 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
     head = r.head(stream=True)
     index = {rid: i for i, rid in enumerate(r.request_ids)}
     streams = [_TextStream(r.state.tokenizer, s.params.stop) for s in r.specs]
+    shapers = [s.chat_format.stream() if s.chat_format and not s.chat_format.plain else None for s in r.specs]
 
     async def events() -> AsyncIterator[bytes]:
         finals: list[RequestOutput] = []
@@ -243,7 +261,9 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
                     continue
                 if out.finished:
                     finals.append(out)
-                choice = r.choice(i, out, text, start, offset=len(stream.sent) - len(text), delta=True)
+                choice = r.choice(i, out, text, start, len(stream.sent) - len(text), delta=True, shaper=shapers[i])
+                if shapers[i] is not None and not choice["delta"] and not out.finished and not r.logprobs:
+                    continue  # all of it held back (a tag in the making)
                 yield _sse(head | {"choices": [choice]})
             if include_usage:
                 yield _sse(head | {"choices": [], "usage": r.usage(finals)})

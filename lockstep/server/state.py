@@ -27,6 +27,11 @@ class ServerState:
     fingerprint: str
     fingerprint_parts: dict
     http: HTTPConfig = field(default_factory=HTTPConfig)
+    # Chat: tool_choice "auto" needs both (vLLM's --enable-auto-tool-choice and --tool-call-parser); with a
+    # reasoning parser, replies split <think> off into reasoning_content.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @property
     def metrics(self) -> Metrics:
@@ -63,10 +68,13 @@ def create_state(
     *,
     http: HTTPConfig | None = None,
     served_model_name: str | None = None,
+    chat: dict | None = None,
     **engine_kwargs,
 ) -> ServerState:
     """Load ``model`` (default: the embedded SmolLM2) into an engine thread and fingerprint what it serves;
-    ``http`` is how the HTTP layer admits requests, ``engine_kwargs`` are ``EngineConfig`` fields."""
+    ``http`` is how the HTTP layer admits requests, ``chat`` the ``ServerState`` tool and reasoning settings
+    (``enable_auto_tool_choice``, ``tool_call_parser``, ``reasoning_parser``), ``engine_kwargs`` are
+    ``EngineConfig`` fields."""
     import torch
 
     import lockstep
@@ -97,4 +105,5 @@ def create_state(
     tokenizer = load_tokenizer(model) if engine.tokenizer is not None else None
     async_engine = AsyncEngine(engine)
     async_engine.metrics.info = {k: v for k, v in parts.items() if k != "weights_blake2b"}
-    return ServerState(async_engine, tokenizer, name, model, make_fingerprint(parts), parts, http or HTTPConfig())
+    fingerprint = make_fingerprint(parts)
+    return ServerState(async_engine, tokenizer, name, model, fingerprint, parts, http or HTTPConfig(), **(chat or {}))

@@ -286,3 +286,45 @@ def test_a_row_that_raises_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
         assert sorted(sampled.errors) == [2, 5], sampled.errors
         assert "needs a seed" in sampled.errors[2] and "IndexError" in sampled.errors[5]
         assert {i: sampled.token_ids[i] for i in want} == want
+
+
+@pytest.mark.parametrize("vocab", (3, 127, 1000))
+def test_masked_rows_choose_within_their_mask_alone_or_batched(vocab: int) -> None:
+    # Structured outputs: a row's mask sets its disallowed tokens to -inf before the choice; its token equals the
+    # one its masked logits give alone, in any row order and beside unmasked rows, whose bits do not change. The
+    # logprobs stay those of the raw logits.
+    rows = 7
+    x = logits_batch(rows, vocab, seed=vocab + 1)
+    gen = torch.Generator().manual_seed(vocab)
+    params = seeded([SamplingParams(temperature=(0.0, 0.9)[i % 2], logprobs=2) for i in range(rows)], range(rows))
+    masked = [0, 3, 4]
+    mask = torch.rand(len(masked), vocab, generator=gen) < 0.3
+    mask[:, 0] = True  # never empty
+    positions = list(range(rows))
+    sampled = Sampler().sample(x, params, positions, allowed=(masked, mask))
+    plain = Sampler().sample(x, params, positions)
+    for i in range(rows):
+        row = x[i : i + 1].clone()
+        if i in masked:
+            row[0, ~mask[masked.index(i)]] = float("-inf")
+            assert mask[masked.index(i), sampled.token_ids[i]]
+        else:
+            assert (sampled.token_ids[i], sampled.logprobs[i]) == (plain.token_ids[i], plain.logprobs[i])
+        alone = Sampler().sample(row, [params[i]], [i])
+        assert alone.token_ids == [sampled.token_ids[i]]
+        raw = Sampler().sample(x[i : i + 1], [params[i]], [i])  # the logprobs are the raw row's
+        assert sampled.logprobs[i].top == raw.logprobs[0].top
+    # The same rows in another order, the masks following their rows.
+    perm = [5, 3, 0, 6, 1, 4, 2]
+    moved = [perm.index(i) for i in masked]
+    shuffled = Sampler().sample(x[perm], [params[i] for i in perm], [positions[i] for i in perm], allowed=(moved, mask))
+    assert shuffled.token_ids == [sampled.token_ids[i] for i in perm]
+
+
+def test_a_row_whose_mask_allows_nothing_fails_alone() -> None:
+    x = logits_batch(3, 50, seed=1)
+    params = [SamplingParams(temperature=0.0)] * 3
+    mask = torch.zeros(1, 50, dtype=torch.bool)
+    sampled = Sampler().sample(x, params, [0, 1, 2], allowed=([1], mask))
+    assert set(sampled.errors) == {1} and "grammar allows none" in sampled.errors[1]
+    assert [sampled.token_ids[i] for i in (0, 2)] == [int(x[0].argmax()), int(x[2].argmax())]

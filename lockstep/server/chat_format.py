@@ -1,0 +1,128 @@
+"""How a chat choice's generated text becomes the assistant's message: plain content, a forced tool call, the
+calls of "required", calls parsed out of free text (``tool_choice="auto"``), and reasoning split off.
+
+``ChatFormat`` is decided once per call (``requests``); ``message`` shapes a finished choice, ``stream`` gives a
+``ChoiceStream`` whose ``feed`` turns each new piece of text into the delta fields to send (vLLM's shapes).
+"""
+
+import uuid
+from dataclasses import dataclass
+
+from lockstep.structured.tools import (
+    HermesToolParser,
+    ParsedCall,
+    ReasoningStream,
+    parse_required_calls,
+    split_reasoning,
+)
+
+TOOL_PARSERS = {"hermes": HermesToolParser}
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _call(index: int, call: ParsedCall, with_index: bool) -> dict:
+    out = {"id": tool_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": index, **out} if with_index else out
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """``tool_mode``: None (plain text), "named" (the output is ``function``'s arguments), "required" (a JSON
+    array of calls) or "auto" (calls parsed with ``parser``); ``reasoning``: split ``<think>`` off first
+    (``opened``: the prompt already opened it)."""
+
+    tool_mode: str | None = None
+    function: str | None = None
+    parser: str | None = None
+    reasoning: bool = False
+    opened: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """True when the text is the content as it is (no tools to find, no reasoning to split)."""
+        return self.tool_mode in (None, "none") and not self.reasoning
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The assistant message of a finished choice, and its finish_reason ("tool_calls" once calls were made
+        and it stopped by itself)."""
+        msg: dict = {"role": "assistant"}
+        if self.reasoning:
+            reasoning, text = split_reasoning(text, self.opened)
+            msg["reasoning_content"] = reasoning
+        calls: list[ParsedCall] = []
+        content: str | None = text
+        if self.tool_mode == "named" and finish_reason == "stop":
+            calls, content = [ParsedCall(self.function, text)], None
+        elif self.tool_mode == "required":
+            parsed = parse_required_calls(text)
+            if parsed:
+                calls, content = parsed, None
+        elif self.tool_mode == "auto":
+            content, calls = TOOL_PARSERS[self.parser]().parse(text)
+        msg["content"] = content
+        if calls:
+            msg["tool_calls"] = [_call(i, c, with_index=False) for i, c in enumerate(calls)]
+        return msg, _finish(finish_reason, bool(calls))
+
+    def stream(self) -> "ChoiceStream":
+        return ChoiceStream(self)
+
+
+class ChoiceStream:
+    """One streamed choice: ``feed(piece, finished)`` -> the delta's fields (content, reasoning_content,
+    tool_calls; absent when empty); ``finish_reason`` maps the engine's reason at the end."""
+
+    def __init__(self, fmt: ChatFormat) -> None:
+        self.fmt = fmt
+        self.reasoning = ReasoningStream(fmt.opened) if fmt.reasoning else None
+        self.parser = TOOL_PARSERS[fmt.parser]().stream() if fmt.tool_mode == "auto" else None
+        self.buffer = ""  # "required": the whole output, parsed at the end
+        self.num_calls = 0
+        self.named_id: str | None = None
+
+    def feed(self, piece: str, finished: bool) -> dict:
+        delta: dict = {}
+        if self.reasoning is not None:
+            reasoning, piece = self.reasoning.feed(piece, finished)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+        mode = self.fmt.tool_mode
+        if mode == "named":
+            # The arguments stream as they come, under one call opened with the first piece.
+            if piece or (finished and self.named_id is None):
+                call: dict = {"index": 0, "function": {"arguments": piece}}
+                if self.named_id is None:
+                    self.named_id = tool_call_id()
+                    call |= {"id": self.named_id, "type": "function"}
+                    call["function"] = {"name": self.fmt.function, "arguments": piece}
+                delta["tool_calls"] = [call]
+                self.num_calls = 1
+            return delta
+        if mode == "required":
+            self.buffer += piece
+            if finished:
+                calls = parse_required_calls(self.buffer) or []
+                if calls:
+                    delta["tool_calls"] = [_call(i, c, with_index=True) for i, c in enumerate(calls)]
+                    self.num_calls = len(calls)
+                elif self.buffer:
+                    delta["content"] = self.buffer  # not a complete array (cut off): sent as it is
+            return delta
+        if self.parser is not None:
+            piece, calls = self.parser.feed(piece, finished)
+            if calls:
+                delta["tool_calls"] = [_call(self.num_calls + i, c, with_index=True) for i, c in enumerate(calls)]
+                self.num_calls += len(calls)
+        if piece:
+            delta["content"] = piece
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return _finish(reason, self.num_calls > 0)

@@ -1,0 +1,211 @@
+"""Tool calls as text: the JSON schemas that force a call, and the parsers that find calls in a model's output.
+
+- ``named_tool_schema`` / ``required_tools_schema``: what ``tool_choice`` = a named function or "required" makes
+  the output follow (vLLM's shapes): the function's parameters as one JSON object, or a non-empty JSON array of
+  ``{"name": ..., "parameters": {...}}``.
+- ``HermesToolParser``: the Hermes / Qwen format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  anywhere in the text (vLLM's ``--tool-call-parser hermes``). ``parse`` splits a whole output; ``HermesStream``
+  does it piece by piece as text streams in, holding back what could still become a tag.
+- ``split_reasoning`` / ``ReasoningStream``: Qwen3's ``<think>...</think>`` (vLLM's ``--reasoning-parser qwen3``).
+
+A parsed call is a ``ParsedCall(name, arguments)``, ``arguments`` a JSON text, as the OpenAI API returns it.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+TOOL_PARSERS = ("hermes",)
+REASONING_PARSERS = ("qwen3",)
+
+
+class ParsedCall(NamedTuple):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+def _parameters(function: dict) -> dict:
+    params = function.get("parameters")
+    return params if params else {"type": "object", "properties": {}}
+
+
+def named_tool_schema(function: dict) -> dict:
+    """The output of a forced call of ``function`` (an OpenAI function definition): its arguments object."""
+    return _parameters(function)
+
+
+def required_tools_schema(functions: list[dict], parallel: bool = True) -> dict:
+    """The output of ``tool_choice="required"``: a JSON array of calls, each ``{"name", "parameters"}`` of one of
+    ``functions`` (at most one call without ``parallel``)."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": _parameters(f)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def parse_required_calls(text: str) -> list[ParsedCall] | None:
+    """The calls of a "required" output; None when it is not a complete array of calls (a cut-off output)."""
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
+        return None
+    return [ParsedCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in calls]
+
+
+def _parse_call(body: str) -> ParsedCall | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string already
+        return ParsedCall(obj["name"], arguments)
+    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+@dataclass(frozen=True)
+class HermesToolParser:
+    """``<tool_call>{json}</tool_call>`` blocks; a last block left open at the end of the output counts too (a
+    model may stop right after the JSON). A block whose JSON does not parse stays in the content."""
+
+    start: str = "<tool_call>"
+    end: str = "</tool_call>"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """``(content, calls)``: the text outside the calls (None if only whitespace) and the calls in order."""
+        content, calls, pos = [], [], 0
+        while True:
+            i = text.find(self.start, pos)
+            if i < 0:
+                content.append(text[pos:])
+                break
+            j = text.find(self.end, i + len(self.start))
+            body_end = j if j >= 0 else len(text)
+            call = _parse_call(text[i + len(self.start) : body_end].strip())
+            block_end = body_end + len(self.end) if j >= 0 else len(text)
+            content.append(text[pos:i] if call is not None else text[pos:block_end])
+            if call is not None:
+                calls.append(call)
+            pos = block_end
+            if j < 0:
+                break
+        joined = "".join(content)
+        if calls:
+            joined = joined.strip()
+        return (joined or None) if calls else joined, calls
+
+    def stream(self) -> "HermesStream":
+        return HermesStream(self)
+
+
+def _held_back(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could be the start of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class HermesStream:
+    """A streamed output, piece by piece: ``feed`` returns the content that can be sent now and the calls that
+    just closed. Text that could begin ``<tool_call>`` waits for the next piece; a call is sent whole once its
+    closing tag (or the end of the output) arrives."""
+
+    def __init__(self, parser: HermesToolParser) -> None:
+        self.parser = parser
+        self.pending = ""  # held back content, or the body of an open call
+        self.in_call = False
+        self.num_calls = 0
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, list[ParsedCall]]:
+        self.pending += piece
+        content, calls = [], []
+        p = self.parser
+        while True:
+            if not self.in_call:
+                i = self.pending.find(p.start)
+                if i < 0:
+                    keep = 0 if final else _held_back(self.pending, p.start)
+                    content.append(self.pending[: len(self.pending) - keep])
+                    self.pending = self.pending[len(self.pending) - keep :]
+                    break
+                content.append(self.pending[:i])
+                self.pending, self.in_call = self.pending[i + len(p.start) :], True
+            j = self.pending.find(p.end)
+            if j < 0 and not final:
+                break
+            body = self.pending[:j] if j >= 0 else self.pending
+            call = _parse_call(body.strip())
+            if call is not None:
+                calls.append(call)
+            else:  # not a call after all: the block is content
+                content.append(p.start + body + (p.end if j >= 0 else ""))
+            self.pending = self.pending[j + len(p.end) :] if j >= 0 else ""
+            self.in_call = False
+            if j < 0:
+                break
+        self.num_calls += len(calls)
+        return "".join(content), calls
+
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
+    """Qwen3's ``(reasoning, content)``: an output that opens with ``<think>`` (or whose prompt ended with it:
+    ``opened``) reasons until ``</think>``; the rest, newlines after the tag dropped, is the content. Any other
+    output is all content (reasoning None). ``ReasoningStream`` gives the same split piece by piece."""
+    stream = ReasoningStream(opened)
+    reasoning, content = stream.feed(text, final=True)
+    return (reasoning if stream.reasoned else None), content
+
+
+class ReasoningStream:
+    """``split_reasoning`` piece by piece: ``feed`` returns the ``(reasoning, content)`` that can be sent now,
+    holding back what could still be ``<think>`` at the start or ``</think>`` at the end."""
+
+    START, END = "<think>", "</think>"
+
+    def __init__(self, opened: bool = False) -> None:
+        self.state = "reasoning" if opened else "undecided"
+        self.reasoned = opened  # the output reasons (some of it is reasoning)
+        self.pending = ""
+        self.strip_newlines = False  # right after </think>
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, str]:
+        self.pending += piece
+        if self.state == "undecided":
+            head = self.pending.lstrip()
+            if head.startswith(self.START):
+                self.state, self.reasoned, self.pending = "reasoning", True, head[len(self.START) :]
+            elif self.START.startswith(head) and not final:
+                return "", ""  # could still open with <think>
+            else:
+                self.state = "content"
+        if self.state == "reasoning":
+            j = self.pending.find(self.END)
+            if j < 0:
+                keep = 0 if final else _held_back(self.pending, self.END)
+                out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+                return out, ""
+            reasoning, self.pending = self.pending[:j], self.pending[j + len(self.END) :]
+            self.state, self.strip_newlines = "content", True
+            return reasoning, self._content(final)
+        return "", self._content(final)
+
+    def _content(self, final: bool) -> str:
+        out, self.pending = self.pending, ""
+        if self.strip_newlines:
+            out = out.lstrip("\n")
+            self.strip_newlines = not out and not final
+        return out

@@ -1,0 +1,169 @@
+"""The grammar layer on its own: constraints to masks, state fed by tokens, errors, the cache."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import TINY_EOS, TINY_VOCAB, save_char_tokenizer
+
+from lockstep.structured import StructuredOutputsParams as S
+from lockstep.structured.grammar import (
+    CACHE_SIZE,
+    GrammarCompiler,
+    GrammarError,
+    _closed_objects,
+    token_masks,
+    unpack_bitmask,
+)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("char-tok")
+    save_char_tokenizer(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def compiler(tok) -> GrammarCompiler:
+    return GrammarCompiler(tok, TINY_VOCAB, [TINY_EOS])
+
+
+def ids(tok, text: str) -> list[int]:
+    return [tok.convert_tokens_to_ids(c) for c in text]
+
+
+def allowed_text(tok, state, output: list[int], allow_eos: bool = True) -> set[str]:
+    mask = token_masks([(state, output, allow_eos)], TINY_VOCAB, "cpu")[0]
+    return {"EOS" if t == TINY_EOS else tok.convert_ids_to_tokens(t) for t in mask.nonzero().flatten().tolist()}
+
+
+def test_params_take_exactly_one_constraint() -> None:
+    with pytest.raises(ValueError, match="exactly one .* got none"):
+        S()
+    with pytest.raises(ValueError, match="exactly one .* got regex, choice"):
+        S(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="not valid JSON text"):
+        S(json="{nope")
+    with pytest.raises(ValueError, match="non-empty list"):
+        S(choice=[])
+    with pytest.raises(ValueError, match="every choice"):
+        S(choice=["a", ""])
+    with pytest.raises(ValueError, match="exactly one"):
+        S(json_object=False)
+    assert S(json='{"type": "object"}').json == {"type": "object"}
+    assert S(json={"b": 1, "a": 2}).key == S(json={"a": 2, "b": 1}).key
+    assert S(json={"a": 1}).key != S(json={"a": 1}, disable_any_whitespace=True).key
+    assert S(choice=["x"]).kind == "choice" and S(json_object=True).kind == "json_object"
+
+
+def test_regex_mask_follows_the_tokens(tok, compiler: GrammarCompiler) -> None:
+    state = compiler.start(S(regex=r"[0-9]{2}(px|em)"))
+    assert allowed_text(tok, state, []) == set("0123456789")
+    assert allowed_text(tok, state, ids(tok, "4")) == set("0123456789")
+    assert allowed_text(tok, state, ids(tok, "42")) == {"p", "e"}
+    assert not state.finished
+    assert allowed_text(tok, state, ids(tok, "42p")) == {"x"}
+    assert allowed_text(tok, state, ids(tok, "42px")) == {"EOS"}
+    assert state.finished
+    # Without EOS (ignore_eos), a finished grammar allows nothing: the engine ends such a request itself.
+    assert allowed_text(tok, state, ids(tok, "42px"), allow_eos=False) == set()
+
+
+def test_state_is_a_function_of_the_tokens(tok, compiler: GrammarCompiler) -> None:
+    # Tokens that go back (any rewind) replay from the start: the same tokens give the same mask.
+    state = compiler.start(S(choice=["red", "rose", "blue"]))
+    assert allowed_text(tok, state, ids(tok, "r")) == {"e", "o"}
+    assert allowed_text(tok, state, ids(tok, "re")) == {"d"}
+    assert allowed_text(tok, state, ids(tok, "b")) == {"l"}
+    assert allowed_text(tok, state, []) == {"r", "b"}
+    fresh = compiler.start(S(choice=["red", "rose", "blue"]))
+    assert allowed_text(tok, fresh, ids(tok, "ro")) == allowed_text(tok, state, ids(tok, "ro")) == {"s"}
+
+
+def test_json_schema_mask(tok, compiler: GrammarCompiler) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    compact = compiler.start(S(json=schema, disable_any_whitespace=True))
+    assert allowed_text(tok, compact, []) == {"{"}
+    assert allowed_text(tok, compact, ids(tok, '{"a":1')) == set("0123456789") | {",", "}"}
+    loose = compiler.start(S(json=schema))
+    assert allowed_text(tok, loose, ids(tok, "{")) == {" ", '"'}  # vLLM's default: any whitespace (" " here)
+    closed = compiler.start(S(json=schema, disable_additional_properties=True))
+    assert "," not in allowed_text(tok, closed, ids(tok, '{"a":1'))
+    with pytest.raises(GrammarError, match="rejects the output"):
+        compact.advance(ids(tok, '{"a":1x'))
+    # Other tokens of the same length are not an extension: the state replays them.
+    with pytest.raises(GrammarError, match="rejects the output"):
+        compact.advance(ids(tok, '{"a":x'))
+    assert allowed_text(tok, compact, ids(tok, '{"a":')) == set("-0123456789")
+
+
+def test_closed_objects_marks_every_object_schema() -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "object", "properties": {}}, "y": {"type": "integer"}}}
+    closed = _closed_objects(schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["x"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["y"]
+    assert _closed_objects({"type": "object", "additionalProperties": True})["additionalProperties"] is True
+
+
+def test_grammars_lark_and_gbnf(tok, compiler: GrammarCompiler) -> None:
+    lark = compiler.start(S(grammar='start: "go " DIR\nDIR: "north" | "south"'))
+    assert allowed_text(tok, lark, ids(tok, "go ")) == {"n", "s"}
+    gbnf = compiler.start(S(grammar='root ::= "x" [0-9]+'))
+    assert allowed_text(tok, gbnf, ids(tok, "x1")) == set("0123456789") | {"EOS"}
+
+
+@pytest.mark.parametrize(
+    "params, pattern",
+    [
+        (S(regex="[0-9"), "invalid regex.*unclosed character class"),
+        (S(json={"type": "frob"}), "invalid json.*frob"),
+        (S(json={"$ref": "#/definitions/missing"}), "invalid json"),
+        (S(grammar="start: undefined_rule"), "invalid grammar.*undefined_rule"),
+        (S(grammar="root ::= ("), "invalid grammar"),
+    ],
+)
+def test_bad_constraints_raise_grammar_error(compiler: GrammarCompiler, params: S, pattern: str) -> None:
+    with pytest.raises(GrammarError, match=re.compile(pattern, re.S)):
+        compiler.compile(params)
+
+
+def test_cache_is_keyed_by_the_constraint(compiler: GrammarCompiler) -> None:
+    a = compiler.compile(S(json={"type": "object", "properties": {"k": {"type": "string"}}}))
+    b = compiler.compile(S(json='{"properties": {"k": {"type": "string"}}, "type": "object"}'))
+    assert a is b
+    for i in range(CACHE_SIZE + 1):
+        compiler.compile(S(regex=f"a{{{i + 1}}}"))
+    assert len(compiler._cache) == CACHE_SIZE
+
+
+def test_no_tokenizer_or_eos_is_an_error() -> None:
+    with pytest.raises(GrammarError, match="tokenizer"):
+        GrammarCompiler(None, 10, [1])
+
+
+def test_unpack_bitmask_matches_a_bit_loop() -> None:
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32, generator=gen)
+    for vocab in (1, 33, 150, 160):
+        got = unpack_bitmask(words, vocab)
+        want = [[bool((int(words[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for r in range(3)]
+        assert got.tolist() == want
+
+
+def test_real_tokenizer_never_allows_special_tokens_inside_json(embedded_model_dir: Path) -> None:
+    # xgrammar lets <|im_start|> and the like into JSON strings (as their text); llguidance does not.
+    from lockstep.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(str(embedded_model_dir))
+    compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id])
+    state = compiler.start(S(json={"type": "object", "properties": {"s": {"type": "string"}}}))
+    start = token_masks([(state, [], True)], 49152, "cpu")[0].nonzero().flatten().tolist()
+    assert start and all(tokenizer.decode([t]).startswith("{") for t in start)
+    inside = tokenizer.encode('{"s": "ab', add_special_tokens=False)
+    mask = token_masks([(state, inside, True)], 49152, "cpu")[0]
+    assert mask.sum() > 40000  # almost any text continues a string
+    assert not mask[tokenizer.all_special_ids].any()
