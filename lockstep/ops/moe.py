@@ -405,4 +405,5 @@ def experts_reference(
             outs.append(torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e]))
     y = torch.cat(outs) if outs else x.new_zeros((0, hidden))  # [P, H], sorted rows
     y = y[plan.rows].view(num_tokens, top_k, hidden)  # back in pair order (a permutation)
-    return (y.float() * weights.float()[:, :, None]).sum(1).to(x.dtype)
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for a float64 reference
+    return (y.to(acc) * weights.to(acc)[:, :, None]).sum(1).to(x.dtype)

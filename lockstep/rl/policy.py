@@ -79,6 +79,8 @@ TRAINABLE = Kernels(
     rotary=rotary,
     attention=attention.paged_attention,
     log_softmax=autograd.log_softmax,
+    moe_route=autograd.moe_route,
+    moe_experts=autograd.moe_experts,
 )
 
 
