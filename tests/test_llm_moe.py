@@ -57,7 +57,11 @@ def test_moe_invariance_after_prefix_cache_hit(tiny_moe_dir: Path, moe_reference
 
     llm.engine.scheduler.add = spy_add
     outs = run_mixed(llm, 5, 9)
-    hits = [cached[o.request_id].num_cached_tokens for o, p in zip(outs, TARGET_PARAMS, strict=True) if p.prompt_logprobs is None]
+    hits = [
+        cached[o.request_id].num_cached_tokens
+        for o, p in zip(outs, TARGET_PARAMS, strict=True)
+        if p.prompt_logprobs is None
+    ]
     assert min(hits) >= BLOCK * 2, "no prefix-cache hit"
     assert [bits(o) for o in outs] == moe_reference
 
@@ -75,7 +79,9 @@ def test_moe_decode_equals_a_fresh_prefill(tiny_moe_dir: Path, moe_reference: li
             expect.append(((tokens[i],), (lps[i],), (tops[i],)))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [bits(o)[:3] for o in outs] == expect
-    assert prompt_vs_decode(make_llm(tiny_moe_dir, max_num_batched_tokens=7, max_num_seqs=7), moe_reference) == [True] * 5
+    assert (
+        prompt_vs_decode(make_llm(tiny_moe_dir, max_num_batched_tokens=7, max_num_seqs=7), moe_reference) == [True] * 5
+    )
 
 
 def test_moe_default_kernels_follow_the_batch(tiny_moe_dir: Path) -> None:

@@ -101,9 +101,8 @@ class ModelConfig:
             raise ValueError(f"{self.architecture} with num_experts={self.num_experts}")
         if self.num_experts > 0:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
-                raise ValueError(
-                    f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
-                )
+                bounds = f"[1, num_experts={self.num_experts}]"
+                raise ValueError(f"num_experts_per_tok must be in {bounds}, got {self.num_experts_per_tok}")
             if self.moe_intermediate_size <= 0:
                 raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
 
@@ -391,7 +390,9 @@ class LlamaForCausalLM(nn.Module):
         if tp_invariant is None:
             tp_invariant = self.tp.size > 1 and self.kernels.batch_invariant
         if self.tp.size > 1 and config.num_experts:
-            raise ValueError(f"tensor parallelism is not supported for mixture-of-experts models ({config.architecture})")
+            raise ValueError(
+                f"tensor parallelism is not supported for mixture-of-experts models ({config.architecture})"
+            )
         if tp_invariant and not self.kernels.batch_invariant:
             raise ValueError(f"tp_invariant=True needs a batch-invariant kernel set, not {self.kernels.name!r}")
         self.tp_invariant = tp_invariant

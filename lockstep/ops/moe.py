@@ -70,16 +70,68 @@ def renormalize_in_order(weights: torch.Tensor) -> torch.Tensor:
     return weights / total[:, None]
 
 
+@triton.jit
+def _route_kernel(
+    logits_ptr, w_ptr, ids_ptr, E, stride_l,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    # One token: softmax over its E logits in fp32, k rounds of "largest, lowest id among equals", the weights
+    # summed left to right in rank order.
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(valid, p / tl.sum(p, 0), -1.0)  # -1: never chosen
+    slots = tl.arange(0, K_PAD)
+    weights = tl.zeros((K_PAD,), dtype=tl.float32)
+    ids = tl.zeros((K_PAD,), dtype=tl.int64)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        # The lowest id among the maxima (clamped so that NaN logits still give an id in range).
+        idx = tl.minimum(tl.min(tl.where(p == best, offs, BLOCK_E), 0), E - 1)
+        weights = tl.where(slots == j, best, weights)
+        ids = tl.where(slots == j, idx.to(tl.int64), ids)
+        total += best
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORMALIZE:
+        weights = weights / total
+    mask = slots < TOP_K
+    tl.store(w_ptr + t * TOP_K + slots, weights, mask=mask)
+    tl.store(ids_ptr + t * TOP_K + slots, ids, mask=mask)
+
+
+def _route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty((num_tokens, top_k), device=logits.device, dtype=torch.float32)
+    ids = torch.empty((num_tokens, top_k), device=logits.device, dtype=torch.int64)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](
+            logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+            K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+            BLOCK_E=triton.next_power_of_2(num_experts),
+        )  # fmt: skip
+    return weights, ids
+
+
+def _route_cpu(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = softmax(logits.float(), -1)  # [n, E] fp32
+    weights, ids = top_k_lowest_id(probs, top_k)
+    return (renormalize_in_order(weights) if renormalize else weights), ids
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing of ``logits: [num_tokens, num_experts]`` -> ``(weights fp32 [n, k], ids int64 [n, k])``.
 
     Softmax in fp32, the top k by probability (ties to the lowest expert id), optionally renormalised to sum to
-    one. Row by row: a token's routing never depends on the batch.
+    one (left to right in rank order). Row by row: a token's routing never depends on the batch. CUDA runs one
+    Triton program per token (one launch); the CPU ``ops.softmax`` and ``top_k_lowest_id``.
     """
     _check_logits(logits, top_k)
-    probs = softmax(logits.float(), -1)  # [n, E] fp32
-    weights, ids = top_k_lowest_id(probs, top_k)
-    return (renormalize_in_order(weights) if renormalize else weights), ids
+    if logits.is_cuda:
+        return _route_triton(logits, top_k, renormalize)
+    return _route_cpu(logits, top_k, renormalize)
 
 
 # --- the plan: pairs sorted by expert, cut into row tiles -----------------------------------------------------
@@ -316,9 +368,7 @@ def _check_experts(x, w13, w2, weights, ids) -> None:
         )
     num_experts, two_i, hidden = w13.shape
     if two_i % 2 or x.shape[1] != hidden or w2.shape != (num_experts, hidden, two_i // 2):
-        raise ValueError(
-            f"expert weights do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
-        )
+        raise ValueError(f"expert weights do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
         raise ValueError(f"weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be [{x.shape[0]}, k]")
     if x.dtype != w13.dtype or x.dtype != w2.dtype or x.dtype not in FLOATS:

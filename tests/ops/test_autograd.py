@@ -59,7 +59,7 @@ def _route64(ids, renormalize):
 def test_moe_route_grad(renormalize):
     logits = randn(13, 8) * 2
     _, ids = autograd.moe_route(logits, 3, renormalize)  # distinct probabilities: the choice is stable nearby
-    check_directional(lambda l: autograd.moe_route(l, 3, renormalize)[0], _route64(ids, renormalize), [logits])
+    check_directional(lambda x: autograd.moe_route(x, 3, renormalize)[0], _route64(ids, renormalize), [logits])
 
 
 def test_moe_experts_grad():

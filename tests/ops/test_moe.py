@@ -13,10 +13,10 @@ from lockstep.layers.activation import silu_and_mul
 from lockstep.ops import moe
 from lockstep.ops.moe import MoEConfig
 
-H, I, E, K = 48, 40, 8, 3  # hidden, expert width, experts, top k: odd-ish sizes, K not a multiple of BK
+H, W, E, K = 48, 40, 8, 3  # hidden, expert width (W), experts, top k: odd-ish sizes, K not a multiple of BK
 
 
-def weights(dtype=torch.float32, num_experts=E, hidden=H, width=I, seed=10):
+def weights(dtype=torch.float32, num_experts=E, hidden=H, width=W, seed=10):
     w13 = randn(num_experts, 2 * width, hidden, seed=seed, scale=hidden**-0.5).to(dtype)
     w2 = randn(num_experts, hidden, width, seed=seed + 1, scale=width**-0.5).to(dtype)
     return w13, w2
@@ -314,3 +314,25 @@ def test_a_combine_order_that_follows_the_batch_changes_a_tokens_bits():
         moved += not same_bits(_combine_by_load(y1, w[t : t + 1], plan1, ids[t : t + 1])[0], batched[t])
         assert same_bits(moe._experts_cpu(x[t : t + 1], w13, w2, w[t : t + 1], ids[t : t + 1])[0], invariant[t])
     assert moved > 0
+
+
+# --- the Triton router (CUDA's; here through the interpreter) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_triton_route_matches_the_cpu_route(renormalize):
+    logits = randn(67, 13, seed=8) * 3
+    w, ids = moe._route_triton(logits, 4, renormalize)
+    ref_w, ref_ids = moe._route_cpu(logits, 4, renormalize)
+    assert torch.equal(ids, ref_ids) and (w - ref_w).abs().max() < 1e-6
+    for m in (1, 2, 30):  # row invariance
+        wm, idm = moe._route_triton(logits[:m], 4, renormalize)
+        assert same_bits(wm, w[:m]) and torch.equal(idm, ids[:m])
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")
+def test_triton_route_ties_and_nan():
+    logits = torch.tensor([[0.0] * 8, [1.0, 3.0, 1.0, 3.0, 1.0, 3.0, 2.0, 2.0], [5.0, 1, 2, 2, 2, 2, 0, 5]])
+    assert moe._route_triton(logits, 3, True)[1].tolist() == [[0, 1, 2], [1, 3, 5], [0, 7, 2]]
+    _, ids = moe._route_triton(torch.full((1, 8), float("nan")), 3, True)
+    assert ((0 <= ids) & (ids < 8)).all()  # garbage in, but no id out of range for the expert matmuls
