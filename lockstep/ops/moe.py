@@ -2,10 +2,11 @@
 
 The contract, as for every op here: a token's output bits depend only on the token and the weights.
 
-- ``route``: softmax of the router logits in fp32 (``ops.softmax``), then the top k by probability with ties
-  broken by the lowest expert id, made explicit: each probability is packed with its expert id into one unique
-  int64 key, so ``torch.topk`` has no ties to break. The top-k weights are renormalised (when the model asks) by a
-  sum taken left to right in rank order.
+- ``route``: softmax of the router logits in fp32, then the top k by probability with ties broken by the lowest
+  expert id, made explicit (CUDA: one Triton program per token takes k rounds of "the largest, lowest id among
+  equals"; CPU: ``ops.softmax``, then each probability packed with its expert id into one unique int64 key, so
+  ``torch.topk`` has no ties to break). The top-k weights are renormalised (when the model asks) by a sum taken
+  left to right in rank order.
 - ``experts``: the (token, expert) pairs are sorted by expert (a stable sort) and each expert's rows multiplied by
   its weights: ``silu(x W_gate) * (x W_up)``, then ``W_down``. A row's value never depends on how many rows share
   its expert: every output element is accumulated over K from k = 0 upward, BK at a time, in one fp32
