@@ -7,7 +7,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from tiny_models import save_tiny_llama  # noqa: E402
+from tiny_models import save_tiny_llama, save_tiny_moe  # noqa: E402
 
 # Without a GPU, Triton kernels run through the interpreter on CPU tensors. This must be set before any
 # lockstep kernel module is imported (triton.jit reads it at decoration time).
@@ -19,6 +19,13 @@ if not torch.cuda.is_available():
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama folder (vocab 97, 2 layers) with the character tokenizer."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session", params=["qwen3_moe", "mixtral"])
+def tiny_moe_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random mixture of experts (Qwen3-MoE: top 3 of 8, a dense layer among sparse ones; Mixtral: top 2
+    of 4) with the character tokenizer, once per architecture."""
+    return save_tiny_moe(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
 
 
 def embedded_cache(tmp_path_factory: pytest.TempPathFactory) -> str:

@@ -1,5 +1,5 @@
-"""Tiny random-weight Hugging Face checkpoints (Llama, Qwen2, Qwen3), a one-token-per-character tokenizer, and
-transformers' logits to compare against, for fast tests."""
+"""Tiny random-weight Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral), a one-token-per-character
+tokenizer, and transformers' logits to compare against, for fast tests."""
 
 import string
 from pathlib import Path
@@ -61,20 +61,39 @@ def randomize_(model: torch.nn.Module, seed: int = 0, scale: float = 1.0) -> Non
                 p.copy_(scale * noise / p.shape[-1] ** 0.5)
 
 
+# The mixtures of experts: 8 experts (Qwen3-MoE: 24 wide, top 3, renormalised; layer 1 of 3 dense through
+# mlp_only_layers) and Mixtral (4 experts of intermediate_size, top 2).
+TINY_QWEN3_MOE = dict(
+    num_hidden_layers=3,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=24,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+)
+TINY_MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
+
+
 def save_tiny_hf(
     folder: Path, arch: str, seed: int = 0, max_shard_size: str | None = None, scale: float = 1.0, **overrides
 ) -> Path:
-    """Save a tiny random-weight HF checkpoint of ``arch`` ("llama", "qwen2", "qwen3") to ``folder``."""
+    """Save a tiny random-weight HF checkpoint of ``arch`` ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral") to
+    ``folder``."""
     import transformers
 
     cls_config, cls_model = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[arch]
     kwargs = dict(TINY)
     if arch == "qwen3":
         kwargs["head_dim"] = 32  # Qwen3 decouples head_dim from hidden_size / heads
+    kwargs.update({"qwen3_moe": TINY_QWEN3_MOE, "mixtral": TINY_MIXTRAL}.get(arch, {}))
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = cls_model(cls_config(**kwargs)).float().eval()
@@ -89,6 +108,15 @@ def save_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
     kwargs = dict(bos_token_id=None, eos_token_id=TINY_EOS, pad_token_id=None) | overrides
     # Large weights give a peaked distribution: greedy and sampled runs see real structure.
     save_tiny_hf(folder, "llama", seed, scale=2.0, **kwargs)
+    save_char_tokenizer(folder)
+    return folder
+
+
+def save_tiny_moe(folder: Path, arch: str = "qwen3_moe", seed: int = 0, **overrides) -> Path:
+    """A tiny random-weight mixture of experts ("qwen3_moe" or "mixtral") plus the char tokenizer, peaked like
+    ``save_tiny_llama``'s."""
+    kwargs = dict(bos_token_id=None, eos_token_id=TINY_EOS, pad_token_id=None) | overrides
+    save_tiny_hf(folder, arch, seed, scale=2.0, **kwargs)
     save_char_tokenizer(folder)
     return folder
 

@@ -4,10 +4,10 @@
 an order fixed by the reduction length alone. ``default`` (what ``batch_invariant=False`` runs) is the fast mode a
 non-deterministic engine would be: cuBLAS, torch's norms, and on CUDA a paged attention whose KV split follows the
 batch; CUDA graphs capture it like the invariant set. It is the negative control that shows the batch changing the
-bits, and the speed baseline. ``torch`` runs torch's own ops only (SDPA over K/V gathered from the cache),
-differentiable: the usual RL trainer. ``torch-linear`` mixes (torch's matmul, norm and activation, lockstep's
-attention) to price invariance outside attention. Layers call ``self.kernels.<op>``; nothing in the forward pass
-branches on the set.
+bits, and the speed baseline. ``torch`` runs torch's own ops only (SDPA over K/V gathered from the cache; for MoE,
+a loop over the experts), differentiable: the usual RL trainer. ``torch-linear`` mixes (torch's matmul, norm and
+activation, lockstep's attention) to price invariance outside attention. Layers call ``self.kernels.<op>``; nothing
+in the forward pass branches on the set.
 
 Register another set with ``register_kernels``; ``EngineConfig.kernels`` and ``LLM(kernels=...)`` take its name.
 """
@@ -46,6 +46,10 @@ class Kernels:
     - ``tree_linear(x, weight, bias)``: ``linear`` through the chunk tree (``ops.tp_linear``), the row-parallel
       layers' numerics in one process (``tp_invariant``); the same for every set unless one needs a variant (the
       RL trainer's, with autograd).
+    - ``moe_route(logits, top_k, renormalize)``: router logits ``[n, E]`` -> ``(weights fp32 [n, k], ids int64
+      [n, k])``, the top k experts of each token by softmax probability (``ops.moe.route``).
+    - ``moe_experts(x, w13, w2, weights, ids)``: the routed expert MLPs combined by their weights, ``x: [n, H]``,
+      ``w13: [E, 2I, H]``, ``w2: [E, H, I]`` -> ``[n, H]`` (``ops.moe.experts``). None in a set without MoE.
 
     ``batch_invariant`` says whether the set keeps the contract (a row's bits never depend on its batch);
     ``capturable`` whether a decode forward on it can be captured in a CUDA graph (no host syncs, a launch grid
@@ -63,6 +67,8 @@ class Kernels:
     log_softmax: Callable[[Tensor], Tensor]
     capturable: bool = False
     tree_linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = tp_linear.tree_linear
+    moe_route: Callable[[Tensor, int, bool], tuple[Tensor, Tensor]] | None = None
+    moe_experts: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
 
 
 def _invariant_attention(  # adapts ops.paged_attention to the metadata object
@@ -111,6 +117,8 @@ INVARIANT = register_kernels(
         attention=_invariant_attention,
         log_softmax=ops.log_softmax,
         capturable=True,
+        moe_route=ops.moe_route,
+        moe_experts=ops.moe_experts,
     )
 )
 TORCH = register_kernels(
@@ -124,6 +132,8 @@ TORCH = register_kernels(
         rotary=ops.rotary_torch,
         attention=torch_kernels.torch_paged_attention,
         log_softmax=torch_kernels.torch_log_softmax,
+        moe_route=torch_kernels.torch_moe_route,
+        moe_experts=torch_kernels.torch_moe_experts,
     )
 )
 DEFAULT = register_kernels(
@@ -133,6 +143,7 @@ DEFAULT = register_kernels(
         write_kv=ops.write_kv,  # a copy: exact on every path, and it skips graph padding rows (slot -1)
         rotary=ops.rotary,
         attention=torch_kernels.fast_paged_attention,
+        moe_experts=torch_kernels.fast_moe_experts,  # no host sync on CUDA: capturable
         capturable=True,
     )
 )

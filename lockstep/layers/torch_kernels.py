@@ -7,6 +7,12 @@ the invariance contract. Only the kernel-set registry and the RL trainer import 
 ``F.scaled_dot_product_attention`` once for all the step's decodes and once per group of same-shape chunks.
 ``fast_paged_attention`` is what a non-deterministic engine runs on CUDA: a paged kernel (lockstep's own, with no
 gather) whose number of KV splits follows the batch.
+
+Mixture of experts: ``torch_moe_route`` is Hugging Face's routing (``torch.topk``, whose tie order is not
+documented); ``torch_moe_experts`` loops over the experts with ``F.linear``; ``fast_moe_experts`` is what a fused-MoE
+engine runs on CUDA: lockstep's grouped matmul, with the k outputs of a token added through ``index_add_`` in the
+sorted order (atomics on CUDA: the order follows the batch and the run). It needs no host sync, so a decode step
+on it can be captured in a CUDA graph.
 """
 
 import math
@@ -16,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.layers.attention import AttentionMetadata
+from lockstep.ops import moe
 from lockstep.ops.attention import TILE, _num_sms, _paged_attention_triton
 
 
@@ -226,3 +233,48 @@ def batch_split_attention(
     return _paged_attention_triton(
         q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale, split=split
     )
+
+
+def torch_moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's routing: fp32 softmax, ``torch.topk``, optional renormalisation by ``sum``.
+    ``logits: [n, E]`` -> ``(weights fp32 [n, k], ids int64 [n, k])``; differentiable in the weights."""
+    probs = F.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def torch_moe_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts in plain torch (``ops.moe.experts_reference``): differentiable, host-syncing."""
+    return moe.experts_reference(x, w13, w2, weights, ids)
+
+
+def fast_moe_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The ``default`` set's experts: on CUDA the grouped matmul with the outputs summed by ``index_add_`` in the
+    sorted order (float atomics), on the CPU ``torch_moe_experts``."""
+    if not x.is_cuda:
+        return torch_moe_experts(x, w13, w2, weights, ids)
+    return sorted_order_moe_experts(x, w13, w2, weights, ids)
+
+
+def sorted_order_moe_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """lockstep's grouped expert matmuls, combined the way fused-MoE kernels do: each sorted row, scaled by its
+    weight, added into its token's fp32 sum in sorted order (``index_add_``: atomics on CUDA). A token's k terms
+    then arrive in expert order, or in whatever order the GPU runs them: not rank order."""
+    num_experts, two_i, hidden = w13.shape
+    plan = moe.plan_routing(ids, num_experts)
+    num_pairs = plan.order.numel()
+    cfg1 = moe.moe_config(num_pairs, num_experts, two_i // 2, hidden, x.dtype)
+    cfg2 = moe.moe_config(num_pairs, num_experts, hidden, two_i // 2, x.dtype)
+    act = moe._grouped_mm(x, plan.tokens, w13, plan, cfg1, silu_mul=True)
+    y = moe._grouped_mm(act, None, w2, plan, cfg2, silu_mul=False)  # [P, H], sorted rows
+    scaled = y.float() * weights.float().reshape(-1)[plan.order][:, None]
+    out = torch.zeros((x.shape[0], hidden), device=x.device, dtype=torch.float32)
+    return out.index_add_(0, plan.tokens, scaled).to(x.dtype)

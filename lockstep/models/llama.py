@@ -1,5 +1,7 @@
 """The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), SmolLM2 (tied
-embeddings), as one model over one flattened batch.
+embeddings), and the mixtures of experts built on them, Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's), as
+one model over one flattened batch. The layers differ only in their MLP: the gated MLP, or a sparse MoE block
+(``layers.moe``) where ``ModelConfig.is_moe_layer`` says so.
 
 A forward takes every scheduled token of every sequence at once, prefill chunks and decode steps mixed:
 ``input_ids`` and ``positions`` are ``[num_tokens]``, and ``AttentionMetadata`` says which sequence each token
@@ -27,10 +29,20 @@ from lockstep.layers.attention import Attention, AttentionMetadata
 from lockstep.layers.embedding import LMHead, VocabEmbedding
 from lockstep.layers.kernels import Kernels, get_kernels
 from lockstep.layers.linear import Linear, RowParallelLinear
+from lockstep.layers.moe import MIXTRAL_NAMES, QWEN3_MOE_NAMES, SparseMoeBlock
 from lockstep.layers.norm import RMSNorm
 from lockstep.layers.rotary import ROPE_TYPES, RotaryEmbedding
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+# How each mixture of experts names its MoE block's tensors in a checkpoint.
+_EXPERT_NAMES = {"Qwen3MoeForCausalLM": QWEN3_MOE_NAMES, "MixtralForCausalLM": MIXTRAL_NAMES}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Checkpoint matrices that this model stacks into one weight, in stacking order.
 _STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -60,6 +72,15 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32  # the checkpoint's dtype: the default to run in
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (0 experts: a dense model). Layers listed in dense_layers keep the gated MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to one
+    dense_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return self.num_experts > 0 and layer_idx not in self.dense_layers
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -76,6 +97,14 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; lockstep supports {', '.join(ROPE_TYPES)}")
+        if (self.num_experts > 0) != (self.architecture in _EXPERT_NAMES):
+            raise ValueError(f"{self.architecture} with num_experts={self.num_experts}")
+        if self.num_experts > 0:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                bounds = f"[1, num_experts={self.num_experts}]"
+                raise ValueError(f"num_experts_per_tok must be in {bounds}, got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -99,9 +128,9 @@ class ModelConfig:
         scaling = rope if rope.get("rope_type", "default") != "default" else None
 
         max_pos = int(hf.get("max_position_embeddings", 4096))
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and hf.get("use_sliding_window"):
             raise ValueError(f"{arch} with use_sliding_window=true is not supported")
-        if hf.get("sliding_window") and arch == "MistralForCausalLM":
+        if hf.get("sliding_window") and arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             # Within the window, sliding-window attention is full attention: cap the length instead.
             max_pos = min(max_pos, int(hf["sliding_window"]))
 
@@ -130,12 +159,47 @@ class ModelConfig:
             qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
             o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=_DTYPES[dtype_name],
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_fields(arch, hf),
         )
+
+
+def _moe_fields(arch: str, hf: dict) -> dict:
+    """The mixture-of-experts fields of ``ModelConfig`` from a Hugging Face config (none for a dense model)."""
+    num_layers = hf["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        # Every layer is sparse; the experts are intermediate_size wide and the top k always renormalised.
+        return dict(
+            num_experts=hf["num_local_experts"],
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    if arch == "Qwen3MoeForCausalLM":
+        # Released checkpoints write num_experts; transformers 5 saves it as num_local_experts.
+        num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if num_experts is None:
+            raise KeyError("num_experts")
+        if num_experts <= 0:
+            raise ValueError(f"{arch} with num_experts={num_experts} (no experts) is not supported")
+        step = int(hf.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+        mlp_only = set(hf.get("mlp_only_layers") or ())
+        # As transformers: a layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid.
+        dense = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step)
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            dense_layers=dense,
+        )
+    return {}
 
 
 def _row_shards(parts: list[tuple[int, int, int]], tp: TPGroup) -> tuple[Shard, ...] | None:
@@ -209,6 +273,20 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
+def _mlp(
+    config: ModelConfig, layer_idx: int, kernels: Kernels, dtype: torch.dtype, device, tp: TPGroup, tree: bool
+) -> nn.Module:
+    """Layer ``layer_idx``'s MLP: the gated MLP, or the sparse MoE block in a mixture of experts' sparse layers."""
+    if not config.is_moe_layer(layer_idx):
+        return LlamaMLP(config, kernels, dtype, device, tp, tree)
+    c = config
+    names = _EXPERT_NAMES[c.architecture]
+    return SparseMoeBlock(
+        c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, names,
+        kernels, dtype, device,
+    )  # fmt: skip
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -224,7 +302,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype, device)
         self.self_attn = LlamaAttention(config, layer_idx, kernels, dtype, device, tp, tree)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype, device)
-        self.mlp = LlamaMLP(config, kernels, dtype, device, tp, tree)
+        self.mlp = _mlp(config, layer_idx, kernels, dtype, device, tp, tree)
 
     def forward(
         self,
@@ -311,6 +389,10 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or TPGroup()
         if tp_invariant is None:
             tp_invariant = self.tp.size > 1 and self.kernels.batch_invariant
+        if self.tp.size > 1 and config.num_experts:
+            raise ValueError(
+                f"tensor parallelism is not supported for mixture-of-experts models ({config.architecture})"
+            )
         if tp_invariant and not self.kernels.batch_invariant:
             raise ValueError(f"tp_invariant=True needs a batch-invariant kernel set, not {self.kernels.name!r}")
         self.tp_invariant = tp_invariant
@@ -383,8 +465,16 @@ class LlamaForCausalLM(nn.Module):
         return {name: shard for name, _, shard in self._checkpoint_entries() if shard is not None}
 
     def _checkpoint_entries(self):
+        moe_prefixes: tuple[str, ...] = ()
         for module_name, module in self.named_modules():
             if module is self.lm_head and self.config.tie_word_embeddings:
+                continue
+            if isinstance(module, SparseMoeBlock):  # it names its own tensors, those of its router included
+                moe_prefixes += (module_name + ".",)
+                layer_prefix = module_name.rpartition(".")[0]
+                yield from ((name, dest, None) for name, dest in module.checkpoint_entries(layer_prefix))
+                continue
+            if module_name.startswith(moe_prefixes):
                 continue
             parent, _, leaf = module_name.rpartition(".")
             shard_of = getattr(module, "shard_of", lambda param_name, part: None)

@@ -2,6 +2,8 @@
 
 from lockstep.ops.attention import paged_attention, write_kv
 from lockstep.ops.matmul import addmm, bmm, linear, mm
+from lockstep.ops.moe import experts as moe_experts
+from lockstep.ops.moe import route as moe_route
 from lockstep.ops.reduce import mean, sum
 from lockstep.ops.rms_norm import rms_norm, rms_norm_with_rstd
 from lockstep.ops.rotary import rotary, rotary_torch
@@ -14,6 +16,8 @@ __all__ = [
     "log_softmax",
     "mean",
     "mm",
+    "moe_experts",
+    "moe_route",
     "paged_attention",
     "rms_norm",
     "rms_norm_with_rstd",

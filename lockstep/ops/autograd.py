@@ -1,4 +1,5 @@
-"""Differentiable versions of the batch-invariant ops: ``linear``, ``tree_linear``, ``rms_norm``, ``log_softmax``.
+"""Differentiable versions of the batch-invariant ops: ``linear``, ``tree_linear``, ``rms_norm``, ``log_softmax``,
+``moe_route``, ``moe_experts``.
 
 Each forward calls the op itself, so a trainer's forward values are the engine's bits. The backward passes are
 deterministic run to run and use no atomics:
@@ -9,6 +10,10 @@ deterministic run to run and use no atomics:
 - ``rms_norm`` and ``log_softmax``: the textbook gradients in fp32 from the saved inputs/outputs. The roundings
   of the forward (to the model dtype before and after the weight) are treated as identities, as every
   framework does.
+- ``moe_route``: the gradient of the chosen experts' (renormalised) softmax probabilities in fp32 into the
+  router logits; the choice itself is piecewise constant.
+- ``moe_experts``: recomputed in fp32 with plain torch ops (``ops.moe.experts_reference``) and differentiated by
+  autograd, as the trainer's attention backward does (``rl/attention.py``).
 
 Only the forward carries the bitwise contract; a backward's bits may follow the batch (its column sums run over
 the tokens of the micro-batch), but never the run.
@@ -18,11 +23,14 @@ import torch
 
 from lockstep.ops.matmul import linear as _linear
 from lockstep.ops.matmul import mm
+from lockstep.ops.moe import experts as _moe_experts
+from lockstep.ops.moe import experts_reference as _moe_experts_reference
+from lockstep.ops.moe import route as _moe_route
 from lockstep.ops.rms_norm import rms_norm as _rms_norm
 from lockstep.ops.softmax import log_softmax as _log_softmax
 from lockstep.ops.tp_linear import tree_linear as _tree_linear
 
-__all__ = ["linear", "log_softmax", "rms_norm", "tree_linear"]
+__all__ = ["linear", "log_softmax", "moe_experts", "moe_route", "rms_norm", "tree_linear"]
 
 
 class _Linear(torch.autograd.Function):
@@ -113,6 +121,62 @@ class _LogSoftmax(torch.autograd.Function):
         (out,) = ctx.saved_tensors
         g = grad.float()
         return (g - out.float().exp() * g.sum(-1, keepdim=True)).to(out.dtype)
+
+
+class _MoERoute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, top_k: int, renormalize: bool):
+        weights, ids = _moe_route(logits, top_k, renormalize)
+        ctx.save_for_backward(logits, ids)
+        ctx.renormalize = renormalize
+        ctx.mark_non_differentiable(ids)
+        return weights, ids
+
+    @staticmethod
+    def backward(ctx, grad_weights: torch.Tensor, _grad_ids):
+        logits, ids = ctx.saved_tensors
+        probs = torch.softmax(logits.float(), dim=-1)  # [n, E]
+        chosen = probs.gather(1, ids)  # [n, k]
+        g = grad_weights.float()
+        if ctx.renormalize:  # w = q / sum(q): dq = (g - sum(g * w)) / sum(q)
+            total = chosen.sum(-1, keepdim=True)
+            g = (g - (g * (chosen / total)).sum(-1, keepdim=True)) / total
+        grad_probs = torch.zeros_like(probs).scatter(1, ids, g)  # a token's k ids are distinct
+        grad_logits = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
+        return grad_logits.to(logits.dtype), None, None
+
+
+class _MoEExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w13, w2, weights, ids):
+        ctx.save_for_backward(x, w13, w2, weights, ids)
+        return _moe_experts(x, w13, w2, weights, ids)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w13, w2, weights, ids = ctx.saved_tensors
+        inputs = [t.detach().float().requires_grad_() for t in (x, w13, w2, weights)]
+        with torch.enable_grad():
+            out = _moe_experts_reference(*inputs, ids)
+        wanted = [i for i in range(4) if ctx.needs_input_grad[i]]
+        grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad.float(), allow_unused=True)
+        result: list[torch.Tensor | None] = [None] * 5
+        originals = (x, w13, w2, weights)
+        for i, g in zip(wanted, grads, strict=True):
+            result[i] = torch.zeros_like(originals[i]) if g is None else g.to(originals[i].dtype)
+        return tuple(result)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ops.moe.route`` with autograd into the logits (through the weights; the ids carry no gradient)."""
+    return _MoERoute.apply(logits, top_k, renormalize)
+
+
+def moe_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """``ops.moe.experts`` with autograd into ``x``, the expert weights and the routing weights."""
+    return _MoEExperts.apply(x, w13, w2, weights, ids)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

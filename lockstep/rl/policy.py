@@ -80,6 +80,8 @@ TRAINABLE = Kernels(
     attention=attention.paged_attention,
     log_softmax=autograd.log_softmax,
     tree_linear=autograd.tree_linear,
+    moe_route=autograd.moe_route,
+    moe_experts=autograd.moe_experts,
 )
 
 

@@ -57,3 +57,30 @@ def test_negative_control_a_wrong_gradient_is_caught():
     # A gradient 1% off (the fp32 function scaled against its fp64 reference) fails the check.
     with pytest.raises(AssertionError):
         check_directional(lambda x: 1.01 * autograd.log_softmax(x), lambda x: torch.log_softmax(x, -1), [randn(7, 50)])
+
+
+def _route64(ids, renormalize):
+    def fn(logits):
+        chosen = torch.softmax(logits, -1).gather(1, ids)
+        return chosen / chosen.sum(-1, keepdim=True) if renormalize else chosen
+
+    return fn
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_moe_route_grad(renormalize):
+    logits = randn(13, 8) * 2
+    _, ids = autograd.moe_route(logits, 3, renormalize)  # distinct probabilities: the choice is stable nearby
+    check_directional(lambda x: autograd.moe_route(x, 3, renormalize)[0], _route64(ids, renormalize), [logits])
+
+
+def test_moe_experts_grad():
+    from lockstep.ops import moe
+
+    x, w13, w2 = randn(11, 16), randn(4, 2 * 12, 16, seed=2) * 0.3, randn(4, 16, 12, seed=3) * 0.3
+    weights, ids = moe.route(randn(11, 4, seed=4), 2, True)
+    check_directional(
+        lambda x, a, b, w: autograd.moe_experts(x, a, b, w, ids),
+        lambda x, a, b, w: moe.experts_reference(x, a, b, w, ids),
+        [x, w13, w2, weights],
+    )

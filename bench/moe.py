@@ -1,0 +1,240 @@
+"""The mixture-of-experts layer on a GPU: bitwise invariance and speed of lockstep's grouped matmul against the
+non-invariant fast mode and torch's per-expert loop, at the Qwen3-30B-A3B shape.
+
+    python bench/moe.py [--out DIR] [--quick] [--dtype bf16|fp16]
+
+One MoE layer of Qwen3-30B-A3B (hidden 2048, 128 experts, top 8, expert width 768, renormalised top-k), random
+weights (1.2 GB in bf16: every step reads them from HBM). Three implementations of router + experts:
+
+- invariant: ``ops.moe_route`` + ``ops.moe_experts`` (the ``invariant`` kernel set);
+- fast: torch's routing + the same grouped matmul with the outputs summed by ``index_add_`` in sorted order (the
+  ``default`` set: float atomics, the way fused-MoE engines combine);
+- torch: torch's routing + a loop over the experts with cuBLAS (``F.linear``), host-synced (the ``torch`` set).
+
+Checks (the script exits 1 if an invariant one fails):
+1. parity: each implementation against an fp32 evaluation of the same routing (relative error, norm-wise);
+2. batch invariance: probe tokens placed among random neighbours at every batch size of the grid (decode and
+   prefill sizes) give the bits they have alone (M = 1) -- required for invariant, counted for fast and torch
+   (the negative control: they should differ somewhere);
+3. a token alone at its experts vs the same token with thousands of others routed to the same experts;
+4. tile configs: the grouped matmul gives the same bits under every candidate config (BK fixed, BM/BN/warps/
+   stages varied) at decode and prefill sizes -- the premise behind ``ops.moe.moe_config`` choosing BM/BN from the
+   average load per expert.
+Timings: median microseconds over CUDA-graph replays (triton.testing.do_bench_cudagraph) for invariant and fast,
+triton.testing.do_bench for the host-synced torch loop; the expert-weight bandwidth achieved at decode sizes.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import date
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+from lockstep import ops
+from lockstep.layers import torch_kernels
+from lockstep.ops import moe
+from lockstep.ops.moe import MoEConfig
+
+HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 128, 8, 768
+DEVICE = "cuda"  # the checks also run on the CPU (Triton's interpreter) at small shapes, for a smoke test
+DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+PREFILL = [512, 1024, 2048, 4096, 8192, 16384]
+PROBES = 4  # tokens followed across batch sizes
+CONFIGS = [
+    MoEConfig(16, 32, 64, 4, 4), MoEConfig(16, 64, 64, 4, 4), MoEConfig(16, 128, 64, 4, 3),
+    MoEConfig(32, 64, 64, 4, 4), MoEConfig(64, 64, 64, 4, 4), MoEConfig(64, 128, 64, 4, 3),
+    MoEConfig(128, 128, 64, 8, 3), MoEConfig(128, 64, 64, 4, 3), MoEConfig(64, 256, 64, 8, 3),
+]  # fmt: skip
+
+
+class Layer:
+    """One MoE layer's weights and its three implementations."""
+
+    def __init__(self, dtype: torch.dtype, seed: int = 0):
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        randn = lambda *shape, scale: (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype)
+        self.gate = randn(EXPERTS, HIDDEN, scale=HIDDEN**-0.5)
+        self.w13 = randn(EXPERTS, 2 * WIDTH, HIDDEN, scale=HIDDEN**-0.5)
+        self.w2 = randn(EXPERTS, HIDDEN, WIDTH, scale=WIDTH**-0.5)
+
+    def invariant(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = ops.moe_route(ops.linear(x, self.gate), TOP_K, True)
+        return ops.moe_experts(x, self.w13, self.w2, weights, ids)
+
+    def fast(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = torch_kernels.torch_moe_route(torch.nn.functional.linear(x, self.gate), TOP_K, True)
+        return torch_kernels.fast_moe_experts(x, self.w13, self.w2, weights, ids)
+
+    def torch(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = torch_kernels.torch_moe_route(torch.nn.functional.linear(x, self.gate), TOP_K, True)
+        return torch_kernels.torch_moe_experts(x, self.w13, self.w2, weights, ids)
+
+
+def tokens(m: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    return torch.randn(m, HIDDEN, generator=gen, device=DEVICE).to(dtype)
+
+
+def check_parity(layer: Layer, x: torch.Tensor) -> dict:
+    """Each implementation against fp32 arithmetic over the invariant routing (same experts, same weights)."""
+    weights, ids = ops.moe_route(ops.linear(x, layer.gate), TOP_K, True)
+    ref = moe.experts_reference(x.float(), layer.w13.float(), layer.w2.float(), weights, ids).double()
+    out = {}
+    for name, fn in (("invariant", ops.moe_experts), ("fast", torch_kernels.fast_moe_experts),
+                     ("torch", torch_kernels.torch_moe_experts)):  # fmt: skip
+        got = fn(x, layer.w13, layer.w2, weights, ids).double()
+        out[name] = ((got - ref).norm() / ref.norm()).item()
+    return out
+
+
+def check_batches(layer: Layer, dtype: torch.dtype, sizes: list[int]) -> dict:
+    """Probe tokens alone, then placed among random neighbours at every size: rows that changed, per impl."""
+    probes = tokens(PROBES, 1, dtype)
+    result = {}
+    for name in ("invariant", "fast", "torch"):
+        fn = getattr(layer, name)
+        alone = torch.cat([fn(probes[i : i + 1]) for i in range(PROBES)])
+        differing = []
+        for m in sizes:
+            if m < PROBES:
+                continue
+            batch = tokens(m, 1000 + m, dtype)
+            where = torch.linspace(0, m - 1, PROBES, device=DEVICE).long()
+            batch[where] = probes
+            got = fn(batch)[where]
+            if not torch.equal(got, alone):
+                differing.append(m)
+        result[name] = {"sizes_checked": sum(m >= PROBES for m in sizes), "sizes_differing": differing}
+    return result
+
+
+def check_crowding(layer: Layer, dtype: torch.dtype) -> dict:
+    """Token 0 routed to experts 0..7 alone, then with 4095 others routed to exactly the same experts."""
+    x = tokens(4096, 7, dtype)
+    ids = torch.arange(TOP_K, device=DEVICE).repeat(4096, 1)
+    ids[1:] = ids[1:].roll(1, dims=1)  # the same experts, other ranks
+    spread = torch.rand(4095, EXPERTS - TOP_K, device=DEVICE).argsort(1)[:, :TOP_K] + TOP_K
+    weights = torch.softmax(torch.randn(4096, TOP_K, device=DEVICE), -1)
+    alone_ids = torch.cat([ids[:1], spread])  # nobody else at experts 0..7
+    out = {}
+    for name, fn in (("invariant", ops.moe_experts), ("fast", torch_kernels.fast_moe_experts),
+                     ("torch", torch_kernels.torch_moe_experts)):  # fmt: skip
+        a = fn(x, layer.w13, layer.w2, weights, alone_ids)[0]
+        b = fn(x, layer.w13, layer.w2, weights, ids)[0]
+        out[name] = bool(torch.equal(a, b))
+    return out
+
+
+def check_configs(layer: Layer, dtype: torch.dtype, sizes: list[int]) -> dict:
+    """The grouped matmul's bits under every candidate tile config, against the table's choice."""
+    result = {}
+    for m in sizes:
+        x = tokens(m, 3, dtype)
+        weights, ids = ops.moe_route(ops.linear(x, layer.gate), TOP_K, True)
+        base = moe._experts_triton(x, layer.w13, layer.w2, weights, ids)
+        bad = [
+            vars(c)
+            for c in CONFIGS
+            if not torch.equal(moe._experts_triton(x, layer.w13, layer.w2, weights, ids, c), base)
+        ]
+        result[m] = {"configs": len(CONFIGS), "differing": bad}
+    return result
+
+
+def timings(layer: Layer, dtype: torch.dtype, sizes: list[int], with_torch: bool) -> list[dict]:
+    rows = []
+    for m in sizes:
+        x = tokens(m, 5, dtype)
+        row = {"m": m}
+        for name in ("invariant", "fast"):
+            fn = getattr(layer, name)
+            fn(x)  # compile outside the graph
+            try:
+                row[name + "_us"] = do_bench_cudagraph(lambda fn=fn: fn(x), rep=40, return_mode="median") * 1e3
+                row[name + "_graph"] = True
+            except RuntimeError as e:  # not capturable: say so, and time it eagerly
+                print(f"M={m} {name}: CUDA graph capture failed ({e}); timing eagerly", flush=True)
+                torch.cuda.synchronize()
+                row[name + "_us"] = do_bench(lambda fn=fn: fn(x), rep=40, return_mode="median") * 1e3
+                row[name + "_graph"] = False
+        if with_torch:
+            row["torch_us"] = do_bench(lambda: layer.torch(x), rep=40, return_mode="median") * 1e3
+        _, ids = ops.moe_route(ops.linear(x, layer.gate), TOP_K, True)
+        used = int(torch.unique(ids).numel())
+        weight_bytes = used * 3 * HIDDEN * WIDTH * layer.w13.element_size()
+        row["experts_used"] = used
+        row["invariant_weight_TBps"] = weight_bytes / (row["invariant_us"] * 1e-6) / 1e12
+        row["invariant_over_fast"] = row["invariant_us"] / row["fast_us"]
+        rows.append(row)
+        print(
+            f"M={m:6d} experts={used:3d} invariant {row['invariant_us']:9.1f} us  fast {row['fast_us']:9.1f} us  "
+            + (f"torch {row['torch_us']:9.1f} us  " if with_torch else "")
+            + f"ratio {row['invariant_over_fast']:.3f}  weights {row['invariant_weight_TBps']:.2f} TB/s",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="folder for moe.json")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/moe.py needs a CUDA GPU")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    decode = [1, 8, 64, 256] if args.quick else DECODE
+    prefill = [2048, 8192] if args.quick else PREFILL
+    layer = Layer(dtype)
+    started = time.time()
+
+    parity = check_parity(layer, tokens(512, 2, dtype))
+    print("parity (rel. error vs fp32):", {k: f"{v:.2e}" for k, v in parity.items()}, flush=True)
+    check_sizes = sorted(set(decode + prefill + [3, 17, 127, 129, 1000, 3000]))
+    batches = check_batches(layer, dtype, check_sizes)
+    print("batch invariance:", json.dumps(batches), flush=True)
+    crowding = check_crowding(layer, dtype)
+    print("alone vs crowded, same bits:", crowding, flush=True)
+    configs = check_configs(layer, dtype, [1, 64, 2048, 8192] if not args.quick else [1, 2048])
+    print("tile configs:", json.dumps({m: len(v["differing"]) for m, v in configs.items()}), flush=True)
+    rows = timings(layer, dtype, decode + prefill, with_torch=True)
+
+    failures = []
+    if parity["invariant"] > 2e-2:
+        failures.append(f"invariant parity {parity['invariant']:.2e}")
+    if batches["invariant"]["sizes_differing"]:
+        failures.append(f"invariant rows changed at M = {batches['invariant']['sizes_differing']}")
+    if not crowding["invariant"]:
+        failures.append("invariant: a token alone at its experts and crowded differ")
+    for m, v in configs.items():
+        if v["differing"]:
+            failures.append(f"M={m}: tile configs {v['differing']} change the bits")
+    if not batches["fast"]["sizes_differing"] and not batches["torch"]["sizes_differing"]:
+        print("WARNING: the negative controls (fast, torch) never changed a row: the harness saw no difference")
+
+    result = {
+        "date": str(date.today()), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "python": platform.python_version(), "dtype": args.dtype,
+        "shape": {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "expert_width": WIDTH},
+        "parity": parity, "batch_invariance": batches, "alone_vs_crowded_same_bits": crowding,
+        "tile_configs": configs, "timings": rows, "failures": failures, "seconds": time.time() - started,
+    }  # fmt: skip
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "moe.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    if failures:
+        print("FAILED:", *failures, sep="\n  ")
+        sys.exit(1)
+    print("all invariance checks passed")
+
+
+if __name__ == "__main__":
+    main()

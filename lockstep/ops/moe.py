@@ -1,0 +1,460 @@
+"""Batch-invariant mixture-of-experts: routing, the grouped expert matmuls, and the combine.
+
+The contract, as for every op here: a token's output bits depend only on the token and the weights.
+
+- ``route``: softmax of the router logits in fp32, then the top k by probability with ties broken by the lowest
+  expert id, made explicit (CUDA: one Triton program per token takes k rounds of "the largest, lowest id among
+  equals"; CPU: ``ops.softmax``, then each probability packed with its expert id into one unique int64 key, so
+  ``torch.topk`` has no ties to break). The top-k weights are renormalised (when the model asks) by a sum taken
+  left to right in rank order.
+- ``experts``: the (token, expert) pairs are sorted by expert (a stable sort) and each expert's rows multiplied by
+  its weights: ``silu(x W_gate) * (x W_up)``, then ``W_down``. A row's value never depends on how many rows share
+  its expert: every output element is accumulated over K from k = 0 upward, BK at a time, in one fp32
+  accumulator, with a tile chosen from shapes alone (``moe_config``); rows are independent inside a tile.
+- the k expert outputs of a token are combined in fp32 in rank order (``_combine``): never atomics, never the
+  order of the sort.
+No capacity factor: no token is ever dropped (that would make a token depend on its neighbours).
+
+CUDA runs two Triton kernels: a grouped matmul over tiles of sorted rows (the first one fuses silu-and-mul) and
+the combine. The launch grids are sized from shapes (an upper bound on the number of row tiles); programs past
+the last real tile do nothing, so a decode step can be captured in a CUDA graph. The CPU runs each expert's rows
+through ``ops.linear`` (fixed row tiles) and the CPU ``silu_and_mul``, both row-invariant.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lockstep.layers.activation import silu_and_mul
+from lockstep.ops._common import FLOATS, interpreting
+from lockstep.ops.matmul import linear
+from lockstep.ops.softmax import softmax
+
+__all__ = ["MoEConfig", "RoutingPlan", "combine", "experts", "moe_config", "plan_routing", "route"]
+
+
+# --- routing -------------------------------------------------------------------------------------------------
+
+
+def _check_logits(logits: torch.Tensor, top_k: int) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"router logits must be [num_tokens, num_experts], got shape {tuple(logits.shape)}")
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"top_k must be in [1, num_experts={logits.shape[1]}], got {top_k}")
+    if logits.dtype not in FLOATS:
+        raise TypeError(f"router logits must be float32/bfloat16/float16, got {logits.dtype}")
+
+
+def top_k_lowest_id(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` largest of each row of ``probs: [n, E]`` (fp32, non-negative), in descending order, equal
+    values in ascending expert id. Returns ``(values fp32 [n, k], ids int64 [n, k])``.
+
+    A non-negative fp32 orders like its bit pattern read as an integer, so ``bits << 32 | (E - 1 - id)`` is an
+    int64 key with the same order whose ties are broken by the lowest id; keys are unique, so any top-k finds the
+    same ones in the same order.
+    """
+    num_experts = probs.shape[1]
+    ids = torch.arange(num_experts, device=probs.device, dtype=torch.int64)
+    key = (probs.contiguous().view(torch.int32).to(torch.int64) << 32) | (num_experts - 1 - ids)
+    top = torch.topk(key, top_k, dim=1).values  # [n, k], descending
+    values = (top >> 32).to(torch.int32).view(torch.float32)
+    return values, num_experts - 1 - (top & 0xFFFFFFFF)
+
+
+def renormalize_in_order(weights: torch.Tensor) -> torch.Tensor:
+    """``weights / weights.sum(-1)`` for ``weights: [n, k]`` fp32, the sum taken left to right."""
+    total = weights[:, 0]
+    for j in range(1, weights.shape[1]):
+        total = total + weights[:, j]
+    return weights / total[:, None]
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, w_ptr, ids_ptr, E, stride_l,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    # One token: softmax over its E logits in fp32, k rounds of "largest, lowest id among equals", the weights
+    # summed left to right in rank order.
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(valid, p / tl.sum(p, 0), -1.0)  # -1: never chosen
+    slots = tl.arange(0, K_PAD)
+    weights = tl.zeros((K_PAD,), dtype=tl.float32)
+    ids = tl.zeros((K_PAD,), dtype=tl.int64)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        # The lowest id among the maxima (clamped so that NaN logits still give an id in range).
+        idx = tl.minimum(tl.min(tl.where(p == best, offs, BLOCK_E), 0), E - 1)
+        weights = tl.where(slots == j, best, weights)
+        ids = tl.where(slots == j, idx.to(tl.int64), ids)
+        total += best
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORMALIZE:
+        weights = weights / total
+    mask = slots < TOP_K
+    tl.store(w_ptr + t * TOP_K + slots, weights, mask=mask)
+    tl.store(ids_ptr + t * TOP_K + slots, ids, mask=mask)
+
+
+def _route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty((num_tokens, top_k), device=logits.device, dtype=torch.float32)
+    ids = torch.empty((num_tokens, top_k), device=logits.device, dtype=torch.int64)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](
+            logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+            K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+            BLOCK_E=triton.next_power_of_2(num_experts),
+        )  # fmt: skip
+    return weights, ids
+
+
+def _route_cpu(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = softmax(logits.float(), -1)  # [n, E] fp32
+    weights, ids = top_k_lowest_id(probs, top_k)
+    return (renormalize_in_order(weights) if renormalize else weights), ids
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of ``logits: [num_tokens, num_experts]`` -> ``(weights fp32 [n, k], ids int64 [n, k])``.
+
+    Softmax in fp32, the top k by probability (ties to the lowest expert id), optionally renormalised to sum to
+    one (left to right in rank order). Row by row: a token's routing never depends on the batch. CUDA runs one
+    Triton program per token (one launch); the CPU ``ops.softmax`` and ``top_k_lowest_id``.
+    """
+    _check_logits(logits, top_k)
+    if logits.is_cuda:
+        return _route_triton(logits, top_k, renormalize)
+    return _route_cpu(logits, top_k, renormalize)
+
+
+# --- the plan: pairs sorted by expert, cut into row tiles -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Where each (token, rank) pair goes, built on the device with no host sync.
+
+    Pair ``p = t * k + j`` is token ``t``'s ``j``-th expert. ``order[r]`` is the pair at sorted row ``r`` (pairs
+    sorted by expert id, stably: within an expert, in pair order); ``tokens[r] = order[r] // k``; ``rows[p]`` is
+    the sorted row of pair ``p`` (the inverse of ``order``). ``bounds[e]:bounds[e + 1]`` are expert ``e``'s rows.
+    """
+
+    order: torch.Tensor  # [P] int64
+    tokens: torch.Tensor  # [P] int64
+    rows: torch.Tensor  # [P] int64
+    bounds: torch.Tensor  # [E + 1] int64
+
+
+def plan_routing(ids: torch.Tensor, num_experts: int) -> RoutingPlan:
+    """The sorted layout of ``ids: [num_tokens, k]`` (int64 expert ids in ``[0, num_experts)``)."""
+    num_tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = torch.empty_like(order)
+    rows[order] = torch.arange(order.numel(), device=ids.device)
+    bounds = torch.searchsorted(flat[order], torch.arange(num_experts + 1, device=ids.device))
+    return RoutingPlan(order=order, tokens=order // k, rows=rows, bounds=bounds)
+
+
+def tile_table(plan: RoutingPlan, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row tiles of at most ``bm`` rows, none spanning two experts: ``(expert, start, end)`` per tile, int32.
+
+    The table has a length fixed by shapes: ``ceil(P / bm) + min(E, P)`` bounds the number of tiles (each
+    non-empty expert adds at most one partial tile). Entries past the last tile have ``expert == num_experts``.
+    """
+    num_pairs = plan.order.numel()
+    counts = plan.bounds[1:] - plan.bounds[:-1]  # [E]
+    tiles_per = (counts + bm - 1) // bm
+    last = torch.cumsum(tiles_per, 0)  # one past each expert's last tile
+    num_slots = triton.cdiv(num_pairs, bm) + min(num_experts, num_pairs)
+    slot = torch.arange(num_slots, device=plan.order.device)
+    expert = torch.searchsorted(last, slot, right=True)  # [num_slots], num_experts past the end
+    e = expert.clamp(max=num_experts - 1)
+    start = plan.bounds[e] + (slot - (last[e] - tiles_per[e])) * bm
+    return expert.to(torch.int32), start.to(torch.int32), plan.bounds[e + 1].to(torch.int32)
+
+
+# --- the grouped matmul (Triton) ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    a_ptr, a_rows_ptr, b_ptr, c_ptr,
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    N, K, num_experts,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    GATHER_A: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    # One program: the rows [start, end) of one expert's sorted rows (at most BM) times BN output columns.
+    # SILU_MUL: b holds [gate; up] stacked ([2N, K] per expert) and c gets silu(x gate) * (x up), [rows, N].
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < num_experts:  # programs past the last tile do nothing (the grid is sized from shapes)
+        start = tl.load(tile_start_ptr + tile)
+        end = tl.load(tile_end_ptr + tile)
+        offs_m = start + tl.arange(0, BM)
+        mask_m = offs_m < end
+        if GATHER_A:
+            a_rows = tl.load(a_rows_ptr + offs_m, mask=mask_m, other=0)
+        else:
+            a_rows = offs_m
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask_n = offs_n < N
+        offs_k = tl.arange(0, BK)
+        a_tile = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_tile = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        # The one reduction: k = 0 upward, BK at a time, into one fp32 accumulator per output.
+        for k in range(0, K, BK):
+            if EVEN_K:
+                a = tl.load(a_tile, mask=mask_m[:, None], other=0.0)
+                b = tl.load(b_tile, mask=mask_n[None, :], other=0.0)
+            else:  # the zero-padded K tail adds exact zeros
+                a = tl.load(a_tile, mask=mask_m[:, None] & (offs_k[None, :] < K - k), other=0.0)
+                b = tl.load(b_tile, mask=mask_n[None, :] & (offs_k[:, None] < K - k), other=0.0)
+            if UPCAST:  # the interpreter's bf16/fp16 dot is wrong; run it in fp32 there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if SILU_MUL:
+                if EVEN_K:
+                    b_up = tl.load(b_tile + N * stride_bn, mask=mask_n[None, :], other=0.0)
+                else:
+                    b_up = tl.load(b_tile + N * stride_bn, mask=mask_n[None, :] & (offs_k[:, None] < K - k), other=0.0)
+                if UPCAST:
+                    b_up = b_up.to(tl.float32)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+            a_tile += BK * stride_ak
+            b_tile += BK * stride_bk
+        dtype = c_ptr.dtype.element_ty
+        if SILU_MUL:
+            # The dense MLP's roundings: gate and up rounded to the model dtype, silu(gate) rounded, then the product.
+            gate = acc.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            out = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        else:
+            out = acc.to(dtype)
+        c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c, out, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    bm: int
+    bn: int
+    bk: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def moe_config(num_pairs: int, num_experts: int, n: int, k: int, dtype: torch.dtype) -> MoEConfig:
+    """The tile for one grouped matmul (``n`` output columns, reduction ``k``), from shapes alone: the dtype and
+    the *average* number of rows an expert gets (``num_pairs / num_experts``), never the per-expert counts.
+
+    BK is fixed per dtype, so every config reduces K in the same steps; BM, BN, warps and stages follow the
+    average load (bench/moe.py checks that every config here gives the same bits on the GPU).
+    """
+    if dtype == torch.float32:
+        return MoEConfig(bm=16, bn=32, bk=32)
+    avg = num_pairs // max(1, num_experts)
+    if avg <= 16:  # decode: bandwidth-bound, small row tiles, many column tiles
+        return MoEConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=4)
+    if avg <= 64:
+        return MoEConfig(bm=64, bn=64, bk=64, num_warps=4, num_stages=4)
+    if avg <= 256:
+        return MoEConfig(bm=64, bn=128, bk=64, num_warps=4, num_stages=3)
+    return MoEConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
+
+
+def _grouped_mm(
+    a: torch.Tensor,
+    a_rows: torch.Tensor | None,
+    b: torch.Tensor,
+    plan: RoutingPlan,
+    cfg: MoEConfig,
+    silu_mul: bool,
+) -> torch.Tensor:
+    # a: [*, K]; row r of the result reads a[a_rows[r]] (a[r] without a_rows); b: [E, N(x2 if silu_mul), K]
+    # -> c: [P, N] in a's dtype, the rows in sorted order.
+    num_experts, n_full, k = b.shape
+    n = n_full // 2 if silu_mul else n_full
+    num_pairs = plan.order.numel()
+    c = torch.empty((num_pairs, n), device=a.device, dtype=a.dtype)
+    if num_pairs == 0:
+        return c
+    tile_expert, tile_start, tile_end = tile_table(plan, num_experts, cfg.bm)
+    grid = (tile_expert.numel(), triton.cdiv(n, cfg.bn))
+    _grouped_mm_kernel[grid](
+        a, a_rows if a_rows is not None else tile_start, b, c,
+        tile_expert, tile_start, tile_end,
+        n, k, num_experts,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        GATHER_A=a_rows is not None, SILU_MUL=silu_mul, EVEN_K=k % cfg.bk == 0,
+        UPCAST=interpreting() and a.dtype != torch.float32,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return c
+
+
+# --- the combine ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, w_ptr, rows_ptr, out_ptr, H, stride_y, stride_o, TOP_K: tl.constexpr, BH: tl.constexpr,
+):  # fmt: skip
+    # out[t] = sum over j = 0, 1, ..., k - 1 of w[t, j] * y[rows[t, j]], in fp32, in that order.
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    mask = offs < H
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(rows_ptr + t * TOP_K + j)
+        w = tl.load(w_ptr + t * TOP_K + j)
+        y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += w * y
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _combine_triton(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    num_tokens, top_k = weights.shape
+    hidden = y.shape[1]
+    out = torch.empty((num_tokens, hidden), device=y.device, dtype=y.dtype)
+    if num_tokens == 0:
+        return out
+    bh = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, bh))](
+        y, weights.contiguous(), rows.contiguous(), out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BH=bh
+    )
+    return out
+
+
+def _combine_cpu(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    # Elementwise products and sums: one correctly rounded operation per element, the same bits on every path.
+    acc = weights[:, 0, None] * y[rows[:, 0]].float()
+    for j in range(1, weights.shape[1]):
+        acc = acc + weights[:, j, None] * y[rows[:, j]].float()
+    return acc.to(y.dtype)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * y[rows[t, j]]`` in fp32, j = 0 to k - 1 in order, rounded to y's dtype.
+
+    ``y: [P, H]`` (expert outputs, sorted rows), ``weights: [n, k]`` fp32, ``rows: [n, k]`` int64.
+    """
+    if y.is_cuda:
+        return _combine_triton(y, weights, rows)
+    return _combine_cpu(y, weights, rows)
+
+
+# --- the whole expert layer -----------------------------------------------------------------------------------
+
+
+def _check_experts(x, w13, w2, weights, ids) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"expected x [n, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, {tuple(w13.shape)}, "
+            f"{tuple(w2.shape)}"
+        )
+    num_experts, two_i, hidden = w13.shape
+    if two_i % 2 or x.shape[1] != hidden or w2.shape != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"expert weights do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
+        raise ValueError(f"weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be [{x.shape[0]}, k]")
+    if x.dtype != w13.dtype or x.dtype != w2.dtype or x.dtype not in FLOATS:
+        raise TypeError(f"expected matching float32/bfloat16/float16 tensors, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+
+
+def _experts_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    num_experts, two_i, hidden = w13.shape
+    plan = plan_routing(ids, num_experts)
+    num_pairs = plan.order.numel()
+    cfg1 = config or moe_config(num_pairs, num_experts, two_i // 2, hidden, x.dtype)
+    cfg2 = config or moe_config(num_pairs, num_experts, hidden, two_i // 2, x.dtype)
+    act = _grouped_mm(x, plan.tokens, w13, plan, cfg1, silu_mul=True)  # [P, I], sorted rows
+    y = _grouped_mm(act, None, w2, plan, cfg2, silu_mul=False)  # [P, H], sorted rows
+    return combine(y, weights.float(), plan.rows.view(ids.shape))
+
+
+_VIEWS_ATTR = "_lockstep_expert_views"
+
+
+def expert_weight(w: torch.Tensor, e: int) -> torch.Tensor:
+    """``w[e]``, the same view object every call, so the CPU matmul's packed copy of it (``_cpu_weight``) is kept."""
+    key = (w.data_ptr(), tuple(w.shape), w.dtype)
+    cached = getattr(w, _VIEWS_ATTR, None)
+    if cached is None or cached[0] != key:
+        cached = (key, [w.detach()[i] for i in range(w.shape[0])])
+        try:
+            setattr(w, _VIEWS_ATTR, cached)
+        except (AttributeError, RuntimeError):  # a tensor that takes no attributes: a fresh view each call
+            return w.detach()[e]
+    return cached[1][e]
+
+
+def _experts_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+    num_experts = w13.shape[0]
+    plan = plan_routing(ids, num_experts)
+    bounds = plan.bounds.tolist()
+    y = x.new_empty((plan.order.numel(), x.shape[1]))
+    for e in range(num_experts):
+        start, end = bounds[e], bounds[e + 1]
+        if end > start:
+            rows = x[plan.tokens[start:end]]  # [n_e, H]
+            act = silu_and_mul(linear(rows, expert_weight(w13, e)))
+            y[start:end] = linear(act, expert_weight(w2, e))
+    return _combine_cpu(y, weights.float(), plan.rows.view(ids.shape))
+
+
+def experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The routed expert MLPs, batch-invariant: ``x: [n, H]``, ``w13: [E, 2I, H]`` (each expert's gate and up
+    projections stacked), ``w2: [E, H, I]``, ``weights: [n, k]`` and ``ids: [n, k]`` from ``route`` ->
+    ``sum_j weights[:, j] * down_j(silu(gate_j(x)) * up_j(x))``: ``[n, H]`` in x's dtype."""
+    _check_experts(x, w13, w2, weights, ids)
+    if x.is_cuda:
+        return _experts_triton(x, w13, w2, weights, ids)
+    return _experts_cpu(x, w13, w2, weights, ids)
+
+
+def experts_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """``experts`` in plain torch ops, differentiable, with no invariance contract: each expert's rows through
+    ``F.linear`` (whose reduction follows the number of rows), the k outputs summed by ``torch.sum``. Reads the
+    per-expert counts on the host. The ``torch`` kernel set's experts, and the recomputation behind the trainer's
+    backward (deterministic run to run: every index it scatters through is a permutation, no atomics add up)."""
+    num_tokens, top_k = ids.shape
+    hidden = x.shape[1]
+    plan = plan_routing(ids, w13.shape[0])
+    bounds = plan.bounds.tolist()
+    # x once per pair ([n, k, H] -> [P, H]: its gradient sums over k), then in sorted order (a permutation).
+    sorted_x = x[:, None, :].expand(num_tokens, top_k, hidden).reshape(-1, hidden)[plan.order]
+    outs = []
+    for e in range(w13.shape[0]):
+        if bounds[e + 1] > bounds[e]:
+            gate, up = torch.nn.functional.linear(sorted_x[bounds[e] : bounds[e + 1]], w13[e]).chunk(2, dim=-1)
+            outs.append(torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e]))
+    y = torch.cat(outs) if outs else x.new_zeros((0, hidden))  # [P, H], sorted rows
+    y = y[plan.rows].view(num_tokens, top_k, hidden)  # back in pair order (a permutation)
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for a float64 reference
+    return (y.to(acc) * weights.to(acc)[:, :, None]).sum(1).to(x.dtype)

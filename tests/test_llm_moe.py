@@ -1,0 +1,92 @@
+"""The invariance matrix of tests/test_llm.py on tiny mixtures of experts (Qwen3-MoE and Mixtral): a request's
+token ids, logprobs and prompt logprobs are the same bits alone, in any batch, under chunked prefill, after a
+prefix-cache hit, after preemption, and equal to what a fresh prefill of the same sequence computes."""
+
+from pathlib import Path
+
+import pytest
+from test_llm import BLOCK, MATRIX, TARGET_PARAMS, TARGET_PROMPTS, bits, make_llm, prompt_vs_decode, run_mixed
+
+from lockstep.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tiny_moe_dir: Path) -> list[tuple]:
+    """Each target run alone, on a fresh engine."""
+    refs = []
+    for prompt, p in zip(TARGET_PROMPTS, TARGET_PARAMS, strict=True):
+        [out] = make_llm(tiny_moe_dir).generate([prompt], p, use_tqdm=False)
+        assert len(out.token_ids) == p.max_tokens
+        refs.append(bits(out))
+    assert len({r[0] for r in refs}) == len(refs)  # the targets took different paths
+    return refs
+
+
+@pytest.mark.parametrize("case", ["batch_of_34", "chunked_16", "chunked_64", "max_num_seqs_3"])
+def test_moe_invariance_matrix(tiny_moe_dir: Path, moe_reference: list[tuple], case: str) -> None:
+    kwargs, num_others, seed = MATRIX[case]
+    outs = run_mixed(make_llm(tiny_moe_dir, **kwargs), num_others, seed)
+    assert [bits(o) for o in outs] == moe_reference
+
+
+def test_moe_invariance_after_preemption(tiny_moe_dir: Path, moe_reference: list[tuple]) -> None:
+    llm = make_llm(tiny_moe_dir, num_kv_blocks=12, max_num_batched_tokens=64, max_num_seqs=64)
+    preempted = []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        preempted.extend(s.request_id for s in batch.preempted)
+        return batch
+
+    llm.engine.scheduler.schedule = spy
+    outs = run_mixed(llm, 10, 8)
+    assert preempted, "the cache was big enough: nothing was preempted"
+    assert [bits(o) for o in outs] == moe_reference
+
+
+def test_moe_invariance_after_prefix_cache_hit(tiny_moe_dir: Path, moe_reference: list[tuple]) -> None:
+    llm = make_llm(tiny_moe_dir)
+    llm.generate([p + [1, 2, 3] for p in TARGET_PROMPTS], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    cached = {}
+    add = llm.engine.scheduler.add
+
+    def spy_add(seq):
+        add(seq)
+        cached[seq.request_id] = seq
+
+    llm.engine.scheduler.add = spy_add
+    outs = run_mixed(llm, 5, 9)
+    hits = [
+        cached[o.request_id].num_cached_tokens
+        for o, p in zip(outs, TARGET_PARAMS, strict=True)
+        if p.prompt_logprobs is None
+    ]
+    assert min(hits) >= BLOCK * 2, "no prefix-cache hit"
+    assert [bits(o) for o in outs] == moe_reference
+
+
+def test_moe_decode_equals_a_fresh_prefill(tiny_moe_dir: Path, moe_reference: list[tuple]) -> None:
+    llm = make_llm(tiny_moe_dir, enable_prefix_caching=False)
+    prompts, params, expect = [], [], []
+    for prompt, p, ref in zip(TARGET_PROMPTS, TARGET_PARAMS, moe_reference, strict=True):
+        if p.presence_penalty or p.frequency_penalty:
+            continue  # they count output tokens, which a fresh prefill holds as prompt
+        tokens, lps, tops = ref[:3]
+        for i in range(len(tokens)):
+            prompts.append(prompt + list(tokens[:i]))
+            params.append(SamplingParams(**{**vars(p), "max_tokens": 1, "prompt_logprobs": None}))
+            expect.append(((tokens[i],), (lps[i],), (tops[i],)))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [bits(o)[:3] for o in outs] == expect
+    assert (
+        prompt_vs_decode(make_llm(tiny_moe_dir, max_num_batched_tokens=7, max_num_seqs=7), moe_reference) == [True] * 5
+    )
+
+
+def test_moe_default_kernels_follow_the_batch(tiny_moe_dir: Path) -> None:
+    # Negative control: on torch's kernels the same matrix sees some target's bits change with the batch.
+    llm = make_llm(tiny_moe_dir, kernels="default")
+    alone = [bits(llm.generate([p], s, use_tqdm=False)[0]) for p, s in zip(TARGET_PROMPTS, TARGET_PARAMS, strict=True)]
+    batched = [bits(o) for o in run_mixed(make_llm(tiny_moe_dir, kernels="default"), 31, 1)]
+    assert batched != alone
