@@ -53,6 +53,7 @@ def parse_body(body: bytes, model: type[AnyRequest]) -> AnyRequest:
 def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceSpec]:
     """A /v1/completions call's engine requests: the ``n`` choices of the first prompt, then of the next, ..."""
     _check_common(state, req)
+    _check_num_seqs(state, req)
     prompts = _completion_prompts(state, req)
     max_tokens = [_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts]
     return [
@@ -84,6 +85,20 @@ def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionReq
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"unsupported parameter(s) with non-default values: {', '.join(bad)}", param=bad[0])
+
+
+def _check_num_seqs(state: ServerState, req: CompletionRequest) -> None:
+    """Refuse a call of more sequences (``n`` times its prompts) than the server takes, before tokenizing any."""
+    p = req.prompt
+    num_prompts = len(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else 1
+    limit = state.engine.limits.max_seqs_per_request
+    if num_prompts * req.n > limit:
+        raise APIError(
+            400,
+            f"this request needs {num_prompts * req.n} sequences (n times the number of prompts); the server takes "
+            f"at most {limit} per request",
+            param="n" if req.n > 1 else "prompt",
+        )
 
 
 def _too_long(state: ServerState, what: str, has: str) -> APIError:
