@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one ``AsyncEngine``.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (SSE streaming or not), ``GET /v1/models``, ``/health``,
-``/metrics``. Every response carries ``system_fingerprint``: a hash of the weights, lockstep's version, the
-device, the dtype and the kernel set, the key under which a request's output is reproducible. Errors are
-OpenAI-style JSON bodies; nothing a client sends can take the server down.
+``/metrics``, and vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``). Every completion carries
+``system_fingerprint``: a hash of the weights, lockstep's version, the device, the dtype and the kernel set, the key
+under which a request's output is reproducible. Errors are OpenAI-style JSON bodies; nothing a client sends can
+take the server down.
 
 A call goes ``middleware`` (Host, API key, Content-Type, the body) -> a route here -> ``requests`` (body to
 ``ChoiceSpec``s, in a worker thread) -> ``responses`` (engine outputs to a JSON reply or an SSE stream); ``state``
@@ -27,6 +28,7 @@ from lockstep.server.protocol import APIError, error_body
 from lockstep.server.requests import parse_call
 from lockstep.server.responses import respond
 from lockstep.server.state import ServerState
+from lockstep.server.tokenize import detokenize, tokenize
 
 
 def json_response(body: dict, status: int = 200) -> Response:
@@ -91,6 +93,19 @@ def build_app(state: ServerState) -> FastAPI:
         loop = asyncio.get_running_loop()
         req, specs = await loop.run_in_executor(state.workers, parse_call, state, body, chat)
         return await respond(state, request, req, specs, chat=chat)
+
+    async def in_worker(request: Request, handler) -> Response:
+        body = await request.body()
+        answer = await asyncio.get_running_loop().run_in_executor(state.workers, handler, state, body)
+        return json_response(answer)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await in_worker(request, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await in_worker(request, detokenize)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

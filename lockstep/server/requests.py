@@ -47,6 +47,8 @@ def parse_body(body: bytes, model: type[AnyRequest]) -> AnyRequest:
                 path += f"[{x}]"
             elif x not in _UNION_TAGS and "[" not in x:
                 path += f".{x}" if path else x
+        if not err["loc"]:  # a check of the whole body (a model validator)
+            raise APIError(400, f"invalid request: {err['msg']}") from None
         raise APIError(400, f"invalid parameter {path}: {err['msg']}", param=str(err["loc"][0])) from None
 
 
