@@ -2,8 +2,8 @@
 
 Types are strict: no coercion, so ``"max_tokens": "4"``, ``"n": true`` or ``"stream": "yes"`` is a 400 (an int
 is still a valid float); numbers must be finite, and integers fit in 64 bits. Unknown fields are accepted and
-ignored, as OpenAI-compatible servers do; fields lockstep cannot honour with a non-default value (``echo``,
-``best_of`` > n, ``suffix``, tools) are rejected with 400 rather than silently ignored. Besides OpenAI's fields,
+ignored, as OpenAI-compatible servers do; fields lockstep cannot honour with a non-default value (``best_of`` > n,
+``suffix``, tools) are rejected with 400 rather than silently ignored. Besides OpenAI's fields,
 vLLM's sampling extensions ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` are read (the openai
 client sends them through ``extra_body``).
 """
@@ -124,7 +124,7 @@ Prompt = Annotated[
 
 class CompletionRequest(_Request):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)  # 0 only with echo: the prompt (and its logprobs) alone
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -132,8 +132,6 @@ class CompletionRequest(_Request):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
         if self.best_of is not None and self.best_of != self.n:
             bad.append("best_of")
         if self.suffix:

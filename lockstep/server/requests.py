@@ -4,6 +4,7 @@ prompt(s), fit ``max_tokens`` to the context and build one ``ChoiceSpec`` per ch
 All of it runs in a worker thread (``ServerState.workers``), never on the event loop: ``parse_call``.
 """
 
+import dataclasses
 from typing import NamedTuple, TypeVar
 
 from pydantic import ValidationError
@@ -22,6 +23,7 @@ class ChoiceSpec(NamedTuple):
 
     prompt_ids: list[int]
     params: SamplingParams
+    prompt_text: str | None = None  # a completion prompt's text, for echo (decoded from prompt_ids if given as ids)
 
 
 def parse_call(state: ServerState, body: bytes, chat: bool) -> tuple[AnyRequest, list[ChoiceSpec]]:
@@ -53,16 +55,37 @@ def parse_body(body: bytes, model: type[AnyRequest]) -> AnyRequest:
 
 
 def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceSpec]:
-    """A /v1/completions call's engine requests: the ``n`` choices of the first prompt, then of the next, ..."""
+    """A /v1/completions call's engine requests: the ``n`` choices of the first prompt, then of the next, ...
+
+    With ``echo`` each choice also computes its prompt's logprobs (when ``logprobs`` is asked for: the legacy API
+    returns them before the generated tokens'); ``max_tokens`` 0 then generates one token that the reply leaves out,
+    as vLLM does, so the call costs one prefill."""
     _check_common(state, req)
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
     _check_num_seqs(state, req)
     prompts = _completion_prompts(state, req)
-    max_tokens = [_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts]
+    wanted = 1 if req.max_tokens == 0 else req.max_tokens
+    max_tokens = [_check_length(state, len(p), wanted, "prompt") for p in prompts]
+    texts = _echo_texts(state, req, prompts) if req.echo else [None] * len(prompts)
+    prompt_logprobs = req.logprobs if req.echo else None
     return [
-        ChoiceSpec(p, _params(req, m, req.logprobs, i))
-        for p, m in zip(prompts, max_tokens, strict=True)
+        ChoiceSpec(p, dataclasses.replace(_params(req, m, req.logprobs, i), prompt_logprobs=prompt_logprobs), text)
+        for p, m, text in zip(prompts, max_tokens, texts, strict=True)
         for i in range(req.n)
     ]
+
+
+def _echo_texts(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """The text each prompt is echoed as: as sent, or its token ids decoded."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if p and isinstance(p[0], str):
+        return list(p)
+    if state.tokenizer is None:
+        return ["" for _ in prompts]
+    return [state.tokenizer.decode(ids) for ids in prompts]
 
 
 def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpec]:

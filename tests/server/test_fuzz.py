@@ -94,7 +94,7 @@ SAMPLING = {
 COMPLETION = {
     "prompt": st.one_of(st.text(max_size=40), st.lists(st.text(max_size=10), min_size=1, max_size=3), token_ids),
     "logprobs": st.one_of(st.none(), st.integers(0, 5)),
-    "echo": st.just(False),
+    "echo": st.booleans(),
 }
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=40)}

@@ -1,5 +1,7 @@
 """vLLM's server surface beyond the OpenAI routes, against a real server: ``/tokenize`` and ``/detokenize``."""
 
+import asyncio
+
 import httpx
 
 from tiny_models import TINY_CHARS, TINY_EOS
@@ -39,3 +41,91 @@ def test_tokenize_and_detokenize(server: Server) -> None:
     _assert_error(_post(server, "/detokenize", {"tokens": [5, 500]}), 400, "500")
     _assert_error(_post(server, "/detokenize", {"tokens": ["a"]}), 400, "tokens")
     assert httpx.post(server.url + tok, json={"prompt": "a"}).status_code == 401  # the key guards them too
+
+
+VOCAB = {c: i for i, c in enumerate(TINY_CHARS)} | {"<unk>": TINY_EOS - 1, "</s>": TINY_EOS}
+
+
+def loglikelihood_body(server: Server, prompts: list[list[int]], max_tokens: int = 0) -> dict:
+    """What lm-evaluation-harness's local-completions sends for loglikelihood (it asks for max_tokens 1 and drops the
+    last entry; 0 returns the prompt alone)."""
+    return {"model": server.model, "prompt": prompts, "echo": True, "max_tokens": max_tokens, "logprobs": 1,
+            "temperature": 0, "seed": 1234}  # fmt: skip
+
+
+def test_echo_loglikelihood_is_the_decode_logprobs_bitwise(server: Server) -> None:
+    c = client(server)
+    context = [VOCAB[ch] for ch in "The river runs"]
+    gen = c.completions.create(
+        model=server.model, prompt=context, max_tokens=10, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+    )
+    cont_lps = gen.choices[0].logprobs.token_logprobs
+    continuation = [VOCAB[t] for t in gen.choices[0].logprobs.tokens]
+    assert len(continuation) == 10
+
+    r = c.completions.create(**loglikelihood_body(server, [context + continuation]))
+    [choice] = r.choices
+    lp = choice.logprobs
+    assert choice.text == "The river runs" + gen.choices[0].text and choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == 24 and r.usage.completion_tokens == 0  # the prompt alone
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 24
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[:3] == [0, 1, 2]
+    # The engine's guarantee, through the API: a prompt token's logprob has the bits a decode step gave it.
+    assert lp.token_logprobs[len(context) :] == cont_lps
+    assert sum(lp.token_logprobs[len(context) :]) == sum(cont_lps)  # lm-eval's loglikelihood of the continuation
+    # Negative control: after another context the same continuation scores other bits.
+    other = c.completions.create(**loglikelihood_body(server, [[VOCAB["A"]] + context[1:] + continuation]))
+    assert other.choices[0].logprobs.token_logprobs[len(context) :] != cont_lps
+    # Greedy continuation: each token is the top-1 at its position (lm-eval's is_greedy).
+    for tok, x, top in zip(lp.tokens[len(context) :], cont_lps, lp.top_logprobs[len(context) :], strict=True):
+        assert top == {tok: x}
+
+    # Echo with generation: the prompt first, then what a call without echo generates.
+    plain = c.completions.create(model=server.model, prompt="hello", max_tokens=5, temperature=0, logprobs=2)
+    echoed = c.completions.create(model=server.model, prompt="hello", max_tokens=5, temperature=0, logprobs=2,
+                                  echo=True)  # fmt: skip
+    assert echoed.choices[0].text == "hello" + plain.choices[0].text
+    assert echoed.choices[0].logprobs.tokens == list("hello") + plain.choices[0].logprobs.tokens
+    assert echoed.choices[0].logprobs.token_logprobs[5:] == plain.choices[0].logprobs.token_logprobs
+    assert echoed.choices[0].logprobs.text_offset[5:] == [5 + o for o in plain.choices[0].logprobs.text_offset]
+    assert echoed.usage.completion_tokens == 5
+    no_lp = c.completions.create(model=server.model, prompt="hello", max_tokens=5, temperature=0, echo=True)
+    assert no_lp.choices[0].text == echoed.choices[0].text and no_lp.choices[0].logprobs is None
+
+    # Streamed, the first chunk of each choice carries the prompt; the chunks add up to the reply.
+    chunks = list(c.completions.create(model=server.model, prompt="hello", max_tokens=5, temperature=0, logprobs=2,
+                                       echo=True, n=2, stream=True))  # fmt: skip
+    for i in range(2):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].text.startswith("hello")
+        assert "".join(ch.text for ch in mine) == echoed.choices[0].text
+        assert [x for ch in mine for x in ch.logprobs.token_logprobs] == echoed.choices[0].logprobs.token_logprobs
+        assert [x for ch in mine for x in ch.logprobs.text_offset] == echoed.choices[0].logprobs.text_offset
+
+    ok = {"model": server.model, "prompt": "hi"}
+    _assert_error(_post(server, "/v1/completions", ok | {"max_tokens": 0}), 400, "echo")
+    _assert_error(_post(server, "/v1/chat/completions", {"model": server.model, "max_tokens": 0,
+                  "messages": [{"role": "user", "content": "hi"}]}), 400, "max_tokens")  # fmt: skip
+
+
+def test_echo_logprobs_are_the_same_bits_at_any_concurrency(server: Server) -> None:
+    # lm-eval's loglikelihood requests, a batch of prompts per call, alone and among other calls in flight.
+    prompts = [[VOCAB[ch] for ch in text] for text in ("a b c d e", "Question: 2+2? Answer: 4", "xyz" * 20)]
+    body = loglikelihood_body(server, prompts, max_tokens=1)
+    alone = _post(server, "/v1/completions", body).json()["choices"]
+    assert [len(ch["logprobs"]["token_logprobs"]) for ch in alone] == [len(p) + 1 for p in prompts]
+
+    async def crowd() -> list[dict]:
+        headers = {"content-type": "application/json", **server.headers}
+        async with httpx.AsyncClient(timeout=120, headers=headers) as h:
+            others = [
+                {"model": server.model, "prompt": f"other {i} " * (i + 1), "max_tokens": 12, "temperature": 0.7,
+                 "seed": i, "echo": i % 2 == 0, "logprobs": i % 3}  # fmt: skip
+                for i in range(8)
+            ]
+            calls = [h.post(server.url + "/v1/completions", json=b) for b in [*others[:4], body, *others[4:], body]]
+            return [r.json() for r in await asyncio.gather(*calls)]
+
+    answers = asyncio.run(crowd())
+    assert "error" not in answers[4] and "error" not in answers[-1], answers[4]
+    assert answers[4]["choices"] == alone and answers[-1]["choices"] == alone
