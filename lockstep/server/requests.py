@@ -93,6 +93,14 @@ def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpe
     _check_common(state, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    given = req.model_fields_set
+    if "max_tokens" in given and "max_completion_tokens" in given and req.max_tokens != req.max_completion_tokens:
+        raise APIError(
+            400,
+            f"max_completion_tokens ({req.max_completion_tokens}) and max_tokens ({req.max_tokens}) differ: give one "
+            "(max_tokens is the older name of max_completion_tokens)",
+            param="max_completion_tokens",
+        )
     prompt = _chat_prompt(state, req)
     max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -177,6 +185,11 @@ def _params(
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+            min_tokens=req.min_tokens,
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
         ).for_choice(index)
     except ValueError as e:
         raise APIError(400, str(e)) from None

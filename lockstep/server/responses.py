@@ -34,11 +34,12 @@ class _TextStream:
     """Incremental text of one choice: holds back a trailing partial UTF-8 character and any tail that could
     begin a stop string, so the deltas add up to the final (stop-cut) text."""
 
-    def __init__(self, tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer, stops: list[str], options: tuple[bool, bool] = (True, True)) -> None:
         self.stops, self.sent = stops, ""
         self.num_tokens = 0  # tokens whose logprobs were sent
         self.echoed = False  # the prompt was sent (completions with echo)
-        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        # options: skip_special_tokens, spaces_between_special_tokens, as the engine decodes the final text
+        self.detokenizer = IncrementalDetokenizer(tokenizer, *options) if tokenizer is not None else None
 
     def delta(self, out: RequestOutput) -> str:
         if self.detokenizer is None:
@@ -275,7 +276,8 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
     for, then ``[DONE]``."""
     head = r.head(stream=True)
     index = {rid: i for i, rid in enumerate(r.request_ids)}
-    streams = [_TextStream(r.state.tokenizer, s.params.stop) for s in r.specs]
+    options = [(s.params.skip_special_tokens, s.params.spaces_between_special_tokens) for s in r.specs]
+    streams = [_TextStream(r.state.tokenizer, s.params.stop, o) for s, o in zip(r.specs, options, strict=True)]
 
     async def events() -> AsyncIterator[bytes]:
         finals: list[RequestOutput] = []

@@ -3,7 +3,6 @@
 import asyncio
 
 import httpx
-
 from tiny_models import TINY_CHARS, TINY_EOS
 
 from .conftest import Server
@@ -119,8 +118,15 @@ def test_echo_logprobs_are_the_same_bits_at_any_concurrency(server: Server) -> N
         headers = {"content-type": "application/json", **server.headers}
         async with httpx.AsyncClient(timeout=120, headers=headers) as h:
             others = [
-                {"model": server.model, "prompt": f"other {i} " * (i + 1), "max_tokens": 12, "temperature": 0.7,
-                 "seed": i, "echo": i % 2 == 0, "logprobs": i % 3}  # fmt: skip
+                {
+                    "model": server.model,
+                    "prompt": f"other {i} " * (i + 1),
+                    "max_tokens": 12,
+                    "temperature": 0.7,
+                    "seed": i,
+                    "echo": i % 2 == 0,
+                    "logprobs": i % 3,
+                }  # fmt: skip
                 for i in range(8)
             ]
             calls = [h.post(server.url + "/v1/completions", json=b) for b in [*others[:4], body, *others[4:], body]]
@@ -129,3 +135,61 @@ def test_echo_logprobs_are_the_same_bits_at_any_concurrency(server: Server) -> N
     answers = asyncio.run(crowd())
     assert "error" not in answers[4] and "error" not in answers[-1], answers[4]
     assert answers[4]["choices"] == alone and answers[-1]["choices"] == alone
+
+
+def test_vllm_sampling_extensions(server: Server) -> None:
+    c = client(server)
+    p_id = VOCAB["p"]
+    base = dict(model=server.model, prompt="hello", max_tokens=8, temperature=0)
+
+    def ask(stream: bool = False, **extra) -> tuple[str, str | None]:
+        if stream:
+            chunks = [ch for ch in c.completions.create(**base, stream=True, extra_body=extra) if ch.choices]
+            return "".join(ch.choices[0].text for ch in chunks), chunks[-1].choices[0].finish_reason
+        r = c.completions.create(**base, extra_body=extra)
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    forced_p = {"logit_bias": {str(p_id): 100}}
+    assert ask(**forced_p) == ("pppppppp", "length")
+    assert ask(**forced_p, stop_token_ids=[p_id]) == ("p", "stop")  # kept: not a special token (vLLM)
+    assert ask(**forced_p, stop=["ppp"]) == ("", "stop")
+    assert ask(**forced_p, stop=["ppp"], include_stop_str_in_output=True) == ("ppp", "stop")
+    assert ask(True, **forced_p, stop=["ppp"], include_stop_str_in_output=True) == ("ppp", "stop")
+    # EOS forced, held off for min_tokens; kept in the text when special tokens are not skipped, streamed or not.
+    forced_eos = {"logit_bias": {str(p_id): 50, str(TINY_EOS): 100}, "min_tokens": 3}
+    assert ask(**forced_eos) == ("ppp", "stop")
+    kept = ask(**forced_eos, skip_special_tokens=False)
+    assert kept == ("ppp </s>", "stop") and ask(True, **forced_eos, skip_special_tokens=False) == kept
+    assert ask(**forced_eos, skip_special_tokens=False, spaces_between_special_tokens=False) == ("ppp</s>", "stop")
+    _assert_error(_post(server, "/v1/completions", {**base, "min_tokens": 9}), 400, "min_tokens")
+    _assert_error(_post(server, "/v1/completions", {**base, "stop_token_ids": [-1]}), 400, "stop_token_ids")
+
+
+def test_max_completion_tokens_and_parameters_lockstep_cannot_honour(server: Server) -> None:
+    c = client(server)
+    messages = [{"role": "user", "content": "hi"}]
+    kw = dict(model=server.model, messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    assert c.chat.completions.create(**kw, max_completion_tokens=3).usage.completion_tokens == 3
+    assert c.chat.completions.create(**kw, max_tokens=4, max_completion_tokens=4).usage.completion_tokens == 4
+    chat = {"model": server.model, "messages": messages, "max_tokens": 2}
+    err = _assert_error(_post(server, "/v1/chat/completions", chat | {"max_completion_tokens": 3}), 400, "differ")
+    assert err["param"] == "max_completion_tokens"
+
+    # Set to what changes nothing, or unknown: answered. Set to anything else: a 400 naming it, never ignored.
+    comp = {"model": server.model, "prompt": "hi", "max_tokens": 2}
+    harmless = {"use_beam_search": False, "response_format": {"type": "text"}, "store": True, "length_penalty": 1}
+    assert _post(server, "/v1/completions", comp | harmless).status_code == 200
+    assert _post(server, "/v1/chat/completions", chat | harmless | {"add_generation_prompt": True}).status_code == 200
+    for path, body, name in (
+        ("/v1/completions", comp | {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", comp | {"length_penalty": 2.0}, "length_penalty"),
+        ("/v1/completions", comp | {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ("/v1/completions", comp | {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", comp | {"add_special_tokens": False}, "add_special_tokens"),
+        ("/v1/completions", comp | {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous"),
+        ("/v1/chat/completions", chat | {"continue_final_message": True}, "continue_final_message"),
+        ("/v1/chat/completions", chat | {"echo": True}, "echo"),
+        ("/v1/chat/completions", chat | {"modalities": ["text", "audio"]}, "modalities"),
+    ):
+        err = _assert_error(_post(server, path, body), 400, name)
+        assert err["param"].startswith(name.split(".")[0]) or name == "continuous", err
