@@ -23,6 +23,25 @@ def _check_bool(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
+def check_device(device: str | None) -> None:
+    """Raise ValueError, in one line, when ``device`` names CUDA that this torch cannot use: a CPU-only build, no
+    visible GPU, or an index past the last one. None (the default: CUDA when available) and "cpu" always pass."""
+    if device is None or not device.startswith("cuda"):
+        return
+    import torch
+
+    if torch.version.cuda is None:
+        raise ValueError(
+            f"device {device!r}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA build of torch, "
+            "or use --device cpu"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    index = device.partition(":")[2]
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA GPUs (cuda:0 to cuda:N-1)")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know before the first request.
@@ -53,6 +72,9 @@ class EngineConfig:
     batch_invariant: bool | None = None
     seed: int | None = None  # seeds the draw of per-request seeds for sampled requests that bring none
     enforce_eager: bool = False  # True: no CUDA graphs (on CUDA, decode steps replay captured graphs)
+    # Sampling defaults for requests that leave them out (vLLM's): "auto" reads the model folder's
+    # generation_config.json, "vllm" none, any other value is a folder whose generation_config.json to read.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -67,6 +89,9 @@ class EngineConfig:
             not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda")
         ):
             raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.device is not None and self.device.startswith("cuda:") and not self.device[5:].isdigit():
+            raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        check_device(self.device)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -84,6 +109,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {mem!r}")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enforce_eager", self.enforce_eager)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         self._resolve_kernels()
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")

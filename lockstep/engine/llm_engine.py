@@ -47,7 +47,8 @@ class LLMEngine:
     cache (``models.hub``; ``self.config.model`` is then the snapshot folder, whose name is the commit, and
     ``revision`` None); None: the embedded default model.
     ``config.seed`` seeds the draw of per-request seeds for sampled requests that bring none (default: fresh ones
-    from the OS).
+    from the OS). ``default_sampling`` holds the ``SamplingParams`` keywords of ``config.generation_config`` (the
+    model's ``generation_config.json`` by default): what the LLM and the server use where a request says nothing.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -59,6 +60,7 @@ class LLMEngine:
             from lockstep.models.hub import resolve_model
 
             config = dataclasses.replace(config, model=resolve_model(config.model, config.revision), revision=None)
+        self.default_sampling = _generation_defaults(config)  # read first: a bad file fails before the load
         self.runner = ModelRunner(config)
         self.config = self.runner.config
         self.tokenizer = _load_tokenizer_or_none(config.model)
@@ -256,6 +258,17 @@ class LLMEngine:
         if len(computed) == len(request.prompt_token_ids) - 1:
             request.prompt_logprobs = dicts
         return dicts
+
+
+def _generation_defaults(config: EngineConfig) -> dict:
+    """``SamplingParams`` keywords for what a request leaves out, from ``config.generation_config``."""
+    from lockstep.models.loader import read_generation_defaults
+
+    if config.generation_config == "vllm":
+        return {}
+    if config.generation_config == "auto":
+        return read_generation_defaults(config.model)
+    return read_generation_defaults(config.generation_config, required=True)
 
 
 def _load_tokenizer_or_none(folder: str):

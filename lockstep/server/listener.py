@@ -9,11 +9,13 @@ protocol counts connections and requests in flight the same way and answers with
 """
 
 import asyncio
+import errno
 import functools
 import ipaddress
 import json
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -35,7 +37,8 @@ class HTTPConfig:
     host names a request's ``Host`` header may carry (lower case, no port), or ``None`` for any; bound to a
     loopback address the server accepts only loopback names, which stops DNS rebinding. Timeouts are in seconds:
     ``header_timeout`` for a request's line and headers, ``body_timeout`` for its whole body,
-    ``keep_alive_timeout`` for an idle connection between requests.
+    ``keep_alive_timeout`` for an idle connection between requests. ``access_log``: one info line per request
+    (``Gatekeeper``).
     """
 
     api_key: str | None = None
@@ -46,6 +49,7 @@ class HTTPConfig:
     body_timeout: float = 60.0
     keep_alive_timeout: int = 5
     workers: int = 4  # threads that parse, tokenize and render off the event loop
+    access_log: bool = True  # a log line per request: method, path, status, time, tokens (never the prompt)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -169,6 +173,25 @@ class HeaderDeadlineProtocol(H11Protocol):
         self._header_deadline = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not listening yet), for ``serve``: binding it before the model loads
+    finds a port in use at once, in one line (ValueError), instead of minutes later, and nothing can take the
+    port in between."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"port {port} on {host} is already in use (another server?); pick another with --port"
+            ) from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def listen_with(config: uvicorn.Config, http: HTTPConfig) -> None:

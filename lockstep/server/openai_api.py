@@ -16,13 +16,14 @@ import asyncio
 import gc
 import json
 import math
+import socket
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lockstep.server.async_engine import EngineError
-from lockstep.server.listener import listen_with
+from lockstep.server.listener import bind_socket, listen_with
 from lockstep.server.middleware import ERROR_ID_KEY, Gatekeeper, authorized, new_error_id, server_error_body
 from lockstep.server.protocol import APIError, error_body
 from lockstep.server.requests import parse_call
@@ -124,13 +125,14 @@ def serve(
     port: int = 8000,
     log_level: str = "info",
     shutdown_timeout: float = 30.0,
+    sock: socket.socket | None = None,
 ) -> int:
     """Run the server with uvicorn until it is stopped, then stop the engine thread; returns the exit status.
 
     SIGTERM (or Ctrl-C) stops admission (new calls get 503, ``/health`` says "shutting down") and gives the calls
     in flight ``shutdown_timeout`` seconds to finish; the rest then fail with 503 (a JSON body, or an error event
     and ``[DONE]`` on a stream). If the engine dies, the calls in flight get 503 and the server exits with 1, for
-    an orchestrator to restart it."""
+    an orchestrator to restart it. ``sock``: a socket already bound to ``host:port`` (``listener.bind_socket``)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -155,7 +157,7 @@ def serve(
 
     state.engine.on_fatal = fatal
     try:
-        server.run()
+        server.run(sockets=[sock if sock is not None else bind_socket(host, port)])
     finally:
         dead = not state.engine.alive
         state.engine.stop()

@@ -12,7 +12,7 @@ rejected with 400 rather than silently ignored. Besides OpenAI's fields, vLLM's 
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -88,6 +88,11 @@ CHAT_UNHONOURED = UNHONOURED | {
 COMPLETION_UNHONOURED = UNHONOURED | {"add_special_tokens": (True,)}
 
 
+# Fields whose default, when a request leaves them out (or sends null), may come from the model's
+# generation_config.json (``LLMEngine.default_sampling``), as in vLLM.
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
 
@@ -122,6 +127,14 @@ class _Request(BaseModel):
     spaces_between_special_tokens: bool = True
 
     unhonoured: ClassVar[dict[str, tuple]] = UNHONOURED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        # A null sampling field counts as left out, so the server's default (the model's generation config) applies.
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in GENERATION_FIELDS):
+            data = {k: v for k, v in data.items() if not (k in GENERATION_FIELDS and v is None)}
+        return data
 
     @field_validator("stop")
     @classmethod

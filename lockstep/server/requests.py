@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from lockstep.sampling_params import SamplingParams
 from lockstep.server.json_body import decode_object
-from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from lockstep.server.protocol import GENERATION_FIELDS, APIError, ChatCompletionRequest, CompletionRequest
 from lockstep.server.state import ServerState
 
 AnyRequest = TypeVar("AnyRequest", CompletionRequest, ChatCompletionRequest)
@@ -65,12 +65,18 @@ def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceS
         raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
     _check_num_seqs(state, req)
     prompts = _completion_prompts(state, req)
-    wanted = 1 if req.max_tokens == 0 else req.max_tokens
-    max_tokens = [_check_length(state, len(p), wanted, "prompt") for p in prompts]
+    if "max_tokens" in req.model_fields_set or "max_tokens" not in state.engine.engine.default_sampling:
+        wanted = 1 if req.max_tokens == 0 else req.max_tokens
+        max_tokens = [_check_length(state, len(p), wanted, "prompt") for p in prompts]
+    else:  # the model's generation config's max_new_tokens, as far as the context allows
+        max_tokens = [_default_max_tokens(state, len(p), "prompt") for p in prompts]
     texts = _echo_texts(state, req, prompts) if req.echo else [None] * len(prompts)
     prompt_logprobs = req.logprobs if req.echo else None
+    defaults = state.engine.engine.default_sampling
     return [
-        ChoiceSpec(p, dataclasses.replace(_params(req, m, req.logprobs, i), prompt_logprobs=prompt_logprobs), text)
+        ChoiceSpec(
+            p, dataclasses.replace(_params(req, m, req.logprobs, i, defaults), prompt_logprobs=prompt_logprobs), text
+        )
         for p, m, text in zip(prompts, max_tokens, texts, strict=True)
         for i in range(req.n)
     ]
@@ -102,9 +108,13 @@ def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpe
             param="max_completion_tokens",
         )
     prompt = _chat_prompt(state, req)
-    max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
+    if given & {"max_tokens", "max_completion_tokens"} or "max_tokens" not in state.engine.engine.default_sampling:
+        max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
+    else:  # the model's generation config's max_new_tokens, as far as the context allows
+        max_tokens = _default_max_tokens(state, len(prompt), "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return [ChoiceSpec(prompt, _params(req, max_tokens, logprobs, i)) for i in range(req.n)]
+    defaults = state.engine.engine.default_sampling
+    return [ChoiceSpec(prompt, _params(req, max_tokens, logprobs, i, defaults)) for i in range(req.n)]
 
 
 def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -167,23 +177,32 @@ def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, w
     return max_tokens
 
 
+def _default_max_tokens(state: ServerState, prompt_len: int, what: str) -> int:
+    """The generation config's ``max_new_tokens``, cut to the room the context leaves after the prompt."""
+    room = _check_length(state, prompt_len, None, what)
+    return min(state.engine.engine.default_sampling["max_tokens"], room)
+
+
 def _params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None, index: int
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    index: int,
+    defaults: dict | None = None,
 ) -> SamplingParams:
+    """Choice ``index``'s SamplingParams; ``defaults`` (the model's generation config) fill what ``req`` left out."""
+    sampling = {name: getattr(req, name) for name in GENERATION_FIELDS}
+    sampling |= {k: v for k, v in (defaults or {}).items() if k in sampling and k not in req.model_fields_set}
     try:
         return SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
+            **sampling,
             seed=req.seed,
             max_tokens=max_tokens,
             stop=req.stop,
             logprobs=logprobs,
             ignore_eos=req.ignore_eos,
-            min_p=req.min_p,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
             min_tokens=req.min_tokens,
             stop_token_ids=req.stop_token_ids,

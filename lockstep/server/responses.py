@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.outputs import Logprob, RequestOutput
 from lockstep.server.async_engine import EngineError, RequestGroup
-from lockstep.server.middleware import new_error_id, server_error_body
+from lockstep.server.middleware import ACCESS_KEY, new_error_id, server_error_body
 from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lockstep.server.requests import ChoiceSpec
 from lockstep.server.state import ServerState
@@ -147,6 +147,7 @@ class _Response:
     created: int  # unix time, as OpenAI's "created"
     echo: bool = False  # completions: each choice begins with its prompt (text, and logprobs when asked for)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token generated is left out)
+    access: dict = field(default_factory=dict)  # the call's access log fields (middleware.ACCESS_KEY)
 
     @property
     def logprobs(self) -> bool:
@@ -212,6 +213,8 @@ class _Response:
             if first:
                 metrics.first_token_seconds.observe(time.perf_counter() - self.arrival)
                 first = False
+            if out.finished and not self.echo_only:
+                self.access["completion_tokens"] += len(out.token_ids)
             yield out
         metrics.request_seconds.observe(time.perf_counter() - self.arrival)
 
@@ -242,7 +245,9 @@ async def respond(
         created=int(time.time()),
         echo=echo,
         echo_only=echo and req.max_tokens == 0,
+        access={"id": response_id, "prompt_tokens": sum(len(s.prompt_ids) for s in specs), "completion_tokens": 0},
     )
+    request.scope[ACCESS_KEY] = r.access
     return _stream(r, req.include_usage) if req.stream else await _reply(r, request)
 
 

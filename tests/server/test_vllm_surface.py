@@ -1,11 +1,16 @@
 """vLLM's server surface beyond the OpenAI routes, against a real server: ``/tokenize`` and ``/detokenize``."""
 
 import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
 
 import httpx
+import pytest
 from tiny_models import TINY_CHARS, TINY_EOS
 
-from .conftest import Server
+from .conftest import Server, start_server, stop_server
 from .test_openai_api import _assert_error, _post, client
 
 
@@ -193,3 +198,57 @@ def test_max_completion_tokens_and_parameters_lockstep_cannot_honour(server: Ser
     ):
         err = _assert_error(_post(server, path, body), 400, name)
         assert err["param"].startswith(name.split(".")[0]) or name == "continuous", err
+
+
+@pytest.fixture(scope="module")
+def generation_config_server(tiny_server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model with sampling defaults in its generation_config.json: greedy, 6 new tokens."""
+    folder = tmp_path_factory.mktemp("genconf") / "tiny-genconf"
+    shutil.copytree(tiny_server_model_dir, folder)
+    file = folder / "generation_config.json"
+    file.write_text(json.dumps(json.loads(file.read_text()) | {"temperature": 0.0, "max_new_tokens": 6}))
+    log = tmp_path_factory.mktemp("logs") / "genconf.log"
+    s = start_server(folder, log, "--log-level", "info", "--no-access-log")
+    yield s
+    stop_server(s.proc)
+
+
+def test_the_server_takes_the_model_generation_config_defaults(generation_config_server: Server) -> None:
+    s = generation_config_server
+    c = client(s)
+    kw = dict(model=s.model, extra_body={"ignore_eos": True})
+    left_out = c.completions.create(prompt="hello", **kw)
+    assert left_out.usage.completion_tokens == 6  # max_new_tokens, not OpenAI's 16
+    greedy = c.completions.create(prompt="hello", max_tokens=6, temperature=0, **kw)
+    assert left_out.choices[0].text == greedy.choices[0].text  # temperature 0 from the file, not 1
+    nulls = _post(s, "/v1/completions", {"model": s.model, "prompt": "hello", "temperature": None, "top_p": None,
+                                         "max_tokens": 6, "ignore_eos": True})  # fmt: skip
+    assert nulls.json()["choices"][0]["text"] == greedy.choices[0].text  # null is "left out"
+    assert c.completions.create(prompt="hello", max_tokens=3, **kw).usage.completion_tokens == 3
+    messages = [{"role": "user", "content": "hi"}]
+    assert c.chat.completions.create(messages=messages, **kw).usage.completion_tokens == 6
+    assert c.chat.completions.create(messages=messages, max_tokens=2, **kw).usage.completion_tokens == 2
+    # Explicit values win: a seeded temperature-1 request is not the greedy one.
+    sampled = [c.completions.create(prompt="hello", temperature=1.0, seed=i, **kw).choices[0].text for i in range(4)]
+    assert any(t != greedy.choices[0].text for t in sampled)
+    assert "POST /v1/completions" not in s.log.read_text()  # --no-access-log
+
+
+def test_one_access_log_line_per_request_and_never_a_prompt(guarded_server: Server) -> None:
+    s = guarded_server  # --log-level info: the access log is on by default
+    before = s.log.read_text()
+    secret = "my secret prompt"
+    r = _post(s, "/v1/completions", {"model": s.model, "prompt": secret, "max_tokens": 3, "ignore_eos": True},
+              {"Authorization": "Bearer env-key"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert httpx.get(s.url + "/health?probe=" + secret.replace(" ", "+")).status_code == 200
+    _post(s, "/v1/completions", {"model": s.model}, {"Authorization": "Bearer env-key"})  # a 400
+    time.sleep(0.2)
+    new = s.log.read_text()[len(before) :]
+    lines = [line for line in new.splitlines() if " ms" in line]
+    assert len(lines) == 3, new
+    call, health, bad = lines
+    assert "POST /v1/completions 200 " in call and f"id={r.json()['id']}" in call
+    assert "prompt_tokens=16 completion_tokens=3" in call
+    assert "GET /health 200 " in health and "POST /v1/completions 400 " in bad
+    assert secret not in new and "probe" not in new
