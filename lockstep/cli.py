@@ -326,6 +326,14 @@ def run_audit(args: argparse.Namespace) -> int:
             print("\n".join(summary_lines(f"  concurrency {level}", rep)))
         print("\n".join(summary_lines("  overall", overall.get(title, overall.get("all levels")))))
     print(f"report: {out / 'report.json'}, plot: {out / 'distinct_prefixes.png'}")
+    failed = [title for title, o in overall.items() if o.get("requests") and o.get("errors") == o.get("requests")]
+    if failed:
+        examples = next(iter(overall.values())).get("error_examples") or [{"error": "?"}]
+        print(
+            f"lockstep: audit: no completion came back ({', '.join(failed)}); first error: {examples[0]['error']}",
+            file=sys.stderr,
+        )
+        return 1
     if args.expect_deterministic:
         checked = overall.get("invariant", overall.get("all levels"))
         if checked.get("unique_completions", 0) != 1 or checked.get("errors", 0):
@@ -453,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ConnectionError) as e:  # one line, no traceback: the user's to fix
         print(f"lockstep: error: {e}", file=sys.stderr)
         return 2
 
