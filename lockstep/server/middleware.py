@@ -122,7 +122,7 @@ class Gatekeeper:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
-        status = [500]
+        status, logged = [500], False
         started = [False]
 
         async def counting_send(message) -> None:
@@ -144,8 +144,8 @@ class Gatekeeper:
             await self.app(scope, replay, counting_send)
         except _Refusal as r:
             await self._reply(counting_send, r.status, r.body, close=True)
-        except _ClientGone as gone:
-            status[0] = 499
+        except _ClientGone as gone:  # this line is the request's access line too: one line per abandoned body
+            status[0], logged = 499, True
             log.info("%s %s: the client left after %d body bytes", scope["method"], scope["path"], gone.args[0])
         except Exception:
             error_id = scope.get(ERROR_ID_KEY) or new_error_id()  # the app's 500 handler may have named it
@@ -155,5 +155,5 @@ class Gatekeeper:
         finally:
             if scope["path"].startswith("/v1/"):
                 self.state.metrics.count_request(status[0])
-            if self.state.http.access_log:
+            if self.state.http.access_log and not logged:
                 _access_line(scope, status[0], time.perf_counter() - start)
