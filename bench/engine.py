@@ -446,9 +446,12 @@ def timed_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, deadli
         "prefill_tokens": prefill,
         "partial": partial,
         "prefill_steps": {"count": len(prefill_steps), "seconds": round(sum(prefill_steps), 3)},
-        "decode_steps": {"count": len(decode_steps), "seconds": round(sum(decode_steps), 3),
-                         # mean ms a step in each quarter of the decode steps (the context grows along them)
-                         "quarter_ms": [round(sum(q) / max(len(q), 1) * 1e3, 2) for q in quarters(decode_steps)]},
+        "decode_steps": {
+            "count": len(decode_steps),
+            "seconds": round(sum(decode_steps), 3),
+            # mean ms a step in each quarter of the decode steps (the context grows along them)
+            "quarter_ms": [round(sum(q) / max(len(q), 1) * 1e3, 2) for q in quarters(decode_steps)],
+        },
     }
 
 

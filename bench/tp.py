@@ -137,7 +137,9 @@ def main() -> None:
 
     ref = report["runs"].get("tp1 tree", {}).get("bits")
     print(f"\nTP bits and speed | {report['gpus'] or 'cpu'} | {shape['arch']} {info['num_hidden_layers']} layers")
-    print(f"{'config':12s} {'vs tp1 tree':>14s} {'alone=batched':>14s} {'decode ms':>10s} {'tput s':>8s} {'start s':>8s}")
+    print(
+        f"{'config':12s} {'vs tp1 tree':>14s} {'alone=batched':>14s} {'decode ms':>10s} {'tput s':>8s} {'start s':>8s}"
+    )
     for name, run in report["runs"].items():
         b = run["bits"]
         same_ref = "-" if ref is None else str(all(b[k]["alone"] == ref[k]["alone"] for k in b))

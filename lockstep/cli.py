@@ -37,6 +37,17 @@ def add_revision_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="a branch, tag or commit of a Hugging Face model id (default main)")
 
 
+def add_generation_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|FOLDER",
+        help="sampling defaults for requests that leave them out: 'auto' reads the model folder's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), a FOLDER "
+        "another one's, 'vllm' none (OpenAI's defaults)",
+    )
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's batch and cache sizes, shared by serve and bench (``engine_args`` reads them back)."""
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -148,7 +159,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body (408)")
     add_limit_args(p)
     add_chat_args(p)
+    add_generation_config_arg(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--no-access-log",
+        "--disable-log-requests",
+        dest="access_log",
+        action="store_false",
+        help="no log line per request (method, path, status, time, tokens; never prompts), which is on by default",
+    )
     p.set_defaults(func=run_serve)
 
 
@@ -189,6 +208,7 @@ def http_config(args: argparse.Namespace):
         max_connections=args.max_connections,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        access_log=args.access_log,
     )
 
 
@@ -224,31 +244,47 @@ def limit_args(args: argparse.Namespace) -> dict:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from lockstep.config import check_device
     from lockstep.models.hub import resolve_model
     from lockstep.server.async_engine import ServingLimits
+    from lockstep.server.listener import bind_socket
     from lockstep.server.openai_api import serve
     from lockstep.server.state import create_state
 
-    # Bad options fail at once, before the model loads.
+    # Bad options, a device torch cannot use and a port in use fail at once, in one line, before the model loads.
     http = http_config(args)
     limits = ServingLimits(**limit_args(args))
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     chat = chat_args(args)
-    # The server fingerprints the folder's weights: resolve a model id here, and serve it under its id (vLLM's name).
     if args.model is None and args.revision is not None:
         raise ValueError("--revision needs a Hugging Face model id")
-    folder = None if args.model is None else resolve_model(args.model, args.revision)
-    name = args.served_model_name or (args.model if folder != args.model else None)
-    state = create_state(folder, http=http, served_model_name=name, chat=chat, **kernel_args(args), **engine_args(args))
-    print(
-        f"lockstep: serving {state.model_name!r} on http://{args.host}:{args.port}/v1 "
-        f"(system_fingerprint {state.fingerprint})",
-        file=sys.stderr,
-        flush=True,
-    )
-    state.engine.limits = limits
-    return serve(state, args.host, args.port, args.log_level, shutdown_timeout=args.shutdown_timeout)
+    check_device(args.device)
+    sock = bind_socket(args.host, args.port)
+    try:
+        # The server fingerprints the folder's weights: resolve a model id here, and serve it under its id (vLLM's).
+        folder = None if args.model is None else resolve_model(args.model, args.revision)
+        name = args.served_model_name or (args.model if folder != args.model else None)
+        state = create_state(
+            folder,
+            http=http,
+            served_model_name=name,
+            generation_config=args.generation_config,
+            chat=chat,
+            **kernel_args(args),
+            **engine_args(args),
+        )
+        port = sock.getsockname()[1]  # --port 0: the one the system chose
+        print(
+            f"lockstep: serving {state.model_name!r} on http://{args.host}:{port}/v1 "
+            f"(system_fingerprint {state.fingerprint})",
+            file=sys.stderr,
+            flush=True,
+        )
+        state.engine.limits = limits
+        return serve(state, args.host, port, args.log_level, shutdown_timeout=args.shutdown_timeout, sock=sock)
+    finally:
+        sock.close()
 
 
 def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -332,6 +368,14 @@ def run_audit(args: argparse.Namespace) -> int:
             print("\n".join(summary_lines(f"  concurrency {level}", rep)))
         print("\n".join(summary_lines("  overall", overall.get(title, overall.get("all levels")))))
     print(f"report: {out / 'report.json'}, plot: {out / 'distinct_prefixes.png'}")
+    failed = [title for title, o in overall.items() if o.get("requests") and o.get("errors") == o.get("requests")]
+    if failed:
+        examples = next(iter(overall.values())).get("error_examples") or [{"error": "?"}]
+        print(
+            f"lockstep: audit: no completion came back ({', '.join(failed)}); first error: {examples[0]['error']}",
+            file=sys.stderr,
+        )
+        return 1
     if args.expect_deterministic:
         checked = overall.get("invariant", overall.get("all levels"))
         if checked.get("unique_completions", 0) != 1 or checked.get("errors", 0):
@@ -459,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ConnectionError) as e:  # one line, no traceback: the user's to fix
         print(f"lockstep: error: {e}", file=sys.stderr)
         return 2
 

@@ -23,6 +23,25 @@ def _check_bool(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
+def check_device(device: str | None) -> None:
+    """Raise ValueError, in one line, when ``device`` names CUDA that this torch cannot use: a CPU-only build, no
+    visible GPU, or an index past the last one. None (the default: CUDA when available) and "cpu" always pass."""
+    if device is None or not device.startswith("cuda"):
+        return
+    import torch
+
+    if torch.version.cuda is None:
+        raise ValueError(
+            f"device {device!r}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA build of torch, "
+            "or use --device cpu"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    index = device.partition(":")[2]
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA GPUs (cuda:0 to cuda:N-1)")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know before the first request.
@@ -60,6 +79,9 @@ class EngineConfig:
     # follows the batch). Set it True at TP 1 to get the bits every TP size gives.
     tensor_parallel_size: int = 1
     tp_invariant: bool | None = None
+    # Sampling defaults for requests that leave them out (vLLM's): "auto" reads the model folder's
+    # generation_config.json, "vllm" none, any other value is a folder whose generation_config.json to read.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -74,6 +96,9 @@ class EngineConfig:
             not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda")
         ):
             raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.device is not None and self.device.startswith("cuda:") and not self.device[5:].isdigit():
+            raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        check_device(self.device)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -91,6 +116,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {mem!r}")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enforce_eager", self.enforce_eager)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         self._resolve_kernels()
         self._resolve_tp()
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

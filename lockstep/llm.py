@@ -75,6 +75,12 @@ class LLM:
         """The Hugging Face tokenizer (None for a folder without one), as vLLM's ``LLM.get_tokenizer``."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The ``SamplingParams`` used when none are given, as vLLM's: SamplingParams' defaults overridden by the
+        model's ``generation_config.json`` (its temperature, top_p, top_k, min_p, repetition_penalty and
+        max_new_tokens as max_tokens; ``generation_config="vllm"`` ignores the file, a folder reads another's)."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def _prompts(self, prompts: Prompt | list[Prompt]) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts) and prompts:
             prompts = [prompts]
@@ -108,7 +114,8 @@ class LLM:
         """Generate completions for ``prompts`` (text, token ids, or vLLM's ``{"prompt": ...}`` /
         ``{"prompt_token_ids": ...}`` dicts); outputs come back in input order.
 
-        ``sampling_params`` is one ``SamplingParams`` for all prompts or a list with one per prompt. Every
+        ``sampling_params`` is one ``SamplingParams`` for all prompts or a list with one per prompt (None:
+        ``get_default_sampling_params()``, the model's generation config over SamplingParams' defaults). Every
         request is validated before any runs: a bad one raises ValueError naming it, and nothing is queued. With
         ``n > 1`` each choice runs as a request of its own (``SamplingParams.for_choice``) and the prompt's
         ``RequestOutput`` holds them all in ``outputs``.
@@ -122,7 +129,7 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(items)
+            params = [sampling_params or self.get_default_sampling_params()] * len(items)
         else:
             params = list(sampling_params)
             if len(params) != len(items):

@@ -159,3 +159,48 @@ def test_generate_on_the_embedded_model(embedded_model_dir: Path) -> None:
     proc = run_cli("generate", "--raw", "The capital of France is", "--max-tokens", "3", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+def test_a_device_torch_cannot_use_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, cli_model_dir: Path
+) -> None:
+    import lockstep.server.state
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the device was checked")
+
+    monkeypatch.setattr(lockstep.server.state, "create_state", must_not_load)
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU-only build, whatever this machine has
+    for argv in (["generate", "hi", "--model", str(cli_model_dir), "--device", "cuda"], ["serve", "--device", "cuda"]):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "CPU-only build" in err and "--device cpu" in err, err
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        LLM(str(cli_model_dir), device="cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="there are 1 CUDA GPUs"):
+        LLM(str(cli_model_dir), device="cuda:1")
+    with pytest.raises(ValueError, match="cuda:N"):
+        LLM(str(cli_model_dir), device="cuda:x")
+
+
+def test_serve_finds_a_port_in_use_before_loading(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    import socket
+
+    import lockstep.server.state
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the port was checked")
+
+    monkeypatch.setattr(lockstep.server.state, "create_state", must_not_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"port {port} on 127.0.0.1 is already in use" in err, err

@@ -97,17 +97,46 @@ async def _one(client, model: str, cfg: AuditConfig, prompt: str, want: bool) ->
         return Sample(error=f"{type(e).__name__}: {e}")
 
 
+class EndpointError(ConnectionError):
+    """The endpoint cannot be audited: unreachable, the key refused, or no model to name. Its message is one line."""
+
+
+async def _probe(client, base_url: str, model: str | None) -> str:
+    """The model to audit, after checking that ``base_url`` answers: ``/models`` must be reachable and accept the
+    key; without ``model`` it must list one (with it, an endpoint that has no ``/models`` still passes)."""
+    import openai
+
+    try:
+        models = await client.models.list()
+    except openai.APIConnectionError as e:
+        cause = e.__cause__ or e
+        raise EndpointError(f"cannot reach {base_url}: {type(cause).__name__}: {cause}") from None
+    except openai.AuthenticationError:
+        raise EndpointError(
+            f"{base_url} refused the API key (401): pass it with --api-key or $OPENAI_API_KEY"
+        ) from None
+    except openai.APIStatusError as e:
+        if model is not None:
+            return model
+        raise EndpointError(f"{base_url}/models answered {e.status_code}: name the model with --model") from None
+    if model is None:
+        if not models.data:
+            raise EndpointError(f"{base_url}/models lists no model: name one with --model")
+        model = models.data[0].id
+    return model
+
+
 async def audit_endpoint(
     base_url: str, model: str | None, cfg: AuditConfig, api_key: str | None = None, progress: bool = True
 ) -> dict:
-    """Audit ``base_url`` (e.g. ``http://127.0.0.1:8000/v1``); returns the report (see ``analyze``)."""
+    """Audit ``base_url`` (e.g. ``http://127.0.0.1:8000/v1``); returns the report (see ``analyze``). Raises
+    ``EndpointError`` before sending anything when the endpoint cannot be reached (``_probe``)."""
     from openai import AsyncOpenAI
     from tqdm.auto import tqdm
 
     client = AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=600.0)
     try:
-        if model is None:
-            model = (await client.models.list()).data[0].id
+        model = await _probe(client, base_url, model)
         levels: dict[str, dict] = {}
         everything: list[Sample] = []
         for level in cfg.concurrency:

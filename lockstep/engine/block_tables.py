@@ -68,7 +68,9 @@ class DeviceBlockTables:
             n = len(table)
             if n > row.written:
                 if n > self.table.shape[1]:
-                    raise ValueError(f"{seq.request_id!r} holds {n} blocks, the block tables hold {self.table.shape[1]}")
+                    raise ValueError(
+                        f"{seq.request_id!r} holds {n} blocks, the block tables hold {self.table.shape[1]}"
+                    )
                 update.rows += [index] * (n - row.written)
                 update.cols += range(row.written, n)
                 update.values += table[row.written :]

@@ -55,7 +55,8 @@ class LLMEngine:
     cache (``models.hub``; ``self.config.model`` is then the snapshot folder, whose name is the commit, and
     ``revision`` None); None: the embedded default model.
     ``config.seed`` seeds the draw of per-request seeds for sampled requests that bring none (default: fresh ones
-    from the OS).
+    from the OS). ``default_sampling`` holds the ``SamplingParams`` keywords of ``config.generation_config`` (the
+    model's ``generation_config.json`` by default): what the LLM and the server use where a request says nothing.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -67,6 +68,7 @@ class LLMEngine:
             from lockstep.models.hub import resolve_model
 
             config = dataclasses.replace(config, model=resolve_model(config.model, config.revision), revision=None)
+        self.default_sampling = _generation_defaults(config)  # read first: a bad file fails before the load
         self.tokenizer = _load_tokenizer_or_none(config.model)
         self.workers: WorkerPool | None = None
         if config.tensor_parallel_size > 1:
@@ -347,6 +349,17 @@ def _start_workers(config: EngineConfig) -> WorkerPool | None:
             )
         return WorkerPool.join_launched(config, int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)))
     return WorkerPool.spawn(config)
+
+
+def _generation_defaults(config: EngineConfig) -> dict:
+    """``SamplingParams`` keywords for what a request leaves out, from ``config.generation_config``."""
+    from lockstep.models.loader import read_generation_defaults
+
+    if config.generation_config == "vllm":
+        return {}
+    if config.generation_config == "auto":
+        return read_generation_defaults(config.model)
+    return read_generation_defaults(config.generation_config, required=True)
 
 
 def _load_tokenizer_or_none(folder: str):

@@ -242,7 +242,9 @@ class ModelRunner:
         if not batch:
             return Sampled([], [])
         entries = batch.entries
-        flat = flatten_batch(((e.token_ids, e.start, e.seq.block_table) for e in entries), self.block_size, tables=False)
+        flat = flatten_batch(
+            ((e.token_ids, e.start, e.seq.block_table) for e in entries), self.block_size, tables=False
+        )
         tables = self.block_tables.plan([e.seq for e in entries])
         prompt = self._prompt_logprob_rows(batch, flat.query_start_loc)
         groups = [prompt.rows[j : j + PROMPT_LOGPROB_ROWS] for j in range(0, len(prompt.rows), PROMPT_LOGPROB_ROWS)]

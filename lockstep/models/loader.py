@@ -58,6 +58,38 @@ def read_config(path: str | Path) -> ModelConfig:
     return config
 
 
+# generation_config.json keys that give sampling defaults (vLLM's --generation-config auto), and their
+# SamplingParams names.
+GENERATION_DEFAULT_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def read_generation_defaults(path: str | Path, required: bool = False) -> dict:
+    """The sampling defaults a checkpoint's ``generation_config.json`` sets, as ``SamplingParams`` keywords (its
+    ``max_new_tokens`` as ``max_tokens``; other keys, ``do_sample`` included, are not read, as in vLLM). ``{}``
+    when the folder has no such file, unless ``required``; ValueError for values SamplingParams refuses."""
+    from lockstep.sampling_params import SamplingParams
+
+    file = _folder(path) / "generation_config.json"
+    if not file.is_file():
+        if required:
+            raise FileNotFoundError(f"{file} not found")
+        return {}
+    data = _read_json(file)
+    defaults = {ours: data[key] for key, ours in GENERATION_DEFAULT_KEYS.items() if data.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+    return defaults
+
+
 def weight_files(path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint, in a fixed order."""
     folder = _folder(path)

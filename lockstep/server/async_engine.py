@@ -167,6 +167,7 @@ class _Delta:
     finish_reason: str | None
     seed: int | None
     error: str | None
+    prompt_logprobs: list | None = None  # vLLM's prompt logprob dicts, when asked for (the engine's list, shared)
 
 
 def weights_hash(folder: str | Path) -> str:
@@ -398,7 +399,16 @@ class AsyncEngine:
             keep, piece = 0, c.text
         self._texts[out.request_id] = c.text
         return _Delta(
-            out.request_id, c.token_ids, c.token_logprobs, c.logprobs, keep, piece, c.finish_reason, c.seed, c.error
+            out.request_id,
+            c.token_ids,
+            c.token_logprobs,
+            c.logprobs,
+            keep,
+            piece,
+            c.finish_reason,
+            c.seed,
+            c.error,
+            out.prompt_logprobs,
         )
 
     def _fail(self, group: "RequestGroup", error: EngineError) -> None:
@@ -511,6 +521,7 @@ class _Output:
         self.finish_reason: str | None = None
         self.seed: int | None = None
         self.error: str | None = None
+        self.prompt_logprobs: list | None = None
 
     def add(self, d: _Delta) -> None:
         self.token_ids += d.token_ids
@@ -519,6 +530,8 @@ class _Output:
             self.logprobs += d.logprobs
         self.text = self.text[: d.keep] + d.piece
         self.finish_reason, self.seed, self.error = d.finish_reason, d.seed, d.error
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
 
     def output(self) -> RequestOutput:
         logprobs = list(self.logprobs) if self.logprobs is not None else None
@@ -532,7 +545,7 @@ class _Output:
             seed=self.seed,
             error=self.error,
         )
-        return RequestOutput(self.request_id, None, self.prompt_token_ids, [c])
+        return RequestOutput(self.request_id, None, self.prompt_token_ids, [c], self.prompt_logprobs)
 
 
 class RequestGroup:

@@ -3,18 +3,27 @@
 uvicorn's h11 protocol has no deadline for a request's line and headers (its keep-alive timer only runs between
 requests), so a client could hold a connection with half a header forever; ``HeaderDeadlineProtocol`` closes such
 a connection after ``header_timeout`` seconds. Body read deadlines and sizes are the ``Gatekeeper``'s.
+
+The connection cap is the protocol's too: uvicorn's own (``limit_concurrency``) answers a plain-text 503, so the
+protocol counts connections and requests in flight the same way and answers with an OpenAI-style JSON body.
 """
 
 import asyncio
+import errno
 import functools
 import ipaddress
+import json
+import logging
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from lockstep.server.protocol import error_body
 
 API_KEY_ENV = "LOCKSTEP_API_KEY"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -28,7 +37,8 @@ class HTTPConfig:
     host names a request's ``Host`` header may carry (lower case, no port), or ``None`` for any; bound to a
     loopback address the server accepts only loopback names, which stops DNS rebinding. Timeouts are in seconds:
     ``header_timeout`` for a request's line and headers, ``body_timeout`` for its whole body,
-    ``keep_alive_timeout`` for an idle connection between requests.
+    ``keep_alive_timeout`` for an idle connection between requests. ``access_log``: one info line per request
+    (``Gatekeeper``).
     """
 
     api_key: str | None = None
@@ -39,6 +49,7 @@ class HTTPConfig:
     body_timeout: float = 60.0
     keep_alive_timeout: int = 5
     workers: int = 4  # threads that parse, tokenize and render off the event loop
+    access_log: bool = True  # a log line per request: method, path, status, time, tokens (never the prompt)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -94,14 +105,44 @@ def read_api_key(key: str | None, key_file: str | None, env: Mapping[str, str] =
     return key
 
 
+_OVER_CAPACITY = json.dumps(
+    error_body("the server has too many connections open; try again later", "server_error", code="too_many_connections")
+).encode()
+
+
+async def _over_capacity(scope, receive, send) -> None:
+    """The ASGI answer to a request past the connection cap: 503 with an OpenAI-style body, connection closed."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(_OVER_CAPACITY)).encode()),
+        (b"connection", b"close"),
+        (b"retry-after", b"1"),
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": _OVER_CAPACITY})
+
+
 class HeaderDeadlineProtocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each request's line and headers, counted from the connection's
-    start or the request's first byte; a connection that misses it is closed."""
+    start or the request's first byte (a connection that misses it is closed), and a cap of ``max_connections``
+    on open connections and requests in flight, past which a request gets a JSON 503."""
 
-    def __init__(self, *args, header_timeout: float, **kwargs) -> None:
+    def __init__(self, *args, header_timeout: float, max_connections: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self._header_deadline: asyncio.TimerHandle | None = None
+        if max_connections is not None:
+            # uvicorn's check, made when the request's task runs (the task itself is counted by then).
+            self.limit_concurrency = None
+            app = self.app
+
+            async def capped(scope, receive, send) -> None:
+                if len(self.connections) >= max_connections or len(self.tasks) > max_connections:
+                    logging.getLogger("uvicorn.error").warning("Exceeded the connection limit (%d).", max_connections)
+                    return await _over_capacity(scope, receive, send)
+                return await app(scope, receive, send)
+
+            self.app = capped
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -134,10 +175,32 @@ class HeaderDeadlineProtocol(H11Protocol):
             self.transport.close()
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not listening yet), for ``serve``: binding it before the model loads
+    finds a port in use at once, in one line (ValueError), instead of minutes later, and nothing can take the
+    port in between."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say TCP (getaddrinfo's do); without
+    # it, Nagle's algorithm and delayed ACKs add ~40 ms to small replies.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"port {port} on {host} is already in use (another server?); pick another with --port"
+            ) from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def listen_with(config: uvicorn.Config, http: HTTPConfig) -> None:
     """Make a ``uvicorn.Config`` (not loaded yet) enforce ``http``: the h11 protocol with a header deadline, the
-    connection cap (uvicorn answers 503 past it), the keep-alive timeout and h11's 16 KiB header limit."""
-    config.http = functools.partial(HeaderDeadlineProtocol, header_timeout=http.header_timeout)
-    config.limit_concurrency = http.max_connections
+    connection cap (a JSON 503 past it), the keep-alive timeout and h11's 16 KiB header limit."""
+    config.http = functools.partial(
+        HeaderDeadlineProtocol, header_timeout=http.header_timeout, max_connections=http.max_connections
+    )
     config.timeout_keep_alive = http.keep_alive_timeout
     config.h11_max_incomplete_event_size = 16 * 1024

@@ -6,13 +6,16 @@ not ``application/json`` (415: a web page cannot send one cross-site without a C
 answers no preflight), a body over the size limit, by Content-Length or counted as it arrives, chunked or not
 (413), a body not complete within the body timeout (408). Then the app gets the whole body at once. A client that
 leaves mid-body costs one log line. An exception out of the app is logged once, with its traceback, under an
-id that the client's generic 500 body names. Every /v1 response is counted by status code.
+id that the client's generic 500 body names. Every /v1 response is counted by status code, and every request gets
+an access log line (``HTTPConfig.access_log``, on by default): the client, method, path, status and time, and for
+a completion call its id and token counts (``ACCESS_KEY``) — never a prompt or a query string.
 """
 
 import asyncio
 import hmac
 import json
 import logging
+import time
 import uuid
 
 from fastapi import FastAPI
@@ -24,6 +27,7 @@ log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handlers
 
 OPEN_PATHS = ("/health",)  # every other path needs the API key, when one is set
 ERROR_ID_KEY = "lockstep.error_id"  # where the app's 500 handler leaves the id it told the client
+ACCESS_KEY = "lockstep.access"  # where a completion call leaves what its access log line adds (id, tokens)
 
 
 class _Refusal(Exception):
@@ -54,6 +58,13 @@ def authorized(state: ServerState, headers: dict[bytes, bytes]) -> bool:
     """Whether the request may pass the API key check: no key is set, or it carries the key."""
     key = state.http.api_key
     return key is None or hmac.compare_digest(given_key(headers), key.encode())
+
+
+def _access_line(scope, status: int, seconds: float) -> None:
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "-"
+    extra = "".join(f" {k}={v}" for k, v in scope.get(ACCESS_KEY, {}).items())
+    log.info("%s %s %s %d %.1f ms%s", who, scope["method"], scope["path"][:200], status, 1e3 * seconds, extra)
 
 
 class Gatekeeper:
@@ -110,7 +121,8 @@ class Gatekeeper:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = [500]
+        start = time.perf_counter()
+        status, logged = [500], False
         started = [False]
 
         async def counting_send(message) -> None:
@@ -132,8 +144,8 @@ class Gatekeeper:
             await self.app(scope, replay, counting_send)
         except _Refusal as r:
             await self._reply(counting_send, r.status, r.body, close=True)
-        except _ClientGone as gone:
-            status[0] = 499
+        except _ClientGone as gone:  # this line is the request's access line too: one line per abandoned body
+            status[0], logged = 499, True
             log.info("%s %s: the client left after %d body bytes", scope["method"], scope["path"], gone.args[0])
         except Exception:
             error_id = scope.get(ERROR_ID_KEY) or new_error_id()  # the app's 500 handler may have named it
@@ -143,3 +155,5 @@ class Gatekeeper:
         finally:
             if scope["path"].startswith("/v1/"):
                 self.state.metrics.count_request(status[0])
+            if self.state.http.access_log and not logged:
+                _access_line(scope, status[0], time.perf_counter() - start)

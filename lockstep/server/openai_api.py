@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one ``AsyncEngine``.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (SSE streaming or not), ``GET /v1/models``, ``/health``,
-``/metrics``. Every response carries ``system_fingerprint``: a hash of the weights, lockstep's version, the
-device, the dtype and the kernel set, the key under which a request's output is reproducible. Errors are
-OpenAI-style JSON bodies; nothing a client sends can take the server down.
+``/metrics``, and vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``). Every completion carries
+``system_fingerprint``: a hash of the weights, lockstep's version, the device, the dtype and the kernel set, the key
+under which a request's output is reproducible. Errors are OpenAI-style JSON bodies; nothing a client sends can
+take the server down.
 
 A call goes ``middleware`` (Host, API key, Content-Type, the body) -> a route here -> ``requests`` (body to
 ``ChoiceSpec``s, in a worker thread) -> ``responses`` (engine outputs to a JSON reply or an SSE stream); ``state``
@@ -15,18 +16,20 @@ import asyncio
 import gc
 import json
 import math
+import socket
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lockstep.server.async_engine import EngineError
-from lockstep.server.listener import listen_with
+from lockstep.server.listener import bind_socket, listen_with
 from lockstep.server.middleware import ERROR_ID_KEY, Gatekeeper, authorized, new_error_id, server_error_body
 from lockstep.server.protocol import APIError, error_body
 from lockstep.server.requests import parse_call
 from lockstep.server.responses import respond
 from lockstep.server.state import ServerState
+from lockstep.server.tokenize import detokenize, tokenize
 
 
 def json_response(body: dict, status: int = 200) -> Response:
@@ -92,6 +95,19 @@ def build_app(state: ServerState) -> FastAPI:
         req, specs = await loop.run_in_executor(state.workers, parse_call, state, body, chat)
         return await respond(state, request, req, specs, chat=chat)
 
+    async def in_worker(request: Request, handler) -> Response:
+        body = await request.body()
+        answer = await asyncio.get_running_loop().run_in_executor(state.workers, handler, state, body)
+        return json_response(answer)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await in_worker(request, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await in_worker(request, detokenize)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await call(request, chat=False)
@@ -109,13 +125,14 @@ def serve(
     port: int = 8000,
     log_level: str = "info",
     shutdown_timeout: float = 30.0,
+    sock: socket.socket | None = None,
 ) -> int:
     """Run the server with uvicorn until it is stopped, then stop the engine thread; returns the exit status.
 
     SIGTERM (or Ctrl-C) stops admission (new calls get 503, ``/health`` says "shutting down") and gives the calls
     in flight ``shutdown_timeout`` seconds to finish; the rest then fail with 503 (a JSON body, or an error event
     and ``[DONE]`` on a stream). If the engine dies, the calls in flight get 503 and the server exits with 1, for
-    an orchestrator to restart it."""
+    an orchestrator to restart it. ``sock``: a socket already bound to ``host:port`` (``listener.bind_socket``)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -140,7 +157,7 @@ def serve(
 
     state.engine.on_fatal = fatal
     try:
-        server.run()
+        server.run(sockets=[sock if sock is not None else bind_socket(host, port)])
     finally:
         dead = not state.engine.alive
         state.engine.stop()

@@ -2,15 +2,17 @@
 
 Types are strict: no coercion, so ``"max_tokens": "4"``, ``"n": true`` or ``"stream": "yes"`` is a 400 (an int
 is still a valid float); numbers must be finite, and integers fit in 64 bits. Unknown fields are accepted and
-ignored, as OpenAI-compatible servers do; fields lockstep cannot honour with a non-default value (``echo``,
-``best_of`` > n, ``suffix``, tools) are rejected with 400 rather than silently ignored. Besides OpenAI's fields,
-vLLM's sampling extensions ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` are read (the openai
-client sends them through ``extra_body``).
+ignored, as OpenAI-compatible servers do, except the parameters of OpenAI's and vLLM's APIs that lockstep cannot
+honour (``UNHONOURED``, and ``best_of`` > n, ``suffix``): set to anything that changes the answer, they are
+rejected with 400 rather than silently ignored. Besides OpenAI's fields, vLLM's sampling extensions ``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens`` and ``spaces_between_special_tokens`` are read (the openai client sends them through
+``extra_body``).
 """
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -38,6 +40,49 @@ class APIError(Exception):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# Parameters of OpenAI's and vLLM's APIs that lockstep does not honour: a request that sets one to anything but
+# null or a value that changes nothing (listed) gets a 400 naming it, rather than an answer that ignored it. A name
+# leaves these tables when a request model declares (and honours) it. Fields that change nothing in the output
+# (user, store, metadata, service_tier, prediction, parallel_tool_calls, cache_salt, request_id, ...) are accepted
+# and ignored, as unknown fields are.
+UNHONOURED: dict[str, tuple] = {
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "modalities": (["text"],),
+    "audio": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logits_processors": ([],),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "prompt_embeds": (),
+    "priority": (0,),
+}
+CHAT_UNHONOURED = UNHONOURED | {
+    "echo": (False,),  # vLLM's chat echo (of the last message)
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "add_special_tokens": (False,),
+    "chat_template": (),
+    "documents": (),
+    "mm_processor_kwargs": ({},),
+}
+COMPLETION_UNHONOURED = UNHONOURED | {"add_special_tokens": (True,)}
+
+
+# Fields whose default, when a request leaves them out (or sends null), may come from the model's
+# generation_config.json (``LLMEngine.default_sampling``), as in vLLM.
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class StreamOptions(BaseModel):
@@ -105,6 +150,22 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's other sampling extensions, with SamplingParams' meanings.
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    unhonoured: ClassVar[dict[str, tuple]] = UNHONOURED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        # A null sampling field counts as left out, so the server's default (the model's generation config) applies.
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in GENERATION_FIELDS):
+            data = {k: v for k, v in data.items() if not (k in GENERATION_FIELDS and v is None)}
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -129,11 +190,26 @@ class _Request(BaseModel):
         return defaults[info.field_name] if v is None else v
 
     def unsupported(self) -> list[str]:
-        return []
+        """The parameters set that lockstep cannot honour (``UNHONOURED``)."""
+        extra = self.model_extra or {}
+        bad = [
+            name
+            for name, neutral in self.unhonoured.items()
+            if extra.get(name) is not None and not any(_same(extra[name], v) for v in neutral)
+        ]
+        options = self.stream_options.model_extra if self.stream_options is not None else None
+        if options and options.get("continuous_usage_stats"):
+            bad.append("stream_options.continuous_usage_stats")
+        return bad
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _same(a: object, b: object) -> bool:
+    """``a == b`` with JSON's types: ``true`` is not ``1``."""
+    return type(a) is type(b) and a == b or (type(a), type(b)) in ((int, float), (float, int)) and a == b
 
 
 def _prompt_kind(v: object) -> str | None:
@@ -163,16 +239,16 @@ Prompt = Annotated[
 
 class CompletionRequest(_Request):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)  # 0 only with echo: the prompt (and its logprobs) alone
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
+    unhonoured: ClassVar[dict[str, tuple]] = COMPLETION_UNHONOURED
+
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
         if self.best_of is not None and self.best_of != self.n:
             bad.append("best_of")
         if self.suffix:
@@ -256,3 +332,5 @@ class ChatCompletionRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+
+    unhonoured: ClassVar[dict[str, tuple]] = CHAT_UNHONOURED

@@ -4,6 +4,7 @@ prompt(s), fit ``max_tokens`` to the context and build one ``ChoiceSpec`` per ch
 All of it runs in a worker thread (``ServerState.workers``), never on the event loop: ``parse_call``.
 """
 
+import dataclasses
 import json
 from typing import NamedTuple, TypeVar
 
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 from lockstep.sampling_params import SamplingParams
 from lockstep.server.chat_format import ChatFormat
 from lockstep.server.json_body import decode_object
-from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from lockstep.server.protocol import GENERATION_FIELDS, APIError, ChatCompletionRequest, CompletionRequest
 from lockstep.server.state import ServerState
 from lockstep.structured.grammar import GrammarError
 from lockstep.structured.params import StructuredOutputsParams
@@ -29,6 +30,7 @@ class ChoiceSpec(NamedTuple):
     prompt_ids: list[int]
     params: SamplingParams
     chat_format: ChatFormat | None = None
+    prompt_text: str | None = None  # a completion prompt's text, for echo (decoded from prompt_ids if given as ids)
 
 
 def parse_call(state: ServerState, body: bytes, chat: bool) -> tuple[AnyRequest, list[ChoiceSpec]]:
@@ -54,20 +56,54 @@ def parse_body(body: bytes, model: type[AnyRequest]) -> AnyRequest:
                 path += f"[{x}]"
             elif x not in _UNION_TAGS and "[" not in x:
                 path += f".{x}" if path else x
+        if not err["loc"]:  # a check of the whole body (a model validator)
+            raise APIError(400, f"invalid request: {err['msg']}") from None
         raise APIError(400, f"invalid parameter {path}: {err['msg']}", param=str(err["loc"][0])) from None
 
 
 def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceSpec]:
-    """A /v1/completions call's engine requests: the ``n`` choices of the first prompt, then of the next, ..."""
+    """A /v1/completions call's engine requests: the ``n`` choices of the first prompt, then of the next, ...
+
+    With ``echo`` each choice also computes its prompt's logprobs (when ``logprobs`` is asked for: the legacy API
+    returns them before the generated tokens'); ``max_tokens`` 0 then generates one token that the reply leaves out,
+    as vLLM does, so the call costs one prefill."""
     _check_common(state, req)
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
+    _check_num_seqs(state, req)
     structured = _compile(state, *_structured_outputs(req))
     prompts = _completion_prompts(state, req)
-    max_tokens = [_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts]
+    if "max_tokens" in req.model_fields_set or "max_tokens" not in state.engine.engine.default_sampling:
+        wanted = 1 if req.max_tokens == 0 else req.max_tokens
+        max_tokens = [_check_length(state, len(p), wanted, "prompt") for p in prompts]
+    else:  # the model's generation config's max_new_tokens, as far as the context allows
+        max_tokens = [_default_max_tokens(state, len(p), "prompt") for p in prompts]
+    texts = _echo_texts(state, req, prompts) if req.echo else [None] * len(prompts)
+    prompt_logprobs = req.logprobs if req.echo else None
+    defaults = state.engine.engine.default_sampling
     return [
-        ChoiceSpec(p, _params(req, m, req.logprobs, i, structured))
-        for p, m in zip(prompts, max_tokens, strict=True)
+        ChoiceSpec(
+            p,
+            dataclasses.replace(
+                _params(req, m, req.logprobs, i, defaults, structured), prompt_logprobs=prompt_logprobs
+            ),
+            prompt_text=text,
+        )
+        for p, m, text in zip(prompts, max_tokens, texts, strict=True)
         for i in range(req.n)
     ]
+
+
+def _echo_texts(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """The text each prompt is echoed as: as sent, or its token ids decoded."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if p and isinstance(p[0], str):
+        return list(p)
+    if state.tokenizer is None:
+        return ["" for _ in prompts]
+    return [state.tokenizer.decode(ids) for ids in prompts]
 
 
 def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpec]:
@@ -82,12 +118,24 @@ def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpe
             raise APIError(400, f"{param} cannot constrain the output of a forced tool call", param=param)
         param, structured = "tools", forced
     structured = _compile(state, param, structured)
+    given = req.model_fields_set
+    if "max_tokens" in given and "max_completion_tokens" in given and req.max_tokens != req.max_completion_tokens:
+        raise APIError(
+            400,
+            f"max_completion_tokens ({req.max_completion_tokens}) and max_tokens ({req.max_tokens}) differ: give one "
+            "(max_tokens is the older name of max_completion_tokens)",
+            param="max_completion_tokens",
+        )
     prompt, opened = _chat_prompt(state, req)
     if fmt.reasoning:
         fmt = ChatFormat(fmt.tool_mode, fmt.function, fmt.parser, True, opened)
-    max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
+    if given & {"max_tokens", "max_completion_tokens"} or "max_tokens" not in state.engine.engine.default_sampling:
+        max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
+    else:  # the model's generation config's max_new_tokens, as far as the context allows
+        max_tokens = _default_max_tokens(state, len(prompt), "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return [ChoiceSpec(prompt, _params(req, max_tokens, logprobs, i, structured), fmt) for i in range(req.n)]
+    defaults = state.engine.engine.default_sampling
+    return [ChoiceSpec(prompt, _params(req, max_tokens, logprobs, i, defaults, structured), fmt) for i in range(req.n)]
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -174,6 +222,20 @@ def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionReq
         raise APIError(400, f"unsupported parameter(s) with non-default values: {', '.join(bad)}", param=bad[0])
 
 
+def _check_num_seqs(state: ServerState, req: CompletionRequest) -> None:
+    """Refuse a call of more sequences (``n`` times its prompts) than the server takes, before tokenizing any."""
+    p = req.prompt
+    num_prompts = len(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else 1
+    limit = state.engine.limits.max_seqs_per_request
+    if num_prompts * req.n > limit:
+        raise APIError(
+            400,
+            f"this request needs {num_prompts * req.n} sequences (n times the number of prompts); the server takes "
+            f"at most {limit} per request",
+            param="n" if req.n > 1 else "prompt",
+        )
+
+
 def _too_long(state: ServerState, what: str, has: str) -> APIError:
     return APIError(
         400,
@@ -207,29 +269,40 @@ def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, w
     return max_tokens
 
 
+def _default_max_tokens(state: ServerState, prompt_len: int, what: str) -> int:
+    """The generation config's ``max_new_tokens``, cut to the room the context leaves after the prompt."""
+    room = _check_length(state, prompt_len, None, what)
+    return min(state.engine.engine.default_sampling["max_tokens"], room)
+
+
 def _params(
     req: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
     logprobs: int | None,
     index: int,
+    defaults: dict | None = None,
     structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
+    """Choice ``index``'s SamplingParams; ``defaults`` (the model's generation config) fill what ``req`` left out."""
+    sampling = {name: getattr(req, name) for name in GENERATION_FIELDS}
+    sampling |= {k: v for k, v in (defaults or {}).items() if k in sampling and k not in req.model_fields_set}
     try:
         return SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
+            **sampling,
             seed=req.seed,
             max_tokens=max_tokens,
             stop=req.stop,
             logprobs=logprobs,
             ignore_eos=req.ignore_eos,
-            min_p=req.min_p,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
             structured_outputs=structured,
+            min_tokens=req.min_tokens,
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
         ).for_choice(index)
     except ValueError as e:
         raise APIError(400, str(e)) from None

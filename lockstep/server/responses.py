@@ -11,16 +11,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from lockstep.engine.detokenizer import IncrementalDetokenizer
-from lockstep.outputs import RequestOutput
+from lockstep.outputs import Logprob, RequestOutput
 from lockstep.server.async_engine import EngineError, RequestGroup
 from lockstep.server.chat_format import ChoiceStream
-from lockstep.server.middleware import new_error_id, server_error_body
+from lockstep.server.middleware import ACCESS_KEY, new_error_id, server_error_body
 from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lockstep.server.requests import ChoiceSpec
 from lockstep.server.state import ServerState
@@ -35,10 +35,12 @@ class _TextStream:
     """Incremental text of one choice: holds back a trailing partial UTF-8 character and any tail that could
     begin a stop string, so the deltas add up to the final (stop-cut) text."""
 
-    def __init__(self, tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer, stops: list[str], options: tuple[bool, bool] = (True, True)) -> None:
         self.stops, self.sent = stops, ""
         self.num_tokens = 0  # tokens whose logprobs were sent
-        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.echoed = False  # the prompt was sent (completions with echo)
+        # options: skip_special_tokens, spaces_between_special_tokens, as the engine decodes the final text
+        self.detokenizer = IncrementalDetokenizer(tokenizer, *options) if tokenizer is not None else None
 
     def delta(self, out: RequestOutput) -> str:
         if self.detokenizer is None:
@@ -81,18 +83,39 @@ def _tops(out: RequestOutput, start: int, n: int) -> list[dict[int, float]]:
     ]
 
 
-def _completion_logprobs(tok, out: RequestOutput, start: int, offset: int, n: int) -> dict:
-    tokens = [_token_str(tok, t) for t in out.token_ids[start:]]
-    offsets, pos = [], offset
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    offsets, pos = [], start
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
+    return offsets
+
+
+def _completion_logprobs(tok, out: RequestOutput, start: int, offset: int, n: int) -> dict:
+    tokens = [_token_str(tok, t) for t in out.token_ids[start:]]
     return {
         "tokens": tokens,
         "token_logprobs": out.token_logprobs[start:],
         "top_logprobs": [{_token_str(tok, t): lp for t, lp in top.items()} for top in _tops(out, start, n)],
-        "text_offset": offsets,
+        "text_offset": _offsets(tokens, offset),
     }
+
+
+def _prompt_logprobs(tok, out: RequestOutput, n: int) -> dict:
+    """An echoed prompt's part of the legacy logprobs: each prompt token, its logprob and the top ``n`` at its
+    position (None for the first token, which nothing predicts), from the engine's prompt logprobs."""
+
+    def name(token_id: int, lp: Logprob | None = None) -> str:
+        return lp.decoded_token if lp is not None and lp.decoded_token is not None else _token_str(tok, token_id)
+
+    ids, dicts = out.prompt_token_ids, out.prompt_logprobs
+    tokens, logprobs, tops = [name(ids[0])], [None], [None]
+    for t, d in zip(ids[1:], dicts[1:], strict=True):
+        tokens.append(name(t, d[t]))
+        logprobs.append(d[t].logprob)
+        ranked = sorted(d.items(), key=lambda item: item[1].rank)
+        tops.append({name(k, v): v.logprob for k, v in ranked if v.rank <= n})
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": _offsets(tokens, 0)}
 
 
 def _chat_logprobs(tok, out: RequestOutput, start: int, n: int) -> dict:
@@ -123,6 +146,9 @@ class _Response:
     chat: bool
     arrival: float  # perf_counter() when the requests were submitted
     created: int  # unix time, as OpenAI's "created"
+    echo: bool = False  # completions: each choice begins with its prompt (text, and logprobs when asked for)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token generated is left out)
+    access: dict = field(default_factory=dict)  # the call's access log fields (middleware.ACCESS_KEY)
 
     @property
     def logprobs(self) -> bool:
@@ -150,10 +176,12 @@ class _Response:
         offset: int = 0,
         delta: bool = False,
         shaper: ChoiceStream | None = None,
+        echo: bool | None = None,
     ) -> dict:
         """Choice ``index`` of a reply (``text`` is the whole text), or of a stream chunk (``delta``: ``text`` is
-        the new piece, which begins at character ``offset`` of the choice; logprobs from token ``start`` on;
-        ``shaper``: the choice's tool-call and reasoning stream, for chat calls that have one)."""
+        the new piece, which begins at character ``offset`` of the choice's generated text; logprobs from token
+        ``start`` on). ``shaper``: the choice's tool-call and reasoning stream, for chat calls that have one;
+        ``echo`` (default: the call's) puts the prompt first, as a completion with echo begins."""
         tok = self.state.tokenizer
         n = self.specs[index].params.logprobs
         finish_reason = out.finish_reason
@@ -170,14 +198,23 @@ class _Response:
                 body = {"message": message}
             else:
                 body = {"message": {"role": "assistant", "content": text}}
-        else:
-            lp = _completion_logprobs(tok, out, start, offset, n) if self.logprobs else None
-            body = {"text": text}
-        return {"index": index, **body, "logprobs": lp, "finish_reason": finish_reason}
+            return {"index": index, **body, "logprobs": lp, "finish_reason": finish_reason}
+        if self.echo_only:  # the token generated to compute the prompt is not part of the answer
+            text, start = "", len(out.token_ids)
+        prompt_text = (self.specs[index].prompt_text or "") if self.echo else ""
+        echo_now = self.echo if echo is None else echo
+        lp = None
+        if self.logprobs:
+            lp = _completion_logprobs(tok, out, start, offset + len(prompt_text), n)
+            if echo_now:
+                head = _prompt_logprobs(tok, out, n)
+                lp = {key: head[key] + lp[key] for key in lp}
+        text = prompt_text + text if echo_now else text
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
 
     def usage(self, finals: list[RequestOutput]) -> dict:
         prompt = sum(len(s.prompt_ids) for s in self.specs)
-        completion = sum(len(o.token_ids) for o in finals)
+        completion = 0 if self.echo_only else sum(len(o.token_ids) for o in finals)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
@@ -187,6 +224,8 @@ class _Response:
             if first:
                 metrics.first_token_seconds.observe(time.perf_counter() - self.arrival)
                 first = False
+            if out.finished and not self.echo_only:
+                self.access["completion_tokens"] += len(out.token_ids)
             yield out
         metrics.request_seconds.observe(time.perf_counter() - self.arrival)
 
@@ -205,7 +244,21 @@ async def respond(
         group = await state.engine.submit([(rid, s.prompt_ids, s.params) for rid, s in zip(ids, specs, strict=True)])
     except ValueError as e:
         raise APIError(400, str(e)) from None
-    r = _Response(state, group, response_id, ids, specs, chat, arrival=time.perf_counter(), created=int(time.time()))
+    echo = not chat and req.echo
+    r = _Response(
+        state,
+        group,
+        response_id,
+        ids,
+        specs,
+        chat,
+        arrival=time.perf_counter(),
+        created=int(time.time()),
+        echo=echo,
+        echo_only=echo and req.max_tokens == 0,
+        access={"id": response_id, "prompt_tokens": sum(len(s.prompt_ids) for s in specs), "completion_tokens": 0},
+    )
+    request.scope[ACCESS_KEY] = r.access
     return _stream(r, req.include_usage) if req.stream else await _reply(r, request)
 
 
@@ -239,7 +292,8 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
     for, then ``[DONE]``."""
     head = r.head(stream=True)
     index = {rid: i for i, rid in enumerate(r.request_ids)}
-    streams = [_TextStream(r.state.tokenizer, s.params.stop) for s in r.specs]
+    options = [(s.params.skip_special_tokens, s.params.spaces_between_special_tokens) for s in r.specs]
+    streams = [_TextStream(r.state.tokenizer, s.params.stop, o) for s, o in zip(r.specs, options, strict=True)]
     shapers = [s.chat_format.stream() if s.chat_format and not s.chat_format.plain else None for s in r.specs]
 
     async def events() -> AsyncIterator[bytes]:
@@ -257,11 +311,15 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
                 start = stream.num_tokens
                 text = stream.delta(out)
                 stream.num_tokens = len(out.token_ids)
-                if not text and not out.finished and not r.logprobs:
+                echo = r.echo and not stream.echoed  # the choice's first chunk begins with its prompt
+                if not text and not out.finished and not r.logprobs and not echo:
                     continue
+                stream.echoed = True
                 if out.finished:
                     finals.append(out)
-                choice = r.choice(i, out, text, start, len(stream.sent) - len(text), delta=True, shaper=shapers[i])
+                choice = r.choice(
+                    i, out, text, start, offset=len(stream.sent) - len(text), delta=True, shaper=shapers[i], echo=echo
+                )
                 if shapers[i] is not None and not choice["delta"] and not out.finished and not r.logprobs:
                     continue  # all of it held back (a tag in the making)
                 yield _sse(head | {"choices": [choice]})

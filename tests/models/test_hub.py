@@ -120,8 +120,9 @@ def test_cli_generate_and_serve_take_a_model_id(
 
     monkeypatch.setattr(lockstep.server.state, "create_state", create_state)
     monkeypatch.setattr(lockstep.server.openai_api, "serve", lambda *args, **kwargs: 0)
-    assert main(["serve", REPO]) == 0
+    any_port = ["--port", "0"]  # serve binds its port before it loads: not 8000, which may be taken
+    assert main(["serve", REPO, *any_port]) == 0
     assert Path(seen["model"]).name == MAIN and seen["name"] == REPO
-    assert main(["serve", REPO, "--served-model-name", "tiny"]) == 0 and seen["name"] == "tiny"
-    assert main(["serve", "lockstep-test/not-cached"]) == 2
+    assert main(["serve", REPO, "--served-model-name", "tiny", *any_port]) == 0 and seen["name"] == "tiny"
+    assert main(["serve", "lockstep-test/not-cached", *any_port]) == 2
     assert "'lockstep-test/not-cached'" in capsys.readouterr().err

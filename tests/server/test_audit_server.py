@@ -5,6 +5,7 @@ small), so that test asserts a well-formed report, not a difference: the differe
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 
@@ -72,3 +73,29 @@ def test_auditor_against_default_kernels_reports_what_it_finds(default_kernels_s
     else:
         assert overall["first_divergence_position"] is not None and overall["competing_continuations"]
     print(f"--no-batch-invariant on CPU: {overall['unique_completions']} unique completion(s) of 96")
+
+
+def audit_cli(url: str, out, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "lockstep.cli", "audit", url, "-n", "2", "--concurrency", "1", "--max-tokens", "2"]
+    return subprocess.run([*cmd, "--out", str(out), "--quiet", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_audit_of_an_endpoint_that_gives_nothing_fails_in_one_line(server: Server, tmp_path) -> None:
+    # Nothing listening: one line and a non-zero exit, with or without --model (it used to print a 103-line
+    # traceback, or with --model report "2 errors" and exit 0).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    for args in ((), ("--model", "m")):
+        proc = audit_cli(dead, tmp_path / "dead", *args)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.strip().count("\n") == 0 and "cannot reach" in proc.stderr and dead in proc.stderr
+        assert not (tmp_path / "dead" / "report.json").exists()
+    proc = audit_cli(server.base_url, tmp_path / "key", "--api-key", "wrong")
+    assert proc.returncode == 2 and "refused the API key" in proc.stderr and "Traceback" not in proc.stderr
+    # Reachable, but no request succeeds (a model it does not serve): the report is written, the exit is 1.
+    proc = audit_cli(server.base_url, tmp_path / "none", "--api-key", server.api_key, "--model", "not-served")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "no completion came back" in proc.stderr and "not-served" in proc.stderr and "Traceback" not in proc.stderr
+    report = json.loads((tmp_path / "none" / "report.json").read_text())
+    assert report["overall"]["errors"] == report["overall"]["requests"] == 2

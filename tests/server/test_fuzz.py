@@ -90,11 +90,17 @@ SAMPLING = {
     "logit_bias": st.dictionaries(st.integers(0, 96).map(str), small_floats(-100, 100), max_size=3),
     "user": st.text(max_size=10),
     "ignore_eos": st.booleans(),
+    "min_tokens": st.integers(0, 8),
+    "stop_token_ids": st.lists(st.integers(0, 200), max_size=3),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
+    "use_beam_search": st.booleans(),
 }
 COMPLETION = {
     "prompt": st.one_of(st.text(max_size=40), st.lists(st.text(max_size=10), min_size=1, max_size=3), token_ids),
     "logprobs": st.one_of(st.none(), st.integers(0, 5)),
-    "echo": st.just(False),
+    "echo": st.booleans(),
 }
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=40)}

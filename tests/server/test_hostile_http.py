@@ -188,7 +188,8 @@ def test_connections_past_the_cap_get_503_and_the_server_recovers(guarded_server
     socks = [raw_connection(s) for _ in range(GUARDED_MAX_CONNECTIONS)]
     try:
         r = httpx.get(s.url + "/health", timeout=5)  # within the 1 s header deadline of the idle ones
-        assert r.status_code == 503
+        err = assert_error(r, 503)  # an OpenAI-style body, not uvicorn's plain text
+        assert err["code"] == "too_many_connections" and r.headers["retry-after"] == "1"
     finally:
         for sock in socks:
             sock.close()

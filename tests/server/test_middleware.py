@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import httpx
 
+from lockstep.server.async_engine import ServingLimits
 from lockstep.server.metrics import Metrics
 from lockstep.server.middleware import Gatekeeper
 from lockstep.server.openai_api import build_app
@@ -32,7 +33,8 @@ class _Engine:
     """What the routes use of an ``AsyncEngine``; ``submit`` raises, or returns a group that raises."""
 
     alive = True
-    engine = SimpleNamespace(max_model_len=64)
+    engine = SimpleNamespace(max_model_len=64, default_sampling={})
+    limits = ServingLimits()
 
     def __init__(self, fail_in_submit: bool) -> None:
         self.metrics, self.fail_in_submit = Metrics(), fail_in_submit

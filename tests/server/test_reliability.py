@@ -75,6 +75,12 @@ def test_unbounded_work_per_request_is_refused_at_once(guarded: Server) -> None:
     r = httpx.post(guarded.base_url + "/completions", json=body(guarded, [[1]] * 160, n=128), timeout=60)
     assert r.status_code == 400 and "20480 sequences" in r.json()["error"]["message"], r.text
     assert time.monotonic() - start < 5
+    # The count comes before tokenizing: prompts too long for the context (or not tokens of the model at all) are
+    # not looked at when there are too many of them.
+    for prompts in (["x" * 5000] * 2, [[10**6]] * 2):
+        r = httpx.post(guarded.base_url + "/completions", json=body(guarded, prompts, n=3), timeout=60)
+        assert r.status_code == 400 and "6 sequences" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "n"
     wait_idle(guarded)
 
 

@@ -1,0 +1,254 @@
+"""vLLM's server surface beyond the OpenAI routes, against a real server: ``/tokenize`` and ``/detokenize``."""
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from tiny_models import TINY_CHARS, TINY_EOS
+
+from .conftest import Server, start_server, stop_server
+from .test_openai_api import _assert_error, _post, client
+
+
+def test_tokenize_and_detokenize(server: Server) -> None:
+    r = _post(server, "/tokenize", {"model": server.model, "prompt": "hello", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    ids = [TINY_CHARS.index(c) for c in "hello"]
+    assert r.json() == {"count": 5, "max_model_len": 1024, "tokens": ids, "token_strs": list("hello")}
+    # What /tokenize says is what a completion's prompt costs.
+    usage = client(server).completions.create(model=server.model, prompt="hello", max_tokens=1).usage
+    assert usage.prompt_tokens == 5
+
+    # Messages go through the chat template as chat completions render them; the model may be left out.
+    messages = [{"role": "user", "content": "hi"}]
+    r = _post(server, "/tokenize", {"messages": messages}).json()
+    assert r["count"] == len("user: hi\nassistant:") and r["token_strs"] is None  # one token a character
+    assert r["tokens"][:8] == [TINY_CHARS.index(c) for c in "user: hi"]
+    chat = client(server).chat.completions.create(model=server.model, messages=messages, max_tokens=1)
+    assert chat.usage.prompt_tokens == r["count"]
+
+    r = _post(server, "/detokenize", {"model": server.model, "tokens": ids + [TINY_EOS]})
+    assert r.status_code == 200 and r.json() == {"prompt": "hello</s>"}  # special tokens kept, as vLLM does
+
+    tok = "/tokenize"
+    _assert_error(_post(server, tok, {}), 400, "prompt or messages")
+    _assert_error(_post(server, tok, {"prompt": "a", "messages": messages}), 400, "prompt or messages")
+    _assert_error(_post(server, tok, {"prompt": 5}), 400, "prompt")
+    _assert_error(_post(server, tok, {"prompt": "a", "model": "gpt-9"}), 404, "gpt-9")
+    _assert_error(_post(server, tok, {"messages": messages, "continue_final_message": True}), 400, "both")
+    _assert_error(_post(server, tok, {"messages": messages, "chat_template": "{{ x }}"}), 400, "chat_template")
+    _assert_error(_post(server, tok, {"prompt": "x" * 100_000}), 400, "100000 characters")
+    _assert_error(_post(server, "/detokenize", {"tokens": [5, 500]}), 400, "500")
+    _assert_error(_post(server, "/detokenize", {"tokens": ["a"]}), 400, "tokens")
+    assert httpx.post(server.url + tok, json={"prompt": "a"}).status_code == 401  # the key guards them too
+
+
+VOCAB = {c: i for i, c in enumerate(TINY_CHARS)} | {"<unk>": TINY_EOS - 1, "</s>": TINY_EOS}
+
+
+def loglikelihood_body(server: Server, prompts: list[list[int]], max_tokens: int = 0) -> dict:
+    """What lm-evaluation-harness's local-completions sends for loglikelihood (it asks for max_tokens 1 and drops the
+    last entry; 0 returns the prompt alone)."""
+    return {"model": server.model, "prompt": prompts, "echo": True, "max_tokens": max_tokens, "logprobs": 1,
+            "temperature": 0, "seed": 1234}  # fmt: skip
+
+
+def test_echo_loglikelihood_is_the_decode_logprobs_bitwise(server: Server) -> None:
+    c = client(server)
+    context = [VOCAB[ch] for ch in "The river runs"]
+    gen = c.completions.create(
+        model=server.model, prompt=context, max_tokens=10, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+    )
+    cont_lps = gen.choices[0].logprobs.token_logprobs
+    continuation = [VOCAB[t] for t in gen.choices[0].logprobs.tokens]
+    assert len(continuation) == 10
+
+    r = c.completions.create(**loglikelihood_body(server, [context + continuation]))
+    [choice] = r.choices
+    lp = choice.logprobs
+    assert choice.text == "The river runs" + gen.choices[0].text and choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == 24 and r.usage.completion_tokens == 0  # the prompt alone
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 24
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[:3] == [0, 1, 2]
+    # The engine's guarantee, through the API: a prompt token's logprob has the bits a decode step gave it.
+    assert lp.token_logprobs[len(context) :] == cont_lps
+    assert sum(lp.token_logprobs[len(context) :]) == sum(cont_lps)  # lm-eval's loglikelihood of the continuation
+    # Negative control: after another context the same continuation scores other bits.
+    other = c.completions.create(**loglikelihood_body(server, [[VOCAB["A"]] + context[1:] + continuation]))
+    assert other.choices[0].logprobs.token_logprobs[len(context) :] != cont_lps
+    # Greedy continuation: each token is the top-1 at its position (lm-eval's is_greedy).
+    for tok, x, top in zip(lp.tokens[len(context) :], cont_lps, lp.top_logprobs[len(context) :], strict=True):
+        assert top == {tok: x}
+
+    # Echo with generation: the prompt first, then what a call without echo generates.
+    plain = c.completions.create(model=server.model, prompt="hello", max_tokens=5, temperature=0, logprobs=2)
+    echoed = c.completions.create(model=server.model, prompt="hello", max_tokens=5, temperature=0, logprobs=2,
+                                  echo=True)  # fmt: skip
+    assert echoed.choices[0].text == "hello" + plain.choices[0].text
+    assert echoed.choices[0].logprobs.tokens == list("hello") + plain.choices[0].logprobs.tokens
+    assert echoed.choices[0].logprobs.token_logprobs[5:] == plain.choices[0].logprobs.token_logprobs
+    assert echoed.choices[0].logprobs.text_offset[5:] == [5 + o for o in plain.choices[0].logprobs.text_offset]
+    assert echoed.usage.completion_tokens == 5
+    no_lp = c.completions.create(model=server.model, prompt="hello", max_tokens=5, temperature=0, echo=True)
+    assert no_lp.choices[0].text == echoed.choices[0].text and no_lp.choices[0].logprobs is None
+
+    # Streamed, the first chunk of each choice carries the prompt; the chunks add up to the reply.
+    chunks = list(c.completions.create(model=server.model, prompt="hello", max_tokens=5, temperature=0, logprobs=2,
+                                       echo=True, n=2, stream=True))  # fmt: skip
+    for i in range(2):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].text.startswith("hello")
+        assert "".join(ch.text for ch in mine) == echoed.choices[0].text
+        assert [x for ch in mine for x in ch.logprobs.token_logprobs] == echoed.choices[0].logprobs.token_logprobs
+        assert [x for ch in mine for x in ch.logprobs.text_offset] == echoed.choices[0].logprobs.text_offset
+
+    ok = {"model": server.model, "prompt": "hi"}
+    _assert_error(_post(server, "/v1/completions", ok | {"max_tokens": 0}), 400, "echo")
+    _assert_error(_post(server, "/v1/chat/completions", {"model": server.model, "max_tokens": 0,
+                  "messages": [{"role": "user", "content": "hi"}]}), 400, "max_tokens")  # fmt: skip
+
+
+def test_echo_logprobs_are_the_same_bits_at_any_concurrency(server: Server) -> None:
+    # lm-eval's loglikelihood requests, a batch of prompts per call, alone and among other calls in flight.
+    prompts = [[VOCAB[ch] for ch in text] for text in ("a b c d e", "Question: 2+2? Answer: 4", "xyz" * 20)]
+    body = loglikelihood_body(server, prompts, max_tokens=1)
+    alone = _post(server, "/v1/completions", body).json()["choices"]
+    assert [len(ch["logprobs"]["token_logprobs"]) for ch in alone] == [len(p) + 1 for p in prompts]
+
+    async def crowd() -> list[dict]:
+        headers = {"content-type": "application/json", **server.headers}
+        async with httpx.AsyncClient(timeout=120, headers=headers) as h:
+            others = [
+                {
+                    "model": server.model,
+                    "prompt": f"other {i} " * (i + 1),
+                    "max_tokens": 12,
+                    "temperature": 0.7,
+                    "seed": i,
+                    "echo": i % 2 == 0,
+                    "logprobs": i % 3,
+                }  # fmt: skip
+                for i in range(8)
+            ]
+            calls = [h.post(server.url + "/v1/completions", json=b) for b in [*others[:4], body, *others[4:], body]]
+            return [r.json() for r in await asyncio.gather(*calls)]
+
+    answers = asyncio.run(crowd())
+    assert "error" not in answers[4] and "error" not in answers[-1], answers[4]
+    assert answers[4]["choices"] == alone and answers[-1]["choices"] == alone
+
+
+def test_vllm_sampling_extensions(server: Server) -> None:
+    c = client(server)
+    p_id = VOCAB["p"]
+    base = dict(model=server.model, prompt="hello", max_tokens=8, temperature=0)
+
+    def ask(stream: bool = False, **extra) -> tuple[str, str | None]:
+        if stream:
+            chunks = [ch for ch in c.completions.create(**base, stream=True, extra_body=extra) if ch.choices]
+            return "".join(ch.choices[0].text for ch in chunks), chunks[-1].choices[0].finish_reason
+        r = c.completions.create(**base, extra_body=extra)
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    forced_p = {"logit_bias": {str(p_id): 100}}
+    assert ask(**forced_p) == ("pppppppp", "length")
+    assert ask(**forced_p, stop_token_ids=[p_id]) == ("p", "stop")  # kept: not a special token (vLLM)
+    assert ask(**forced_p, stop=["ppp"]) == ("", "stop")
+    assert ask(**forced_p, stop=["ppp"], include_stop_str_in_output=True) == ("ppp", "stop")
+    assert ask(True, **forced_p, stop=["ppp"], include_stop_str_in_output=True) == ("ppp", "stop")
+    # EOS forced, held off for min_tokens; kept in the text when special tokens are not skipped, streamed or not.
+    forced_eos = {"logit_bias": {str(p_id): 50, str(TINY_EOS): 100}, "min_tokens": 3}
+    assert ask(**forced_eos) == ("ppp", "stop")
+    kept = ask(**forced_eos, skip_special_tokens=False)
+    assert kept == ("ppp </s>", "stop") and ask(True, **forced_eos, skip_special_tokens=False) == kept
+    assert ask(**forced_eos, skip_special_tokens=False, spaces_between_special_tokens=False) == ("ppp</s>", "stop")
+    _assert_error(_post(server, "/v1/completions", {**base, "min_tokens": 9}), 400, "min_tokens")
+    _assert_error(_post(server, "/v1/completions", {**base, "stop_token_ids": [-1]}), 400, "stop_token_ids")
+
+
+def test_max_completion_tokens_and_parameters_lockstep_cannot_honour(server: Server) -> None:
+    c = client(server)
+    messages = [{"role": "user", "content": "hi"}]
+    kw = dict(model=server.model, messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    assert c.chat.completions.create(**kw, max_completion_tokens=3).usage.completion_tokens == 3
+    assert c.chat.completions.create(**kw, max_tokens=4, max_completion_tokens=4).usage.completion_tokens == 4
+    chat = {"model": server.model, "messages": messages, "max_tokens": 2}
+    err = _assert_error(_post(server, "/v1/chat/completions", chat | {"max_completion_tokens": 3}), 400, "differ")
+    assert err["param"] == "max_completion_tokens"
+
+    # Set to what changes nothing, or unknown: answered. Set to anything else: a 400 naming it, never ignored.
+    comp = {"model": server.model, "prompt": "hi", "max_tokens": 2}
+    harmless = {"use_beam_search": False, "response_format": {"type": "text"}, "store": True, "length_penalty": 1}
+    assert _post(server, "/v1/completions", comp | harmless).status_code == 200
+    assert _post(server, "/v1/chat/completions", chat | harmless | {"add_generation_prompt": True}).status_code == 200
+    for path, body, name in (
+        ("/v1/completions", comp | {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", comp | {"length_penalty": 2.0}, "length_penalty"),
+        ("/v1/completions", comp | {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ("/v1/completions", comp | {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", comp | {"add_special_tokens": False}, "add_special_tokens"),
+        ("/v1/completions", comp | {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous"),
+        ("/v1/chat/completions", chat | {"continue_final_message": True}, "continue_final_message"),
+        ("/v1/chat/completions", chat | {"echo": True}, "echo"),
+        ("/v1/chat/completions", chat | {"modalities": ["text", "audio"]}, "modalities"),
+    ):
+        err = _assert_error(_post(server, path, body), 400, name)
+        assert err["param"].startswith(name.split(".")[0]) or name == "continuous", err
+
+
+@pytest.fixture(scope="module")
+def generation_config_server(tiny_server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model with sampling defaults in its generation_config.json: greedy, 6 new tokens."""
+    folder = tmp_path_factory.mktemp("genconf") / "tiny-genconf"
+    shutil.copytree(tiny_server_model_dir, folder)
+    file = folder / "generation_config.json"
+    file.write_text(json.dumps(json.loads(file.read_text()) | {"temperature": 0.0, "max_new_tokens": 6}))
+    log = tmp_path_factory.mktemp("logs") / "genconf.log"
+    s = start_server(folder, log, "--log-level", "info", "--no-access-log")
+    yield s
+    stop_server(s.proc)
+
+
+def test_the_server_takes_the_model_generation_config_defaults(generation_config_server: Server) -> None:
+    s = generation_config_server
+    c = client(s)
+    kw = dict(model=s.model, extra_body={"ignore_eos": True})
+    left_out = c.completions.create(prompt="hello", **kw)
+    assert left_out.usage.completion_tokens == 6  # max_new_tokens, not OpenAI's 16
+    greedy = c.completions.create(prompt="hello", max_tokens=6, temperature=0, **kw)
+    assert left_out.choices[0].text == greedy.choices[0].text  # temperature 0 from the file, not 1
+    nulls = _post(s, "/v1/completions", {"model": s.model, "prompt": "hello", "temperature": None, "top_p": None,
+                                         "max_tokens": 6, "ignore_eos": True})  # fmt: skip
+    assert nulls.json()["choices"][0]["text"] == greedy.choices[0].text  # null is "left out"
+    assert c.completions.create(prompt="hello", max_tokens=3, **kw).usage.completion_tokens == 3
+    messages = [{"role": "user", "content": "hi"}]
+    assert c.chat.completions.create(messages=messages, **kw).usage.completion_tokens == 6
+    assert c.chat.completions.create(messages=messages, max_tokens=2, **kw).usage.completion_tokens == 2
+    # Explicit values win: a seeded temperature-1 request is not the greedy one.
+    sampled = [c.completions.create(prompt="hello", temperature=1.0, seed=i, **kw).choices[0].text for i in range(4)]
+    assert any(t != greedy.choices[0].text for t in sampled)
+    assert "POST /v1/completions" not in s.log.read_text()  # --no-access-log
+
+
+def test_one_access_log_line_per_request_and_never_a_prompt(guarded_server: Server) -> None:
+    s = guarded_server  # --log-level info: the access log is on by default
+    before = s.log.read_text()
+    secret = "my secret prompt"
+    r = _post(s, "/v1/completions", {"model": s.model, "prompt": secret, "max_tokens": 3, "ignore_eos": True},
+              {"Authorization": "Bearer env-key"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert httpx.get(s.url + "/health?probe=" + secret.replace(" ", "+")).status_code == 200
+    _post(s, "/v1/completions", {"model": s.model}, {"Authorization": "Bearer env-key"})  # a 400
+    time.sleep(0.2)
+    new = s.log.read_text()[len(before) :]
+    lines = [line for line in new.splitlines() if " ms" in line]
+    assert len(lines) == 3, new
+    call, health, bad = lines
+    assert "POST /v1/completions 200 " in call and f"id={r.json()['id']}" in call
+    assert "prompt_tokens=16 completion_tokens=3" in call
+    assert "GET /health 200 " in health and "POST /v1/completions 400 " in bad
+    assert secret not in new and "probe" not in new
