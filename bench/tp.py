@@ -16,11 +16,15 @@ throughput (wall seconds). Prints a table last; JSON to ``--out``.
 """
 
 import argparse
+import faulthandler
 import json
+import multiprocessing
 import os
 import random
+import signal
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -82,6 +86,24 @@ def throughput_s(llm: LLM, args, vocab: int, rng: random.Random) -> float:
     return time.perf_counter() - t0
 
 
+def watchdog(seconds: float, name: str) -> threading.Timer:
+    """After ``seconds``, print where the driver and (through SIGUSR1, which workers answer with their stacks)
+    every worker is, and exit: a configuration that hangs says where."""
+
+    def fire() -> None:
+        print(f"\n{name}: no progress after {seconds:.0f} s; stacks follow", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGUSR1)
+        time.sleep(3)
+        os._exit(3)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -99,6 +121,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--only", default="", help="run only these configurations (comma list of names)")
+    ap.add_argument("--config-timeout", type=float, default=300, help="seconds before a stuck configuration dumps")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     sizes = sorted({1, *(int(s) for s in args.sizes.split(","))})
@@ -122,6 +145,7 @@ def main() -> None:
     for name, kwargs in configurations(sizes):
         if only and name not in only:
             continue
+        timer = watchdog(args.config_timeout, name)
         t0 = time.perf_counter()
         llm = LLM(str(folder), device=str(device), dtype="bfloat16", max_num_seqs=max(args.num_requests, 64),
                   enable_prefix_caching=False, **kwargs)  # fmt: skip
@@ -131,6 +155,7 @@ def main() -> None:
             run["throughput_s"] = throughput_s(llm, args, vocab, random.Random(2))
         llm.close()
         del llm
+        timer.cancel()
         report["runs"][name] = run
         print(f"{name}: start {run['startup_s']:.1f} s, decode {run['decode_ms']:.2f} ms, "
               f"throughput {run.get('throughput_s', float('nan')):.1f} s", flush=True)  # fmt: skip

@@ -23,6 +23,7 @@ rank 0 becomes the driver and every other rank serves until rank 0 stops (README
 
 import atexit
 import datetime
+import faulthandler
 import os
 import shutil
 import signal
@@ -265,6 +266,7 @@ def _worker_main(
     lifeline: Connection,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a stuck worker is
     threading.Thread(target=_exit_without_driver, args=(lifeline,), daemon=True).start()
     torch.set_num_threads(threads)
     try:
