@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -109,7 +110,28 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def run_one(job_file: str) -> None:
+    """One configuration (``main`` runs each in a process of its own): its bits, decode step and throughput,
+    written next to the job as result.json."""
+    job = json.loads(Path(job_file).read_text())
+    args = argparse.Namespace(**job["args"])
+    timer = watchdog(args.config_timeout, str(job["kwargs"]))
+    t0 = time.perf_counter()
+    llm = LLM(job["folder"], device=job["device"], dtype="bfloat16", max_num_seqs=max(args.num_requests, 64),
+              enable_prefix_caching=False, **job["kwargs"])  # fmt: skip
+    run = {"startup_s": time.perf_counter() - t0, "bits": target_bits(llm, job["targets"], job["crowd"])}
+    run["decode_ms"] = decode_step_ms(llm, 128, 32, job["vocab"], random.Random(1))
+    if not args.no_throughput:
+        run["throughput_s"] = throughput_s(llm, args, job["vocab"], random.Random(2))
+    llm.close()
+    timer.cancel()
+    (Path(job_file).parent / "result.json").write_text(json.dumps(run, default=bytes.hex))  # bits: hex
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--run-one"]:
+        run_one(sys.argv[2])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--layers", type=int, default=36)
@@ -145,17 +167,20 @@ def main() -> None:
     for name, kwargs in configurations(sizes):
         if only and name not in only:
             continue
-        timer = watchdog(args.config_timeout, name)
-        t0 = time.perf_counter()
-        llm = LLM(str(folder), device=str(device), dtype="bfloat16", max_num_seqs=max(args.num_requests, 64),
-                  enable_prefix_caching=False, **kwargs)  # fmt: skip
-        run = {"startup_s": time.perf_counter() - t0, "bits": target_bits(llm, targets, crowd)}
-        run["decode_ms"] = decode_step_ms(llm, 128, 32, vocab, random.Random(1))
-        if not args.no_throughput:
-            run["throughput_s"] = throughput_s(llm, args, vocab, random.Random(2))
-        llm.close()
-        del llm
-        timer.cancel()
+        # Each configuration in a process of its own: GPU memory an earlier engine kept (its graph pool, the
+        # caching allocator) would shrink a later one's KV cache and slow its throughput.
+        job = {"kwargs": kwargs, "folder": str(folder), "device": str(device), "targets": targets, "crowd": crowd,
+               "vocab": vocab, "args": vars(args)}  # fmt: skip
+        job_file = folder / "job.json"
+        job_file.write_text(json.dumps(job))
+        result_file = folder / "result.json"
+        result_file.unlink(missing_ok=True)
+        code = subprocess.run([sys.executable, __file__, "--run-one", str(job_file)]).returncode
+        if code != 0 or not result_file.exists():
+            report["runs"][name] = {"error": f"exit code {code}"}
+            print(f"{name}: failed (exit code {code})", flush=True)
+            continue
+        run = json.loads(result_file.read_text())
         report["runs"][name] = run
         print(f"{name}: start {run['startup_s']:.1f} s, decode {run['decode_ms']:.2f} ms, "
               f"throughput {run.get('throughput_s', float('nan')):.1f} s", flush=True)  # fmt: skip
@@ -166,6 +191,9 @@ def main() -> None:
         f"{'config':12s} {'vs tp1 tree':>14s} {'alone=batched':>14s} {'decode ms':>10s} {'tput s':>8s} {'start s':>8s}"
     )
     for name, run in report["runs"].items():
+        if "error" in run:
+            print(f"{name:12s} {run['error']}")
+            continue
         b = run["bits"]
         same_ref = "-" if ref is None else str(all(b[k]["alone"] == ref[k]["alone"] for k in b))
         batched = all(b[k]["alone"] == b[k]["batched"] for k in b)
@@ -173,7 +201,7 @@ def main() -> None:
         print(f"{name:12s} {same_ref:>14s} {str(batched):>14s} {run['decode_ms']:10.2f} "
               f"{run.get('throughput_s', float('nan')):8.1f} {run['startup_s']:8.1f}")  # fmt: skip
     for run in report["runs"].values():
-        del run["bits"]  # bytes; the verdicts above stay
+        run.pop("bits", None)  # the verdicts above stay
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "tp_bench.json").write_text(json.dumps(report, indent=1, default=str))
 
