@@ -256,7 +256,17 @@ def test_a_call_past_its_time_limit_is_stopped(engine: LLMEngine) -> None:
     assert_idle(engine)
 
 
-def test_drain_refuses_new_calls_and_ends_late_ones(engine: LLMEngine) -> None:
+def test_drain_refuses_new_calls_and_ends_late_ones(engine: LLMEngine, monkeypatch) -> None:
+    # Steps of at least 5 ms: the long call (1000 steps) cannot end inside the 0.5 s drain however fast the machine
+    # (unslowed, it did on an idle one); the short one (3 steps) ends well inside it.
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
     async def main(ae: AsyncEngine):
         short = asyncio.ensure_future(_one(ae, reqs("short", max_tokens=3)))
         long = asyncio.ensure_future(_one(ae, reqs("long", max_tokens=1000)))  # far longer than the drain
