@@ -289,11 +289,24 @@ class Sampler:
         histories: list[tuple[list[int], int]] | None = None,
         allowed: tuple[list[int], torch.Tensor] | None = None,
     ) -> Sampled:
+        return self.launch(logits, params, positions, histories, allowed).result()
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        histories: list[tuple[list[int], int]] | None = None,
+        allowed: tuple[list[int], torch.Tensor] | None = None,
+    ) -> "PendingSample":
+        """``sample``'s device work, enqueued; the host reads the results back in ``PendingSample.result``. The
+        sampled ids are on the device at once (``PendingSample.tokens``), for a following step's input. Rows with
+        top-p still wait for the device on the way (their cut-off is a count taken back to the host)."""
         num_rows = logits.shape[0]
         if logits.dim() != 2 or not len(params) == len(positions) == num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} for {len(params)} params, {len(positions)} positions")
         if num_rows == 0:
-            return Sampled([], [])
+            return PendingSample(torch.zeros(0, dtype=torch.int64, device=logits.device), None, {})
         logits = logits.float()
         errors: dict[int, str] = {}
         scores = logits  # what the choice is made from; logprobs stay raw
@@ -357,17 +370,8 @@ class Sampler:
 
         logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
         extra = [best] if allowed is None or not allowed[0] else [best, empty_mask]
-        token_ids, out, back = gather_logprobs(logprobs, tokens, [p.logprobs for p in params], extra=extra)
-        for i, score in enumerate(back[0]):
-            if score == -math.inf and i not in errors:
-                if len(back) > 1 and back[1][i]:
-                    errors[i] = "no token can be sampled: the structured output's grammar allows none here"
-                else:
-                    errors[i] = "no token can be sampled: every score is NaN or -inf"
-        for i in errors:
-            token_ids[i] = -1
-            out[i] = TokenLogprobs(math.nan)
-        return Sampled(token_ids, out, errors)
+        pending = launch_gather_logprobs(logprobs, tokens, [p.logprobs for p in params], extra=extra)
+        return PendingSample(tokens, pending, errors)
 
     @staticmethod
     def _gumbel_rows(
@@ -386,6 +390,60 @@ def _describe(e: Exception) -> str:
     return f"sampling failed: {type(e).__name__}: {e}"
 
 
+@dataclass
+class PendingSample:
+    """A launched ``Sampler.launch``: ``tokens: [rows]`` int64 on the logits' device (valid ids, also in rows
+    that turn out to have none: those show in ``result``), and the copy to the host still under way."""
+
+    tokens: torch.Tensor
+    logprobs: "PendingLogprobs | None"
+    errors: dict[int, str]
+
+    def result(self) -> Sampled:
+        """Wait for the copy (a step's one sync) and return what ``Sampler.sample`` returns."""
+        if self.logprobs is None:
+            return Sampled([], [])
+        errors = self.errors
+        token_ids, out, back = self.logprobs.result()
+        for i, score in enumerate(back[0]):
+            if score == -math.inf and i not in errors:
+                if len(back) > 1 and back[1][i]:
+                    errors[i] = "no token can be sampled: the structured output's grammar allows none here"
+                else:
+                    errors[i] = "no token can be sampled: every score is NaN or -inf"
+        for i in errors:
+            token_ids[i] = -1
+            out[i] = TokenLogprobs(math.nan)
+        return Sampled(token_ids, out, errors)
+
+
+class _HostCopy:
+    """Device tensors on their way to the host. On CUDA each is copied without blocking into pinned memory and an
+    event marks the end; ``lists`` waits for that event alone (not for work enqueued after it, such as the next
+    step's forward). Elsewhere the tensors are already where the host can read them."""
+
+    def __init__(self, tensors: list[torch.Tensor | None]) -> None:
+        self.event = None
+        if any(t is not None and t.device.type == "cuda" for t in tensors):
+            host: list[torch.Tensor | None] = []
+            for t in tensors:
+                if t is None:
+                    host.append(None)
+                    continue
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t.contiguous(), non_blocking=True)
+                host.append(h)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            tensors = host
+        self.tensors = tensors
+
+    def lists(self) -> list[list | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [t.tolist() if t is not None else None for t in self.tensors]
+
+
 def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None], extra: list[torch.Tensor] = ()
 ) -> tuple[list[int], list[TokenLogprobs], list[list[float]]]:
@@ -394,6 +452,30 @@ def gather_logprobs(
     ``(token id, logprob)`` pairs. Every value is a gather, a comparison count or a stable sort of the row alone,
     so it is exact whatever the other rows. Returns the token ids as ints, one ``TokenLogprobs`` per row, and the
     ``extra`` per-row tensors as lists (they ride along in the same single copy to the host)."""
+    return launch_gather_logprobs(logprobs, token_ids, num_top, extra).result()
+
+
+@dataclass
+class PendingLogprobs:
+    """``gather_logprobs`` launched: its device work enqueued, its copy to the host under way."""
+
+    copy: _HostCopy
+    num_top: list[int | None]
+    num_extra: int
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs], list[list[float]]]:
+        back, top_vals, top_ids = self.copy.lists()
+        out: list[TokenLogprobs] = []
+        for i, n in enumerate(self.num_top):
+            top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
+            out.append(TokenLogprobs(back[1][i], top, int(back[-1][i]) if n is not None else None))
+        return [int(t) for t in back[0]], out, back[2 : 2 + self.num_extra]
+
+
+def launch_gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None], extra: list[torch.Tensor] = ()
+) -> PendingLogprobs:
+    """``gather_logprobs`` without waiting for the device: ``result()`` on the answer waits and returns it."""
     chosen = logprobs.gather(1, token_ids[:, None])  # [rows, 1]
     columns = [token_ids.double(), chosen[:, 0].double(), *(x.double() for x in extra)]  # fp64 holds them exactly
     ranked = any(n is not None for n in num_top)
@@ -402,15 +484,11 @@ def gather_logprobs(
         ids = torch.arange(logprobs.shape[-1], device=logprobs.device)
         ahead = (logprobs > chosen) | ((logprobs == chosen) & (ids < token_ids[:, None]))
         columns.append(ahead.sum(dim=-1).double() + 1)  # an integer count, exact in fp64
-    back = torch.stack(columns).tolist()  # one copy to the host
+    back = torch.stack(columns)
     max_top = max((n or 0) for n in num_top) if num_top else 0
     top_ids = top_vals = None
     if max_top > 0:
         # A stable descending sort puts equal logprobs in id order: ties go to the lower id.
         top_vals, top_ids = logprobs.sort(dim=-1, descending=True, stable=True)
-        top_vals, top_ids = top_vals[:, :max_top].tolist(), top_ids[:, :max_top].tolist()
-    out: list[TokenLogprobs] = []
-    for i, n in enumerate(num_top):
-        top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
-        out.append(TokenLogprobs(back[1][i], top, int(back[-1][i]) if n is not None else None))
-    return [int(t) for t in back[0]], out, back[2 : 2 + len(extra)]
+        top_vals, top_ids = top_vals[:, :max_top], top_ids[:, :max_top]
+    return PendingLogprobs(_HostCopy([back, top_vals, top_ids]), list(num_top), len(extra))
