@@ -149,6 +149,8 @@ class Scheduler:
         return self.finish(request_id, FinishReason.ABORT)
 
     def _release(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.has_pending_token:  # async scheduling: ended before its pending token was read; it never comes
+            seq.token_ids.pop()
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -227,6 +227,20 @@ def test_aborts_report_what_was_reported_and_leave_the_others_alone(engines: tup
         assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_a_request_failing_at_a_step_ahead_fails_alone(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    # Its sample turns out to be no token only when read back, after the next step (with its row) was launched.
+    nan_row = SamplingParams(temperature=0.8, seed=1, max_tokens=6)
+    nan_row.temperature = float("nan")  # past validation, as a bug would be: every score NaN
+    requests = {
+        "ok": ([1, 2, 3], SamplingParams(temperature=0.9, seed=5, max_tokens=6, ignore_eos=True, logprobs=1)),
+        "bad": ([4, 5, 6], nan_row),
+        "ok2": ([7, 8], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+    }
+    sync, overlapped = (_generate(e, requests, {}) for e in engines)
+    assert overlapped == sync
+    assert sync["bad"][3] == "abort" and sync["bad"][0] == () and sync["ok"][3] == "length"
+
+
 def test_a_request_id_reused_after_its_end_is_a_new_request(engines: tuple[LLMEngine, LLMEngine]) -> None:
     # The in-flight step of a finished request is discarded even when its id is already back in use.
     engine = engines[1]
