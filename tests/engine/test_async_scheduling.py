@@ -106,8 +106,14 @@ def test_async_scheduling_gives_the_synchronous_bits(
     overlapped.engine.runner.launch = lambda batch, feed=None: launches.append(feed is not None) or launch(batch, feed)
     may_run_ahead = llm_engine._may_run_ahead
     monkeypatch.setattr(llm_engine, "_may_run_ahead", lambda batch: ahead.append(may_run_ahead(batch)) or ahead[-1])
+    hits = []
+    blocks = overlapped.engine.scheduler.block_manager
+    allocate = blocks.allocate
+    blocks.allocate = lambda seq: allocate(seq) or hits.append(seq.num_cached_tokens)
     reference = [bits(o) for o in sync.generate(prompts, params, use_tqdm=False)]
     assert [bits(o) for o in overlapped.generate(prompts, params, use_tqdm=False)] == reference
+    if kwargs.get("enable_prefix_caching", True):
+        assert any(hits), "no prefix-cache hit"
     # Steps ran ahead, fed from the device; without penalties and grammars every step did (with them, a step
     # where one samples is read back before the next is scheduled).
     assert sum(launches) > (len(launches) // 2 if case == "overlap_only" else 0), launches
