@@ -26,7 +26,7 @@ from lockstep.engine.scheduler import ScheduledBatch
 from lockstep.engine.sequence import Sequence
 from lockstep.engine.token_feed import FedRows, TokenFeed
 from lockstep.layers.attention import FlatBatch, flatten_batch
-from lockstep.layers.sampler import PendingSample, Sampled, Sampler, TokenLogprobs, gather_logprobs
+from lockstep.layers.sampler import PendingSample, Sampled, Sampler, TokenLogprobs, device_tensor, gather_logprobs
 from lockstep.models.loader import load_model
 from lockstep.structured.grammar import token_masks
 
@@ -299,7 +299,7 @@ class ModelRunner:
     def _hidden_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if rows[-1] == len(rows) - 1:  # rows 0, 1, ..., n - 1 (increasing; a decode step): a view, no copy
             return hidden[: len(rows)]
-        return hidden[torch.tensor(rows, device=self.device)]
+        return hidden[device_tensor(rows, torch.int64, self.device)]
 
     def serve(self) -> None:
         """Ranks > 0: run what rank 0 sends (steps, weight updates) until it says stop."""
@@ -348,7 +348,7 @@ class ModelRunner:
         for j, group_logits in zip(range(0, len(prompt.rows), PROMPT_LOGPROB_ROWS), logits, strict=True):
             logprobs = self.sampler.log_softmax(group_logits)
             targets = prompt.targets[j : j + PROMPT_LOGPROB_ROWS]
-            target = torch.tensor(targets, dtype=torch.int64, device=self.device)
+            target = device_tensor(targets, torch.int64, self.device)
             results += gather_logprobs(logprobs, target, prompt.nums[j : j + PROMPT_LOGPROB_ROWS])[1]
         k = 0
         for seq, count in prompt.owners:

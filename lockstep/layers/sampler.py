@@ -75,6 +75,16 @@ class SamplingError(ValueError):
         self.errors = errors
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` that does not wait for the device: on CUDA a copy from
+    pageable memory waits for all the work queued before it, which would hold the host back while the step ahead
+    of async scheduling runs; from pinned memory it is queued like a kernel. The same values either way."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _as_signed(x: int) -> int:
     x &= _MASK64
     return x - (1 << 64) if x >> 63 else x
@@ -115,7 +125,7 @@ def _uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def _row_keys(seeds: list[int], positions: list[int], device: torch.device | str) -> torch.Tensor:
     keys = [_as_signed(row_key(s, p)) for s, p in zip(seeds, positions, strict=True)]
-    return torch.tensor(keys, dtype=torch.int64, device=device)[:, None]
+    return device_tensor(keys, torch.int64, device)[:, None]
 
 
 def uniform_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -156,8 +166,8 @@ def _top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     if not any(ks):
         return x
     top = torch.topk(x, max(ks), dim=-1).values  # [rows, max k], descending
-    kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=x.device)[:, None])
-    active = torch.tensor(ks, device=x.device)[:, None] > 0
+    kth = top.gather(1, device_tensor([max(k, 1) - 1 for k in ks], torch.int64, x.device)[:, None])
+    active = device_tensor(ks, torch.int64, x.device)[:, None] > 0
     return x.masked_fill(active & (x < kth), float("-inf"))
 
 
@@ -167,7 +177,7 @@ def _min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     if not any(min_ps):
         return x
     floor = [math.log(m) if m > 0 else float("-inf") for m in min_ps]
-    cut = x.max(dim=-1, keepdim=True).values + torch.tensor(floor, dtype=x.dtype, device=x.device)[:, None]
+    cut = x.max(dim=-1, keepdim=True).values + device_tensor(floor, x.dtype, x.device)[:, None]
     return x.masked_fill(x < cut, float("-inf"))
 
 
@@ -191,7 +201,7 @@ def _gumbel_max(
     seeds = [p.seed for p in params]
     if any(s is None for s in seeds):
         raise ValueError("sampling with temperature > 0 needs a seed (the engine draws one per request)")
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    temps = device_tensor([p.temperature for p in params], logits.dtype, logits.device)
     x = _top_k(logits / temps[:, None], [p.top_k for p in params])
     x = _min_p(x, [p.min_p for p in params])
     for i, p in enumerate(params):
@@ -327,7 +337,7 @@ class Sampler:
                 raise ValueError(f"a mask {tuple(mask.shape)} for {len(masked_rows)} rows of {logits.shape[-1]} tokens")
             if scores is logits:
                 scores = logits.clone()
-            index = torch.tensor(masked_rows, device=logits.device)
+            index = device_tensor(masked_rows, torch.int64, logits.device)
             scores[index] = scores[index].masked_fill(~mask, float("-inf"))
             # Rows whose grammar allows no token at all, told apart from other dead ends (same copy to the host).
             empty_mask = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
@@ -341,7 +351,7 @@ class Sampler:
             tokens = torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
             best = torch.zeros(num_rows, dtype=torch.float64, device=logits.device)
             if greedy_rows:
-                rows = torch.tensor(greedy_rows, device=logits.device)
+                rows = device_tensor(greedy_rows, torch.int64, logits.device)
                 greedy_tokens, greedy_best = _argmax_lowest(scores[rows])
                 tokens[rows], best[rows] = greedy_tokens, greedy_best.double()
         batched = logits.device.type in BATCHED_DEVICES
@@ -382,7 +392,7 @@ class Sampler:
         tokens: torch.Tensor,
         best: torch.Tensor,
     ) -> None:
-        index = torch.tensor(rows, device=scores.device)
+        index = device_tensor(rows, torch.int64, scores.device)
         tokens[index], best[index] = _gumbel_max(scores[index], [params[i] for i in rows], [positions[i] for i in rows])
 
 
