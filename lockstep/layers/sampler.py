@@ -223,10 +223,10 @@ def adjust_row(
     (``min_tokens``), which no later step can undo."""
     x = logits
     if banned:
-        x = x.index_fill(0, torch.tensor(banned, dtype=torch.int64, device=x.device), float("-inf"))
+        x = x.index_fill(0, device_tensor(list(banned), torch.int64, x.device), float("-inf"))
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=x.device)
-        x = x.index_put((ids,), torch.tensor(list(params.logit_bias.values()), dtype=x.dtype, device=x.device), True)
+        ids = device_tensor(list(params.logit_bias), torch.int64, x.device)
+        x = x.index_put((ids,), device_tensor(list(params.logit_bias.values()), x.dtype, x.device), True)
     if not params.penalized:
         return x
     output = torch.tensor(token_ids[num_prompt:], dtype=torch.int64, device=x.device)
