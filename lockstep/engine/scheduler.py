@@ -74,7 +74,9 @@ class Scheduler:
     """Owns the waiting queue, the running set and the BlockManager.
 
     The engine loop: ``add`` requests, then repeat ``batch = schedule()``, run the model on it, and
-    ``postprocess(batch, sampled_token_ids)``. ``abort`` or ``finish`` between steps. Not thread-safe.
+    ``postprocess(batch, sampled_token_ids)``. ``abort`` or ``finish`` between steps. Not thread-safe. Async
+    scheduling splits ``postprocess``: ``advance(batch)`` (tokens pending), the next ``schedule()``, then
+    ``apply_tokens(batch, ...)`` once the tokens are read back.
     """
 
     def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
