@@ -7,11 +7,14 @@ kernel set (the load, graph capture included, is the start-up time), and for eac
 ``--batch`` requests of ``--input-len`` random tokens, runs ``--warm-steps`` decode steps, then times
 ``--steps`` decode steps of the whole engine (schedule, forward, sample, outputs), with graphs and, for sets
 that have them, again eagerly (``runner.use_graphs = False``). Also checks that the graph and eager steps give
-the same tokens and logprob bits. The batch-1 line gives the ratio to the weight-read floor (weights bytes over
-the measured copy bandwidth). Prints a table last; JSON to ``--out``.
+the same tokens and logprob bits. ``--async-scheduling on`` runs every step with async scheduling; ``both`` times
+the graph steps again with it (``async_ms``) and checks those bits too (profiles then run with it). The batch-1
+line gives the ratio to the weight-read floor (weights bytes over the measured copy bandwidth). Prints a table
+last; JSON to ``--out``.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -42,15 +45,19 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 10 / (time.perf_counter() - t0)
 
 
-def time_steps(llm: LLM, batch: int, args, graphs: bool, rng: random.Random) -> tuple[float, list]:
-    """Mean seconds per decode step at ``batch``, and the outputs (token ids, logprobs) of the timed run."""
+def time_steps(
+    llm: LLM, batch: int, args, graphs: bool, rng: random.Random, overlap: bool = False
+) -> tuple[float, list]:
+    """Mean seconds per decode step at ``batch``, and the outputs (token ids, logprobs) of the timed run;
+    ``overlap``: with async scheduling."""
     engine = llm.engine
     engine.runner.use_graphs = graphs and engine.runner.graphs is not None
+    engine.config = dataclasses.replace(engine.config, async_scheduling=overlap)
     steps = args.warm_steps + args.steps
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     prompts = [[rng.randrange(1000, 100_000) for _ in range(args.input_len)] for _ in range(batch)]
     for i, p in enumerate(prompts):
-        engine.add_request(f"b{batch}-{graphs}-{i}", p, params)
+        engine.add_request(f"b{batch}-{graphs}-{overlap}-{i}", p, params)
     sched = engine.scheduler
     while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
         engine.step()
@@ -75,6 +82,8 @@ def profile_steps(llm: LLM, batch: int, args, rng: random.Random) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
+    engine.runner.use_graphs = engine.runner.graphs is not None
+    engine.config = dataclasses.replace(engine.config, async_scheduling=args.async_scheduling != "off")
     params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + PROFILE_STEPS + 2, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"p{batch}-{i}", [rng.randrange(1000, 100_000) for _ in range(args.input_len)], params)
@@ -112,6 +121,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warm-steps", type=int, default=4)
     ap.add_argument("--profile", default="", help="batch sizes to profile with torch.profiler (graphs on)")
+    ap.add_argument(
+        "--async-scheduling", choices=["off", "on", "both"], default="off",
+        help="on: every step with async scheduling; both: the graph steps timed again with it (async_ms)",
+    )  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -131,16 +144,21 @@ def main() -> None:
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
         floor = weight_bytes / bandwidth
         has_graphs = llm.engine.runner.graphs is not None
+        on = args.async_scheduling == "on"
         for batch in batches:
-            r = {"mode": mode, "batch": batch, "startup_s": startup, "floor_ms": floor * 1e3}
-            r["graph_ms"] = r["eager_ms"] = None
+            r = {"mode": mode, "batch": batch, "startup_s": startup, "floor_ms": floor * 1e3, "async": on}
+            r["graph_ms"] = r["eager_ms"] = r["async_ms"] = r["async_equals_sync"] = None
             rng_seed = 7 * batch
             if has_graphs:
-                t_graph, out_graph = time_steps(llm, batch, args, True, random.Random(rng_seed))
+                t_graph, out_graph = time_steps(llm, batch, args, True, random.Random(rng_seed), on)
                 r["graph_ms"] = t_graph * 1e3
-            t_eager, out_eager = time_steps(llm, batch, args, False, random.Random(rng_seed))
+            t_eager, out_eager = time_steps(llm, batch, args, False, random.Random(rng_seed), on)
             r["eager_ms"] = t_eager * 1e3
             r["graph_equals_eager"] = out_graph == out_eager if has_graphs else None
+            if args.async_scheduling == "both":
+                t_async, out_async = time_steps(llm, batch, args, has_graphs, random.Random(rng_seed), True)
+                r["async_ms"] = t_async * 1e3
+                r["async_equals_sync"] = out_async == (out_graph if has_graphs else out_eager)
             r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             rows.append(r)
             report["results"].append(r)
@@ -157,13 +175,15 @@ def main() -> None:
     (out if out.suffix == ".json" else out / "decode_step.json").write_text(json.dumps(report, indent=2))
     print(f"\ndecode step, Qwen3-8B shape {args.layers} layers, {args.input_len}-token prompts, "
           f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
-    print(f"{'mode':14s}{'batch':>6s}{'graph ms':>10s}{'eager ms':>10s}{'x floor':>9s}{'same bits':>10s}"
-          f"{'start s':>9s}{'peak GiB':>9s}")  # fmt: skip
+    print(f"{'mode':14s}{'batch':>6s}{'graph ms':>10s}{'eager ms':>10s}{'async ms':>10s}{'x floor':>9s}"
+          f"{'same bits':>10s}{'start s':>9s}{'peak GiB':>9s}")  # fmt: skip
     for r in rows:
-        best = r["graph_ms"] if r["graph_ms"] is not None else r["eager_ms"]
+        best = min(t for t in (r["graph_ms"], r["eager_ms"], r["async_ms"]) if t is not None)
         g = f"{r['graph_ms']:.2f}" if r["graph_ms"] is not None else "-"
-        print(f"{r['mode']:14s}{r['batch']:>6d}{g:>10s}{r['eager_ms']:>10.2f}{best / r['floor_ms']:>9.2f}"
-              f"{str(r['graph_equals_eager']):>10s}{r['startup_s']:>9.1f}{r['peak_gib']:>9.1f}")  # fmt: skip
+        a = f"{r['async_ms']:.2f}" if r["async_ms"] is not None else "-"
+        same = r["graph_equals_eager"] is not False and r["async_equals_sync"] is not False
+        print(f"{r['mode']:14s}{r['batch']:>6d}{g:>10s}{r['eager_ms']:>10.2f}{a:>10s}{best / r['floor_ms']:>9.2f}"
+              f"{str(same):>10s}{r['startup_s']:>9.1f}{r['peak_gib']:>9.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

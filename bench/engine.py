@@ -255,6 +255,7 @@ def fresh_scheduler(llm: LLM, **overrides) -> Scheduler:
     config = dataclasses.replace(engine.runner.config, **overrides)
     engine.config = config
     engine.scheduler = Scheduler(config, eos_token_ids=engine.eos_token_ids)
+    engine._in_flight = None  # async scheduling: a finished run's last launched step belongs to the old scheduler
     engine.runner.use_graphs = engine.runner.graphs is not None and not config.enforce_eager
     return engine.scheduler
 
@@ -302,6 +303,13 @@ def matrix_cases(plan: Plan, n_short: int, n_long: int) -> list[tuple[str, dict,
         ("max_num_seqs_4", {"max_num_seqs": 4}, short, 9),
         ("no_prefix_caching", {"enable_prefix_caching": False}, short, 8),
         ("eager_vs_graphs", {"enforce_eager": True}, short, 8),  # on CUDA the references replay CUDA graphs
+        ("async_scheduling", {"async_scheduling": True}, short, 8),  # the references run synchronously
+        (
+            "async_chunked_preemption",
+            {"async_scheduling": True, "num_kv_blocks": -1, "max_num_batched_tokens": 256, "max_num_seqs": 64},
+            short,
+            16,
+        ),
         ("preemption", {"num_kv_blocks": -1, "max_num_batched_tokens": 256, "max_num_seqs": 64}, short, 16),
         (f"long_pair_chunked_{plan.long_chunk // 2}", {"max_num_batched_tokens": plan.long_chunk // 2}, longs, 0),
     ]
@@ -460,12 +468,15 @@ def quarters(xs: list[float]) -> list[list[float]]:
     return [xs[i * n // 4 : (i + 1) * n // 4] for i in range(4)]
 
 
-def run_throughput(llm: LLM, plan: Plan, vocab: int, temperature: float, deadline: float) -> dict:
+def run_throughput(
+    llm: LLM, plan: Plan, vocab: int, temperature: float, deadline: float, async_scheduling: bool = False
+) -> dict:
     fresh_scheduler(
         llm,
         max_num_seqs=max(plan.tp_requests, 1),
         enable_prefix_caching=False,
         max_num_batched_tokens=max(plan.tp_batched_tokens, plan.tp_requests),
+        async_scheduling=async_scheduling,
     )
     rng = random.Random(7)
     fresh = lambda: [[rng.randrange(vocab) for _ in range(plan.tp_in)] for _ in range(plan.tp_requests)]
@@ -675,6 +686,9 @@ def main() -> None:
     ap.add_argument("--tp-batched-tokens", type=int, default=8192, help="throughput max_num_batched_tokens")
     ap.add_argument("--tp-temperature", type=float, default=0.0, help="throughput sampling temperature")
     ap.add_argument(
+        "--async-scheduling", action="store_true", help="throughput with async scheduling (the matrix has its cases)"
+    )
+    ap.add_argument(
         "--modes", default="invariant,default", help="comma list of invariant, default, torch-linear (bench only)"
     )
     ap.add_argument("--tp-models", default="qwen3", help="models to time (comma list; default qwen3)")
@@ -803,7 +817,9 @@ def main() -> None:
                 save()
             if with_tp:
                 if time.perf_counter() < section_end:
-                    tp = run_throughput(llm, plan, shape["vocab_size"], args.tp_temperature, section_end)
+                    tp = run_throughput(
+                        llm, plan, shape["vocab_size"], args.tp_temperature, section_end, args.async_scheduling
+                    )
                     print(
                         f"    throughput: {fmt_rate(tp.get('total_tok_s'))} tok/s total, "
                         f"{fmt_rate(tp.get('output_tok_s'))} out" + (" (partial)" if tp["partial"] else ""),

@@ -16,6 +16,10 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (on CUDA, decode replays graphs)")
     p.add_argument(
+        "--async-scheduling", action="store_true",
+        help="schedule and launch each step before reading the previous one's tokens back (same bits)",
+    )  # fmt: skip
+    p.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
         help="shard the model over N processes (one GPU each; gloo processes on the CPU); same bits at every N",
     )  # fmt: skip
@@ -29,7 +33,8 @@ def kernel_args(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields ``add_kernel_args`` parsed."""
     invariant = False if args.no_batch_invariant else None  # None: whatever --kernels is (default "invariant")
     return {"kernels": args.kernels, "batch_invariant": invariant, "device": args.device, "dtype": args.dtype,
-            "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
+            "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "tp_invariant": True if args.tp_invariant else None}  # fmt: skip
 
 

@@ -72,6 +72,9 @@ class EngineConfig:
     batch_invariant: bool | None = None
     seed: int | None = None  # seeds the draw of per-request seeds for sampled requests that bring none
     enforce_eager: bool = False  # True: no CUDA graphs (on CUDA, decode steps replay captured graphs)
+    # True: the engine schedules and launches step N + 1 before it reads step N's sampled tokens back, feeding them
+    # to step N + 1 on the device (docs/design.md, "Async scheduling"); the same bits either way. Off until measured.
+    async_scheduling: bool = False
     # Tensor parallelism: the model sharded over this many processes (one per GPU on CUDA, gloo processes on the
     # CPU), each with its own copy of the decode graphs. ``tp_invariant`` reduces the row-parallel layers through
     # the chunk tree (ops.tp_linear), whose bits do not depend on the TP size; None: on exactly when
@@ -116,10 +119,16 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {mem!r}")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enforce_eager", self.enforce_eager)
+        _check_bool("async_scheduling", self.async_scheduling)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         self._resolve_kernels()
         self._resolve_tp()
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"async_scheduling with tensor_parallel_size={self.tensor_parallel_size}: the other ranks take a "
+                "step's input token ids from rank 0's control message, which the overlapped step does not have yet"
+            )
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_model_len is not None and self.num_kv_blocks is not None:

@@ -107,7 +107,10 @@ def test_kernel_and_dtype_options_reach_the_engine(
     fp32 = run()
     default = run("--no-batch-invariant", "--device", "cpu")
     bf16 = run("--dtype", "bfloat16")
-    invariant_engine, default_engine, bf16_engine = (llm.engine for llm in built)
+    overlapped = run("--async-scheduling")
+    invariant_engine, default_engine, bf16_engine, async_engine = (llm.engine for llm in built)
+    assert async_engine.config.async_scheduling and not invariant_engine.config.async_scheduling
+    assert overlapped == fp32  # the same ids and logprobs, printed alike
     assert invariant_engine.config.kernels == "invariant" and default_engine.config.kernels == "default"
     assert next(default_engine.runner.model.parameters()).device.type == "cpu"
     assert next(bf16_engine.runner.model.parameters()).dtype == torch.bfloat16

@@ -110,6 +110,8 @@ MATRIX = {
     "max_num_seqs_1": ({"max_num_seqs": 1}, 3, 5),
     "max_num_seqs_3": ({"max_num_seqs": 3}, 8, 6),
     "no_prefix_caching": ({"enable_prefix_caching": False}, 6, 7),
+    "async_scheduling": ({"async_scheduling": True}, 12, 9),
+    "async_chunked_16": ({"async_scheduling": True, "max_num_batched_tokens": 16, "max_num_seqs": 16}, 8, 10),
 }
 
 

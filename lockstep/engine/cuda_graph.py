@@ -14,6 +14,7 @@ names; their outputs are never read.
 
 import torch
 
+from lockstep.engine.token_feed import FedRows
 from lockstep.layers.attention import AttentionMetadata, FlatBatch
 
 
@@ -97,9 +98,12 @@ class DecodeGraphs:
         self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
         return size
 
-    def run(self, flat: FlatBatch, block_tables: torch.Tensor) -> torch.Tensor:
+    def run(self, flat: FlatBatch, block_tables: torch.Tensor, fed: FedRows | None = None) -> torch.Tensor:
         """Replay the smallest bucket that holds ``flat``; its hidden states ``[num_seqs, hidden]`` (a view into
-        the graph's output, valid until the next replay)."""
+        the graph's output, valid until the next replay). ``fed``: input rows that take the previous step's
+        sampled tokens, on the device (async scheduling)."""
         size = self.fill(flat, block_tables)
+        if fed is not None:
+            fed.write(self.input_ids)
         self.graphs[size].replay()
         return self.outputs[size][: len(flat.seq_lens)]

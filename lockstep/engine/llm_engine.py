@@ -25,9 +25,11 @@ from lockstep.distributed import TPGroup
 from lockstep.engine.detokenizer import IncrementalDetokenizer, decode, find_stop
 from lockstep.engine.logprobs import LogprobDicts
 from lockstep.engine.model_runner import ModelRunner
-from lockstep.engine.scheduler import Scheduler
+from lockstep.engine.scheduler import ScheduledBatch, Scheduler
 from lockstep.engine.sequence import FinishReason, Sequence
+from lockstep.engine.token_feed import TokenFeed
 from lockstep.engine.tp_workers import WorkerPool
+from lockstep.layers.sampler import PendingSample, Sampled
 from lockstep.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from lockstep.sampling_params import SamplingParams
 from lockstep.structured.grammar import GrammarCompiler, GrammarError
@@ -46,6 +48,24 @@ class _Request:
     deltas: bool = False  # outputs hold only the tokens since the previous one (add_request)
     num_sent: int = 0  # output tokens already reported, when deltas
     error: str | None = None  # why the engine aborted it, for a fault of its own
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose samples the host has not read yet (async scheduling)."""
+
+    batch: ScheduledBatch
+    sample: PendingSample
+
+
+def _may_run_ahead(batch: ScheduledBatch) -> bool:
+    """Whether the step after ``batch`` may be launched before ``batch``'s tokens are on the host: not when a
+    sequence that samples in it has penalties (they count the newest token) or a grammar (its mask follows the
+    newest token)."""
+    return not any(
+        e.sample and not e.seq.is_finished and (e.seq.grammar is not None or e.seq.params.penalized)
+        for e in batch.entries
+    )
 
 
 class LLMEngine:
@@ -97,6 +117,7 @@ class LLMEngine:
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom(secrets.randbits(64))
         self._requests: dict[str, _Request] = {}  # lookup only; batch order comes from the scheduler
         self._grammars: GrammarCompiler | None = None
+        self._in_flight: _InFlight | None = None  # async scheduling: the launched step not yet reported
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -200,20 +221,69 @@ class LLMEngine:
     # -- one step ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return an output for every request that got a token, in batch order."""
+        """Run one scheduled batch; return an output for every request that got a token, in batch order.
+
+        With ``config.async_scheduling`` a call launches the next batch and then reports the previous one (the
+        first call reports nothing), see ``_step_overlapped``."""
+        if self.config.async_scheduling:
+            return self._step_overlapped()
         batch = self.scheduler.schedule()
         if not batch:
-            if batch.preempted or not self.scheduler.has_unfinished():
-                return []
-            raise RuntimeError("the scheduler made no progress with requests waiting (cache too small?)")
+            return self._idle(batch)
         sampled = self._on_every_rank(self.runner.run, batch)
+        self.scheduler.advance(batch, pending=False)
+        return self._report(batch, sampled)
+
+    def _idle(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        if batch.preempted or not self.scheduler.has_unfinished():
+            return []
+        raise RuntimeError("the scheduler made no progress with requests waiting (cache too small?)")
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Async scheduling (docs/design.md, "Async scheduling"): step N is on the device, its tokens unread.
+        Its bookkeeping is applied with each sampling sequence's token pending, step N + 1 is scheduled and
+        launched with those rows' input ids fed from step N's samples on the device, and only then are step N's
+        results read back (the step's one sync) and reported; step N + 1 stays in flight.
+
+        When a sequence of step N samples with penalties or a grammar, step N + 1's sampling needs that token on
+        the host: step N is read back first and step N + 1 follows as a synchronous step would."""
+        prev, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if prev is not None and not _may_run_ahead(prev.batch):
+            self.scheduler.advance(prev.batch, pending=False)
+            outputs, prev = self._resolve(prev), None
+        assumed = self.scheduler.advance(prev.batch) if prev is not None else None
+        batch = None
+        try:
+            batch = self.scheduler.schedule()
+            if batch:
+                feed = TokenFeed(prev.sample.tokens, assumed) if assumed else None
+                self._in_flight = _InFlight(batch, self.runner.launch(batch, feed))
+        finally:  # also when the launch failed: the pending tokens must become real ones
+            if prev is not None:
+                outputs = self._resolve(prev)
+        if not batch and not outputs and prev is None:
+            return self._idle(batch)
+        return outputs
+
+    def _resolve(self, launched: _InFlight) -> list[RequestOutput]:
+        """Read a launched step's samples back and report them (its ``Scheduler.advance`` already done)."""
+        return self._report(launched.batch, launched.sample.result())
+
+    def _report(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
+        """Apply a step's samples (after ``Scheduler.advance``) and build the outputs. Under async scheduling a
+        sequence may have finished or been aborted since its step was launched: its sample is dropped unseen."""
         sampling = [entry for entry in batch.entries if entry.sample]
         for k, why in sampled.errors.items():
-            self._fail(self._requests[sampling[k].seq.request_id], why)  # postprocess skips finished sequences
-        self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
+            request = self._live(sampling[k].seq)
+            if request is not None:
+                self._fail(request, why)  # apply_tokens skips finished sequences
+        self.scheduler.apply_tokens(batch, sampled.token_ids, sampled.logprobs)
         outputs: list[RequestOutput] = []
         for entry in sampling:
-            request = self._requests[entry.seq.request_id]
+            request = self._live(entry.seq)
+            if request is None:
+                continue
             if entry.seq.grammar is not None and request.error is None:
                 self._advance_grammar(request)
             if request.error is None:
@@ -225,6 +295,11 @@ class LLMEngine:
             if request.seq.is_finished:
                 del self._requests[entry.seq.request_id]
         return outputs
+
+    def _live(self, seq: Sequence) -> _Request | None:
+        """The request ``seq`` belongs to, unless it has already reported its end (its id may be reused)."""
+        request = self._requests.get(seq.request_id)
+        return request if request is not None and request.seq is seq else None
 
     def _on_every_rank(self, fn, arg):
         """``fn(arg)`` on rank 0, which the workers follow; under TP a failure there (a worker's death, an

@@ -24,8 +24,9 @@ from lockstep.engine.block_tables import DeviceBlockTables, TableUpdate
 from lockstep.engine.cuda_graph import DecodeGraphs
 from lockstep.engine.scheduler import ScheduledBatch
 from lockstep.engine.sequence import Sequence
+from lockstep.engine.token_feed import FedRows, TokenFeed
 from lockstep.layers.attention import FlatBatch, flatten_batch
-from lockstep.layers.sampler import Sampled, Sampler, TokenLogprobs, gather_logprobs
+from lockstep.layers.sampler import PendingSample, Sampled, Sampler, TokenLogprobs, device_tensor, gather_logprobs
 from lockstep.models.loader import load_model
 from lockstep.structured.grammar import token_masks
 
@@ -235,12 +236,18 @@ class ModelRunner:
             full = torch.empty(shape, dtype=dest.dtype, device=self.device)
             self._copy_weight(name, dest, full, shards.get(name))
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> Sampled:
         """Run one step: a token and its logprobs for each entry that samples, in batch order (``Sampled.errors``
         names the entries, counted among those that sample, that could not be sampled)."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, feed: TokenFeed | None = None) -> PendingSample:
+        """``run`` without waiting for the device: the step's work is enqueued and ``result()`` on the answer reads
+        the samples back. ``feed``: the previous step's samples, for the sequences whose newest token is still
+        pending (async scheduling). Steps with prompt logprobs or top-p rows wait for the device on the way."""
         if not batch:
-            return Sampled([], [])
+            return PendingSample(torch.zeros(0, dtype=torch.int64, device=self.device), None, {})
         entries = batch.entries
         flat = flatten_batch(
             ((e.token_ids, e.start, e.seq.block_table) for e in entries), self.block_size, tables=False
@@ -250,15 +257,18 @@ class ModelRunner:
         groups = [prompt.rows[j : j + PROMPT_LOGPROB_ROWS] for j in range(0, len(prompt.rows), PROMPT_LOGPROB_ROWS)]
         samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
         step = ForwardStep(flat, tables, groups + ([[row for _, row in samplers]] if samplers else []), self.use_graphs)
+        fed = feed.plan([e.seq for e in entries], flat.query_start_loc, flat.input_ids) if feed is not None else None
         if self.channel is not None:
+            if fed is not None:  # EngineConfig rejects this combination; a guard against a silent wrong input
+                raise RuntimeError("a fed step cannot run under tensor parallelism: the other ranks need its ids")
             self.channel.send(step.encode())
-        logits = self.execute(step)
+        logits = self.execute(step, fed)
         self._prompt_logprobs(batch, prompt, logits[: len(groups)])
         if not samplers:
-            return Sampled([], [])
+            return PendingSample(torch.zeros(0, dtype=torch.int64, device=self.device), None, {})
         params = [e.seq.params for e, _ in samplers]
         histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e, _ in samplers]
-        return self.sampler.sample(logits[-1], params, [e.end for e, _ in samplers], histories, self._masks(samplers))
+        return self.sampler.launch(logits[-1], params, [e.end for e, _ in samplers], histories, self._masks(samplers))
 
     def _masks(self, samplers: list) -> tuple[list[int], torch.Tensor] | None:
         """The tokens each structured-output row may choose, from its grammar state and its own output tokens (EOS
@@ -271,21 +281,25 @@ class ModelRunner:
         return rows, token_masks(states, self.vocab_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, step: ForwardStep) -> list[torch.Tensor]:
-        """The forward of ``step`` on this rank: fp32 logits ``[len(rows), vocab_size]`` for each group of rows."""
+    def execute(self, step: ForwardStep, fed: FedRows | None = None) -> list[torch.Tensor]:
+        """The forward of ``step`` on this rank: fp32 logits ``[len(rows), vocab_size]`` for each group of rows.
+        ``fed``: input rows that take an earlier step's sampled tokens on the device (rank 0, async scheduling)."""
         flat = step.flat
         picks = self.block_tables.apply(step.tables)
         if step.use_graphs and self.graphs is not None and self.graphs.can_run(flat):
-            hidden = self.graphs.run(flat, self.block_tables.gather(picks, self.graphs.block_tables.shape[1]))
+            hidden = self.graphs.run(flat, self.block_tables.gather(picks, self.graphs.block_tables.shape[1]), fed)
         else:
             tables = self.block_tables.gather(picks, -(-max(flat.seq_lens) // self.block_size))
-            hidden = self.model(*flat.to(self.device, self.kv_caches, tables))  # [num_tokens, hidden_size]
+            input_ids, positions, attn = flat.to(self.device, self.kv_caches, tables)
+            if fed is not None:
+                fed.write(input_ids)
+            hidden = self.model(input_ids, positions, attn)  # [num_tokens, hidden_size]
         return [self.model.compute_logits(self._hidden_rows(hidden, rows)) for rows in step.logit_rows]
 
     def _hidden_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if rows[-1] == len(rows) - 1:  # rows 0, 1, ..., n - 1 (increasing; a decode step): a view, no copy
             return hidden[: len(rows)]
-        return hidden[torch.tensor(rows, device=self.device)]
+        return hidden[device_tensor(rows, torch.int64, self.device)]
 
     def serve(self) -> None:
         """Ranks > 0: run what rank 0 sends (steps, weight updates) until it says stop."""
@@ -334,7 +348,7 @@ class ModelRunner:
         for j, group_logits in zip(range(0, len(prompt.rows), PROMPT_LOGPROB_ROWS), logits, strict=True):
             logprobs = self.sampler.log_softmax(group_logits)
             targets = prompt.targets[j : j + PROMPT_LOGPROB_ROWS]
-            target = torch.tensor(targets, dtype=torch.int64, device=self.device)
+            target = device_tensor(targets, torch.int64, self.device)
             results += gather_logprobs(logprobs, target, prompt.nums[j : j + PROMPT_LOGPROB_ROWS])[1]
         k = 0
         for seq, count in prompt.owners:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from lockstep.config import EngineConfig
 from lockstep.engine.block_manager import BlockManager
-from lockstep.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
+from lockstep.engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,9 @@ class Scheduler:
     """Owns the waiting queue, the running set and the BlockManager.
 
     The engine loop: ``add`` requests, then repeat ``batch = schedule()``, run the model on it, and
-    ``postprocess(batch, sampled_token_ids)``. ``abort`` or ``finish`` between steps. Not thread-safe.
+    ``postprocess(batch, sampled_token_ids)``. ``abort`` or ``finish`` between steps. Not thread-safe. Async
+    scheduling splits ``postprocess``: ``advance(batch)`` (tokens pending), the next ``schedule()``, then
+    ``apply_tokens(batch, ...)`` once the tokens are read back.
     """
 
     def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
@@ -149,6 +151,8 @@ class Scheduler:
         return self.finish(request_id, FinishReason.ABORT)
 
     def _release(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.has_pending_token:  # async scheduling: ended before its pending token was read; it never comes
+            seq.token_ids.pop()
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -220,28 +224,32 @@ class Scheduler:
         token_ids: list[int],
         logprobs: list[TokenLogprobs] | None = None,
     ) -> list[Sequence]:
-        """Apply a step's results and return the sequences it finished, in batch order.
+        """Apply a step's results and return the sequences it finished, in batch order: ``advance`` then
+        ``apply_tokens``.
 
         ``token_ids`` (and ``logprobs`` when given) hold one entry per ``sample`` entry of the batch, in batch
         order. Sequences aborted since ``schedule`` are skipped. Stop strings are the engine's to detect (it
         detokenizes); it then calls ``finish(request_id, FinishReason.STOP)``.
         """
-        num_samples = batch.num_samples
-        if len(token_ids) != num_samples:
-            raise ValueError(f"postprocess: {len(token_ids)} token ids for {num_samples} sampling entries")
-        if logprobs is not None and len(logprobs) != num_samples:
-            raise ValueError(f"postprocess: {len(logprobs)} logprobs for {num_samples} sampling entries")
-        for seq, new in batch.prompt_logprobs:
+        _check_samples(batch, token_ids, logprobs)
+        self.advance(batch, pending=False)
+        return self.apply_tokens(batch, token_ids, logprobs)
+
+    def advance(self, batch: ScheduledBatch, pending: bool = True) -> dict[Sequence, int]:
+        """The part of a step's results known before its tokens are: every entry's KV is computed, and its
+        prompt logprobs are in (``ScheduledBatch.prompt_logprobs``, filled when the step is launched). With
+        ``pending`` (async scheduling) each sampling sequence also gets ``PENDING_TOKEN`` in the place of its
+        token, so the next ``schedule`` gives it its decode step, unless the token ends it whatever it is
+        (max_tokens, max_model_len). Returns those sequences, each with its place among the batch's samples.
+        ``apply_tokens`` with the tokens must follow before anything reads the sequences' tokens."""
+        for seq, new in batch.prompt_logprobs:  # computed with the step, on the host already
             if not seq.is_finished:
                 seq.computed_prompt_logprobs.extend(new)
-        finished: list[Sequence] = []
-        k = 0
+        assumed: dict[Sequence, int] = {}
+        k = -1
         for entry in batch.entries:
             seq = entry.seq
-            if entry.sample:
-                token_id = token_ids[k]
-                token_logprobs = logprobs[k] if logprobs is not None else None
-                k += 1
+            k += entry.sample
             if seq.is_finished:
                 continue
             if entry.start != seq.num_computed_tokens:
@@ -250,12 +258,37 @@ class Scheduler:
                     f"{seq.num_computed_tokens} computed tokens (schedule called twice without postprocess?)"
                 )
             self.block_manager.mark_computed(seq, entry.num_new_tokens)
-            if not entry.sample:
+            if pending and entry.sample and not self._ends_by_length(seq):
+                seq.token_ids.append(PENDING_TOKEN)
+                assumed[seq] = k
+        return assumed
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether one more token finishes ``seq`` with "length"."""
+        max_len = self.config.max_model_len
+        return seq.num_output_tokens + 1 >= seq.params.max_tokens or (
+            max_len is not None and seq.num_tokens + 1 >= max_len
+        )
+
+    def apply_tokens(
+        self,
+        batch: ScheduledBatch,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> list[Sequence]:
+        """After ``advance(batch)``: append the sampled tokens (in the place of pending ones), check stop tokens
+        and lengths, and return the sequences that finished. A sequence preempted since (async scheduling: the
+        next step was scheduled first) gets its token too, and may finish from the waiting queue."""
+        num_samples = _check_samples(batch, token_ids, logprobs)
+        finished: list[Sequence] = []
+        samples = (entry.seq for entry in batch.entries if entry.sample)
+        for seq, token_id, token_logprobs in zip(samples, token_ids, logprobs or [None] * num_samples, strict=True):
+            if seq.is_finished:
                 continue
             seq.append_token(token_id, token_logprobs)
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
-                self.running.remove(seq)
+                (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
                 self._release(seq, reason)
                 finished.append(seq)
         return finished
@@ -290,3 +323,13 @@ class Scheduler:
                 f"Scheduler integrity: {len(self._requests)} known requests, {self.num_unfinished} queued"
             )
         self.block_manager.check_integrity(self.running)
+
+
+def _check_samples(batch: ScheduledBatch, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> int:
+    """Raise ValueError unless there is one token (and logprob) per sampling entry; returns their number."""
+    num_samples = batch.num_samples
+    if len(token_ids) != num_samples:
+        raise ValueError(f"postprocess: {len(token_ids)} token ids for {num_samples} sampling entries")
+    if logprobs is not None and len(logprobs) != num_samples:
+        raise ValueError(f"postprocess: {len(logprobs)} logprobs for {num_samples} sampling entries")
+    return num_samples

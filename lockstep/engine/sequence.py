@@ -5,6 +5,10 @@ from enum import Enum
 from lockstep.layers.sampler import TokenLogprobs
 from lockstep.sampling_params import SamplingParams
 
+# Async scheduling: the stand-in for a sampled token the host has not read back yet (the device feeds the real one
+# to the next step). Never a token id; the engine replaces it before anything reads the sequence's tokens.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"  # not yet admitted, or preempted: holds no KV blocks
@@ -109,8 +113,17 @@ class Sequence:
         """Token ids that block ``i`` of this sequence holds (fewer than block_size for a partial last block)."""
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
+    @property
+    def has_pending_token(self) -> bool:
+        """Whether the newest token is ``PENDING_TOKEN``: sampled by a step whose results are not read yet."""
+        return self.token_ids[-1] == PENDING_TOKEN
+
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
-        self.token_ids.append(token_id)
+        """Append a sampled token, or put it in the place of the pending one that stands for it."""
+        if self.token_ids[-1] == PENDING_TOKEN:
+            self.token_ids[-1] = token_id
+        else:
+            self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs.logprob)
             if self.params.logprobs is not None:  # only requests that asked for top logprobs report them

@@ -75,6 +75,16 @@ class SamplingError(ValueError):
         self.errors = errors
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` that does not wait for the device: on CUDA a copy from
+    pageable memory waits for all the work queued before it, which would hold the host back while the step ahead
+    of async scheduling runs; from pinned memory it is queued like a kernel. The same values either way."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _as_signed(x: int) -> int:
     x &= _MASK64
     return x - (1 << 64) if x >> 63 else x
@@ -115,7 +125,7 @@ def _uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def _row_keys(seeds: list[int], positions: list[int], device: torch.device | str) -> torch.Tensor:
     keys = [_as_signed(row_key(s, p)) for s, p in zip(seeds, positions, strict=True)]
-    return torch.tensor(keys, dtype=torch.int64, device=device)[:, None]
+    return device_tensor(keys, torch.int64, device)[:, None]
 
 
 def uniform_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -156,8 +166,8 @@ def _top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     if not any(ks):
         return x
     top = torch.topk(x, max(ks), dim=-1).values  # [rows, max k], descending
-    kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=x.device)[:, None])
-    active = torch.tensor(ks, device=x.device)[:, None] > 0
+    kth = top.gather(1, device_tensor([max(k, 1) - 1 for k in ks], torch.int64, x.device)[:, None])
+    active = device_tensor(ks, torch.int64, x.device)[:, None] > 0
     return x.masked_fill(active & (x < kth), float("-inf"))
 
 
@@ -167,7 +177,7 @@ def _min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     if not any(min_ps):
         return x
     floor = [math.log(m) if m > 0 else float("-inf") for m in min_ps]
-    cut = x.max(dim=-1, keepdim=True).values + torch.tensor(floor, dtype=x.dtype, device=x.device)[:, None]
+    cut = x.max(dim=-1, keepdim=True).values + device_tensor(floor, x.dtype, x.device)[:, None]
     return x.masked_fill(x < cut, float("-inf"))
 
 
@@ -191,7 +201,7 @@ def _gumbel_max(
     seeds = [p.seed for p in params]
     if any(s is None for s in seeds):
         raise ValueError("sampling with temperature > 0 needs a seed (the engine draws one per request)")
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    temps = device_tensor([p.temperature for p in params], logits.dtype, logits.device)
     x = _top_k(logits / temps[:, None], [p.top_k for p in params])
     x = _min_p(x, [p.min_p for p in params])
     for i, p in enumerate(params):
@@ -213,10 +223,10 @@ def adjust_row(
     (``min_tokens``), which no later step can undo."""
     x = logits
     if banned:
-        x = x.index_fill(0, torch.tensor(banned, dtype=torch.int64, device=x.device), float("-inf"))
+        x = x.index_fill(0, device_tensor(list(banned), torch.int64, x.device), float("-inf"))
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=x.device)
-        x = x.index_put((ids,), torch.tensor(list(params.logit_bias.values()), dtype=x.dtype, device=x.device), True)
+        ids = device_tensor(list(params.logit_bias), torch.int64, x.device)
+        x = x.index_put((ids,), device_tensor(list(params.logit_bias.values()), x.dtype, x.device), True)
     if not params.penalized:
         return x
     output = torch.tensor(token_ids[num_prompt:], dtype=torch.int64, device=x.device)
@@ -289,11 +299,24 @@ class Sampler:
         histories: list[tuple[list[int], int]] | None = None,
         allowed: tuple[list[int], torch.Tensor] | None = None,
     ) -> Sampled:
+        return self.launch(logits, params, positions, histories, allowed).result()
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        histories: list[tuple[list[int], int]] | None = None,
+        allowed: tuple[list[int], torch.Tensor] | None = None,
+    ) -> "PendingSample":
+        """``sample``'s device work, enqueued; the host reads the results back in ``PendingSample.result``. The
+        sampled ids are on the device at once (``PendingSample.tokens``), for a following step's input. Rows with
+        top-p still wait for the device on the way (their cut-off is a count taken back to the host)."""
         num_rows = logits.shape[0]
         if logits.dim() != 2 or not len(params) == len(positions) == num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} for {len(params)} params, {len(positions)} positions")
         if num_rows == 0:
-            return Sampled([], [])
+            return PendingSample(torch.zeros(0, dtype=torch.int64, device=logits.device), None, {})
         logits = logits.float()
         errors: dict[int, str] = {}
         scores = logits  # what the choice is made from; logprobs stay raw
@@ -314,7 +337,7 @@ class Sampler:
                 raise ValueError(f"a mask {tuple(mask.shape)} for {len(masked_rows)} rows of {logits.shape[-1]} tokens")
             if scores is logits:
                 scores = logits.clone()
-            index = torch.tensor(masked_rows, device=logits.device)
+            index = device_tensor(masked_rows, torch.int64, logits.device)
             scores[index] = scores[index].masked_fill(~mask, float("-inf"))
             # Rows whose grammar allows no token at all, told apart from other dead ends (same copy to the host).
             empty_mask = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
@@ -328,7 +351,7 @@ class Sampler:
             tokens = torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
             best = torch.zeros(num_rows, dtype=torch.float64, device=logits.device)
             if greedy_rows:
-                rows = torch.tensor(greedy_rows, device=logits.device)
+                rows = device_tensor(greedy_rows, torch.int64, logits.device)
                 greedy_tokens, greedy_best = _argmax_lowest(scores[rows])
                 tokens[rows], best[rows] = greedy_tokens, greedy_best.double()
         batched = logits.device.type in BATCHED_DEVICES
@@ -357,7 +380,41 @@ class Sampler:
 
         logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
         extra = [best] if allowed is None or not allowed[0] else [best, empty_mask]
-        token_ids, out, back = gather_logprobs(logprobs, tokens, [p.logprobs for p in params], extra=extra)
+        pending = launch_gather_logprobs(logprobs, tokens, [p.logprobs for p in params], extra=extra)
+        return PendingSample(tokens, pending, errors)
+
+    @staticmethod
+    def _gumbel_rows(
+        scores: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        rows: list[int],
+        tokens: torch.Tensor,
+        best: torch.Tensor,
+    ) -> None:
+        index = device_tensor(rows, torch.int64, scores.device)
+        tokens[index], best[index] = _gumbel_max(scores[index], [params[i] for i in rows], [positions[i] for i in rows])
+
+
+def _describe(e: Exception) -> str:
+    return f"sampling failed: {type(e).__name__}: {e}"
+
+
+@dataclass
+class PendingSample:
+    """A launched ``Sampler.launch``: ``tokens: [rows]`` int64 on the logits' device (valid ids, also in rows
+    that turn out to have none: those show in ``result``), and the copy to the host still under way."""
+
+    tokens: torch.Tensor
+    logprobs: "PendingLogprobs | None"
+    errors: dict[int, str]
+
+    def result(self) -> Sampled:
+        """Wait for the copy (a step's one sync) and return what ``Sampler.sample`` returns."""
+        if self.logprobs is None:
+            return Sampled([], [])
+        errors = self.errors
+        token_ids, out, back = self.logprobs.result()
         for i, score in enumerate(back[0]):
             if score == -math.inf and i not in errors:
                 if len(back) > 1 and back[1][i]:
@@ -369,21 +426,32 @@ class Sampler:
             out[i] = TokenLogprobs(math.nan)
         return Sampled(token_ids, out, errors)
 
-    @staticmethod
-    def _gumbel_rows(
-        scores: torch.Tensor,
-        params: list[SamplingParams],
-        positions: list[int],
-        rows: list[int],
-        tokens: torch.Tensor,
-        best: torch.Tensor,
-    ) -> None:
-        index = torch.tensor(rows, device=scores.device)
-        tokens[index], best[index] = _gumbel_max(scores[index], [params[i] for i in rows], [positions[i] for i in rows])
 
+class _HostCopy:
+    """Device tensors on their way to the host. On CUDA each is copied without blocking into pinned memory and an
+    event marks the end; ``lists`` waits for that event alone (not for work enqueued after it, such as the next
+    step's forward). Elsewhere the tensors are already where the host can read them."""
 
-def _describe(e: Exception) -> str:
-    return f"sampling failed: {type(e).__name__}: {e}"
+    def __init__(self, tensors: list[torch.Tensor | None]) -> None:
+        self.event = None
+        if any(t is not None and t.device.type == "cuda" for t in tensors):
+            host: list[torch.Tensor | None] = []
+            for t in tensors:
+                if t is None:
+                    host.append(None)
+                    continue
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t.contiguous(), non_blocking=True)
+                host.append(h)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            tensors = host
+        self.tensors = tensors
+
+    def lists(self) -> list[list | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [t.tolist() if t is not None else None for t in self.tensors]
 
 
 def gather_logprobs(
@@ -394,6 +462,30 @@ def gather_logprobs(
     ``(token id, logprob)`` pairs. Every value is a gather, a comparison count or a stable sort of the row alone,
     so it is exact whatever the other rows. Returns the token ids as ints, one ``TokenLogprobs`` per row, and the
     ``extra`` per-row tensors as lists (they ride along in the same single copy to the host)."""
+    return launch_gather_logprobs(logprobs, token_ids, num_top, extra).result()
+
+
+@dataclass
+class PendingLogprobs:
+    """``gather_logprobs`` launched: its device work enqueued, its copy to the host under way."""
+
+    copy: _HostCopy
+    num_top: list[int | None]
+    num_extra: int
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs], list[list[float]]]:
+        back, top_vals, top_ids = self.copy.lists()
+        out: list[TokenLogprobs] = []
+        for i, n in enumerate(self.num_top):
+            top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
+            out.append(TokenLogprobs(back[1][i], top, int(back[-1][i]) if n is not None else None))
+        return [int(t) for t in back[0]], out, back[2 : 2 + self.num_extra]
+
+
+def launch_gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None], extra: list[torch.Tensor] = ()
+) -> PendingLogprobs:
+    """``gather_logprobs`` without waiting for the device: ``result()`` on the answer waits and returns it."""
     chosen = logprobs.gather(1, token_ids[:, None])  # [rows, 1]
     columns = [token_ids.double(), chosen[:, 0].double(), *(x.double() for x in extra)]  # fp64 holds them exactly
     ranked = any(n is not None for n in num_top)
@@ -402,15 +494,11 @@ def gather_logprobs(
         ids = torch.arange(logprobs.shape[-1], device=logprobs.device)
         ahead = (logprobs > chosen) | ((logprobs == chosen) & (ids < token_ids[:, None]))
         columns.append(ahead.sum(dim=-1).double() + 1)  # an integer count, exact in fp64
-    back = torch.stack(columns).tolist()  # one copy to the host
+    back = torch.stack(columns)
     max_top = max((n or 0) for n in num_top) if num_top else 0
     top_ids = top_vals = None
     if max_top > 0:
         # A stable descending sort puts equal logprobs in id order: ties go to the lower id.
         top_vals, top_ids = logprobs.sort(dim=-1, descending=True, stable=True)
-        top_vals, top_ids = top_vals[:, :max_top].tolist(), top_ids[:, :max_top].tolist()
-    out: list[TokenLogprobs] = []
-    for i, n in enumerate(num_top):
-        top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
-        out.append(TokenLogprobs(back[1][i], top, int(back[-1][i]) if n is not None else None))
-    return [int(t) for t in back[0]], out, back[2 : 2 + len(extra)]
+        top_vals, top_ids = top_vals[:, :max_top], top_ids[:, :max_top]
+    return PendingLogprobs(_HostCopy([back, top_vals, top_ids]), list(num_top), len(extra))
