@@ -201,12 +201,14 @@ def _tool_format(state: ServerState, req: ChatCompletionRequest) -> tuple[ChatFo
     as_dicts = [t.model_dump(exclude_none=True) for t in tools]
     if choice == "required":
         schema = required_tools_schema(as_dicts, req.parallel_tool_calls)
-        return ChatFormat("required", reasoning=reasoning), StructuredOutputsParams(json=schema)
+        fmt = ChatFormat("required", parser=state.tool_call_parser, reasoning=reasoning)
+        return fmt, StructuredOutputsParams(json=schema)
     name = choice.function.name
     function = next((f for f in as_dicts if f["name"] == name), None)
     if function is None:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice")
-    return ChatFormat("named", name, reasoning=reasoning), StructuredOutputsParams(json=named_tool_schema(function))
+    fmt = ChatFormat("named", name, state.tool_call_parser, reasoning=reasoning)
+    return fmt, StructuredOutputsParams(json=named_tool_schema(function))
 
 
 def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
