@@ -17,7 +17,7 @@ from lockstep.server.protocol import GENERATION_FIELDS, APIError, ChatCompletion
 from lockstep.server.state import ServerState
 from lockstep.structured.grammar import GrammarError
 from lockstep.structured.params import StructuredOutputsParams
-from lockstep.structured.tools import named_tool_schema, required_tools_schema
+from lockstep.structured.tools import ReasoningStream, named_tool_schema, required_tools_schema
 
 AnyRequest = TypeVar("AnyRequest", CompletionRequest, ChatCompletionRequest)
 _UNION_TAGS = {"text", "texts", "ids", "id_lists", "str"}  # in a validation error's location, not fields
@@ -131,10 +131,14 @@ def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpe
             "(max_tokens is the older name of max_completion_tokens)",
             param="max_completion_tokens",
         )
-    prompt, opened = _chat_prompt(state, req)
+    prompt, opened, closed = _chat_prompt(state, req)
     prompt = _truncate(state, req, prompt)
     if fmt.reasoning:
         fmt = ChatFormat(fmt.tool_mode, fmt.function, fmt.parser, True, opened)
+        if structured is not None and not closed:
+            # As vLLM: the constraint starts once the reasoning has ended (unless the prompt already ended it, as
+            # Qwen3's template does with enable_thinking off).
+            structured = dataclasses.replace(structured, reasoning_end=ReasoningStream.END)
     if given & {"max_tokens", "max_completion_tokens"} or "max_tokens" not in state.engine.engine.default_sampling:
         max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
     else:  # the model's generation config's max_new_tokens, as far as the context allows
@@ -371,8 +375,9 @@ def _message(m) -> dict:
     return out
 
 
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool]:
-    """The templated conversation's token ids, and whether the text ends inside an open ``<think>``."""
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool, bool]:
+    """The templated conversation's token ids, and whether the text ends inside an open ``<think>`` (opened) or
+    right after a ``</think>`` (closed: the reply is not to reason)."""
     tok = state.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
@@ -391,4 +396,6 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[i
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
     if req.truncate_prompt_tokens is None:
         _check_chars(state, len(text), "messages")
-    return list(tok.encode(text, add_special_tokens=False)), text.rstrip().endswith("<think>")
+    tail = text.rstrip()
+    ids = list(tok.encode(text, add_special_tokens=False))
+    return ids, tail.endswith(ReasoningStream.START), tail.endswith(ReasoningStream.END)

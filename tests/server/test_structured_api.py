@@ -63,8 +63,7 @@ def tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tools_server(tools_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("logs") / "server-tools.log"
-    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
-    s = start_server(tools_model_dir, log, *flags)
+    s = start_server(tools_model_dir, log, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
     stop_server(s.proc)
 
@@ -259,14 +258,63 @@ def test_tool_round_trip_reaches_the_template(tools_server: Server, tools_model_
     assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
 
 
-def test_reasoning_is_split_off(tools_server: Server) -> None:
-    kwargs = dict(temperature=0, extra_body={"guided_choice": ["<think>it is cold</think>Take a coat."]})
-    msg = chat(tools_server, **kwargs).choices[0].message
-    assert (msg.reasoning_content, msg.content) == ("it is cold", "Take a coat.")
-    chunks = stream_chat(tools_server, **kwargs)
-    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
+# A model whose tokenizer writes <think> and </think> as one token each (added, not special, as Qwen3's are) and
+# whose template opens the reasoning, or closes it at once with enable_thinking off (as Qwen3's does).
+THINK_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def think_server(tmp_path_factory: pytest.TempPathFactory):
+    from transformers import AutoTokenizer
+
+    folder = save_tiny_llama(tmp_path_factory.mktemp("think") / "tiny-think", vocab_size=100)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = THINK_TEMPLATE
+    tok.save_pretrained(folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    (folder / "chat_template.jinja").write_text(THINK_TEMPLATE)
+    end_id = tok.convert_tokens_to_ids("</think>")
+    assert tok.encode("a</think>b", add_special_tokens=False)[1] == end_id
+    log = tmp_path_factory.mktemp("logs") / "server-think.log"
+    s = start_server(folder, log, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser",
+                     "qwen3")  # fmt: skip
+    s.end_id = end_id
+    yield s
+    stop_server(s.proc)
+
+
+def test_constraint_starts_after_the_reasoning(think_server: Server) -> None:
+    # The prompt opens <think>; a bias makes the model close it at once; the choice then holds (vLLM's rule).
+    end = {str(think_server.end_id): 100}
+    kwargs = dict(temperature=0, logit_bias=end, extra_body={"guided_choice": ["Take a coat."]})
+    r = chat(think_server, **kwargs)
+    msg = r.choices[0].message
+    assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == ("", "Take a coat.", "stop")
+    chunks = stream_chat(think_server, **kwargs)
     content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert (reasoning, content) == ("it is cold", "Take a coat.")
+    assert content == "Take a coat."
+    # Reasoning is free: without the bias the model reasons (text no constraint would allow) until it closes the
+    # reasoning itself, and only what follows keeps to the choice.
+    free = chat(think_server, temperature=0, max_tokens=12, extra_body={"guided_choice": ["Take a coat."]})
+    msg = free.choices[0].message
+    assert msg.reasoning_content and not "Take a coat.".startswith(msg.reasoning_content)
+    assert "Take a coat.".startswith(msg.content or "")
+    chunks = stream_chat(think_server, temperature=0, max_tokens=12, extra_body={"guided_choice": ["Take a coat."]})
+    streamed = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
+    assert streamed == msg.reasoning_content
+    # With thinking off the template closes the reasoning itself: the constraint holds from the first token.
+    off = chat(think_server, temperature=0, extra_body={"guided_choice": ["Take a coat."],
+                                                        "chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert (off.choices[0].message.reasoning_content, off.choices[0].message.content) == (None, "Take a coat.")
+    # A forced call's arguments come after the reasoning too, and parse.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    call = chat(think_server, tools=[WEATHER], tool_choice=named, temperature=0, logit_bias=end).choices[0]
+    assert call.message.reasoning_content == "" and call.finish_reason == "stop"
+    check_forecast(json.loads(call.message.tool_calls[0].function.arguments))
 
 
 # -- bad input -------------------------------------------------------------------------------------------------
