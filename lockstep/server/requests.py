@@ -355,7 +355,7 @@ def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list
     return [p] if isinstance(p[0], int) else p
 
 
-def _message(m) -> dict:
+def template_message(m) -> dict:
     """One request message as the chat template reads it: tool calls' arguments as objects (what Hugging Face
     templates expect; vLLM does the same), tool results with their call's id."""
     out: dict = {"role": m.role, "content": m.text()}
@@ -382,7 +382,7 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[i
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
     try:
-        messages = [_message(m) for m in req.messages]
+        messages = [template_message(m) for m in req.messages]
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     if req.truncate_prompt_tokens is None:

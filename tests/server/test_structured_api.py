@@ -229,6 +229,62 @@ def test_auto_tool_choice_parses_hermes_calls(tools_server: Server) -> None:
     assert plain.choices[0].finish_reason == "stop"
 
 
+OTHER_FORMATS = {
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2, "unit": "C"}}; '
+    '{"name": "get_time", "parameters": {}}',
+    "mistral": 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "unit": "C"}}, '
+    '{"name": "get_time", "arguments": {}}]',
+}
+
+
+@pytest.fixture(scope="module", params=list(OTHER_FORMATS))
+def parser_server(request, tools_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("logs") / f"server-{request.param}.log"
+    s = start_server(tools_model_dir, log, "--enable-auto-tool-choice", "--tool-call-parser", request.param)
+    s.parser = request.param
+    yield s
+    stop_server(s.proc)
+
+
+def test_llama3_json_and_mistral_parsers(parser_server: Server) -> None:
+    reply = OTHER_FORMATS[parser_server.parser]
+    kwargs = dict(tools=[WEATHER, CLOCK], temperature=0, extra_body={"guided_choice": [reply]}, max_tokens=300)
+    choice = chat(parser_server, **kwargs).choices[0]
+    want = [("get_weather", {"city": "Oslo", "days": 2, "unit": "C"}), ("get_time", {})]
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == ("Checking." if parser_server.parser == "mistral" else None)
+    if parser_server.parser == "mistral":  # Mistral's templates take only ids of 9 letters and digits
+        assert all(re.fullmatch("[A-Za-z0-9]{9}", c.id) for c in calls)
+    chunks = stream_chat(parser_server, **kwargs)
+    streamed = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, d.function.arguments) for d in streamed] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(calls)
+    ]
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert content.strip() == (choice.message.content or "") and "TOOL" not in content and "python" not in content
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # A reply that is not a call stays content; the call's id round-trips through a tool message.
+    plain = chat(parser_server, tools=[WEATHER], temperature=0, extra_body={"guided_choice": ["No {need}."]})
+    assert plain.choices[0].message.content == "No {need}." and plain.choices[0].finish_reason == "stop"
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [calls[1].model_dump()]},
+        {"role": "tool", "tool_call_id": calls[1].id, "content": "12:00"},
+    ]
+    r = chat(parser_server, messages=history, tools=[WEATHER, CLOCK], tool_choice="none", max_tokens=3)
+    assert r.choices[0].message.content is not None and not r.choices[0].message.tool_calls
+    import httpx
+
+    # /tokenize renders the conversation as the chat route does: tools, the call and its result.
+    body = {"model": parser_server.model, "messages": history, "tools": [WEATHER, CLOCK], "return_token_strs": True}
+    rendered = httpx.post(parser_server.url + "/tokenize", json=body, timeout=60).json()
+    text = "".join(rendered["token_strs"])
+    assert f"tool {calls[1].id}: 12:00" in text and '"get_time"' in text and "<tool_call>" in text
+    assert rendered["count"] == r.usage.prompt_tokens
+
+
 def test_tool_round_trip_reaches_the_template(tools_server: Server, tools_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
