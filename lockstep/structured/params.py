@@ -68,7 +68,9 @@ class StructuredOutputsParams:
             )
 
         if self.reasoning_end is not None and not (isinstance(self.reasoning_end, str) and self.reasoning_end):
-            raise ValueError(f"structured outputs: reasoning_end must be a non-empty string, got {self.reasoning_end!r}")
+            raise ValueError(
+                f"structured outputs: reasoning_end must be a non-empty string, got {self.reasoning_end!r}"
+            )
 
     @property
     def kind(self) -> str:

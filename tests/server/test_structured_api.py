@@ -363,8 +363,8 @@ def test_constraint_starts_after_the_reasoning(think_server: Server) -> None:
     streamed = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
     assert streamed == msg.reasoning_content
     # With thinking off the template closes the reasoning itself: the constraint holds from the first token.
-    off = chat(think_server, temperature=0, extra_body={"guided_choice": ["Take a coat."],
-                                                        "chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    no_thinking = {"guided_choice": ["Take a coat."], "chat_template_kwargs": {"enable_thinking": False}}
+    off = chat(think_server, temperature=0, extra_body=no_thinking)
     assert (off.choices[0].message.reasoning_content, off.choices[0].message.content) == (None, "Take a coat.")
     # A forced call's arguments come after the reasoning too, and parse.
     named = {"type": "function", "function": {"name": "get_weather"}}

@@ -274,7 +274,9 @@ def test_prompt_logprobs_in_vllms_shape(server: Server) -> None:
     # The same numbers as echo's legacy logprobs (one computation), and the same when the prompt is one of three.
     echo = c.completions.create(model=server.model, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
     plp = r.choices[0].model_extra["prompt_logprobs"]
-    assert echo.choices[0].logprobs.token_logprobs[1:] == [e[str(t)]["logprob"] for t, e in zip(ids[1:], plp[1:])]
+    assert echo.choices[0].logprobs.token_logprobs[1:] == [
+        e[str(t)]["logprob"] for t, e in zip(ids[1:], plp[1:], strict=True)
+    ]
     batch = c.completions.create(
         model=server.model, prompt=["a b", prompt, "zz top"], max_tokens=1, extra_body={"prompt_logprobs": 2}
     )
