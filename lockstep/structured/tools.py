@@ -16,6 +16,7 @@ A parsed call is a ``ParsedCall(name, arguments)``, ``arguments`` a JSON text, a
 """
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -264,16 +265,32 @@ class MistralToolParser:
 
 class MistralStream:
     """``MistralToolParser`` piece by piece: content streams (holding back what could begin ``[TOOL_CALLS]``), the
-    calls after the tag are sent once their JSON closes."""
+    calls after the tag are sent once their JSON closes. ``[TOOL_CALLS]`` is a special token in Mistral's
+    tokenizers, which ``skip_special_tokens`` (the default) drops from the text: an output that begins with a JSON
+    array of objects is taken as calls without it."""
 
     def __init__(self, parser: MistralToolParser) -> None:
         self.parser = parser
         self.pending = ""
         self.in_calls = False
+        self.at_start = True
+        self.tag = parser.start  # the tag the calls being read came after ("" for a bare array at the start)
+
+    def _start(self, final: bool) -> bool:
+        """Decide, at the output's start, whether it is a bare array of calls; False while it cannot tell yet."""
+        head = self.pending.lstrip()
+        if re.match(r"\[\s*\{", head):
+            self.in_calls, self.tag, self.pending = True, "", head
+        elif not final and (self.parser.start.startswith(head) or re.fullmatch(r"\[\s*", head)):
+            return False
+        self.at_start = False
+        return True
 
     def feed(self, piece: str, final: bool = False) -> tuple[str, list[ParsedCall]]:
         self.pending += piece
         p, content, calls = self.parser, [], []
+        if self.at_start and not self._start(final):
+            return "", []
         while True:
             if not self.in_calls:
                 i = self.pending.find(p.start)
@@ -283,15 +300,15 @@ class MistralStream:
                     self.pending = self.pending[len(self.pending) - keep :]
                     return "".join(content), calls
                 content.append(self.pending[:i])
-                self.pending, self.in_calls = self.pending[i + len(p.start) :], True
+                self.pending, self.in_calls, self.tag = self.pending[i + len(p.start) :], True, p.start
             found, used = self._calls(self.pending.lstrip(), final)
             if used == 0:  # still arriving
                 if not final:
                     return "".join(content), calls
-                content.append(p.start + self.pending)  # never completed: content as it was
+                content.append(self.tag + self.pending)  # never completed: content as it was
                 self.pending = ""
             elif found is None:  # not calls: the tag and what follows are content
-                content.append(p.start)
+                content.append(self.tag)
             else:
                 calls.extend(found)
                 self.pending = self.pending.lstrip()[used:]

@@ -113,6 +113,10 @@ MISTRAL_CASES = {
     "no call": ("Plain [TOOL and [brackets].", "Plain [TOOL and [brackets].", []),
     "bad block stays content": ("[TOOL_CALLS] [1, 2] ok", "[TOOL_CALLS] [1, 2] ok", []),
     "cut off": ('[TOOL_CALLS] [{"name": "a", "argu', '[TOOL_CALLS] [{"name": "a", "argu', []),
+    # The tag is a special token that skip_special_tokens drops: a bare array of calls at the start still counts.
+    "tag skipped": (' [{"name": "a", "arguments": {"k": 1}}]', None, [ParsedCall("a", '{"k": 1}')]),
+    "bare array not calls": ("[{}] is empty", "[{}] is empty", []),
+    "bare list of words": ("[1] see note", "[1] see note", []),
 }
 
 PARSERS = {"hermes": (HermesToolParser, HERMES_CASES), "llama3_json": (Llama3JsonToolParser, LLAMA3_CASES),
