@@ -5,31 +5,42 @@ calls of "required", calls parsed out of free text (``tool_choice="auto"``), and
 ``ChoiceStream`` whose ``feed`` turns each new piece of text into the delta fields to send (vLLM's shapes).
 """
 
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 
 from lockstep.structured.tools import (
     HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
     ParsedCall,
     ReasoningStream,
     parse_required_calls,
     split_reasoning,
 )
 
-TOOL_PARSERS = {"hermes": HermesToolParser}
+TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser}
+_ID_CHARS = string.ascii_letters + string.digits
 
 
-def tool_call_id() -> str:
+def tool_call_id(parser: str | None = None) -> str:
+    """A new call id: Mistral's templates refuse any but 9 letters and digits; the others take vLLM's form."""
+    if parser == "mistral":
+        return "".join(secrets.choice(_ID_CHARS) for _ in range(MistralToolParser.id_length))
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _call(index: int, call: ParsedCall, with_index: bool) -> dict:
-    out = {"id": tool_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+def _call(index: int, call: ParsedCall, with_index: bool, parser: str | None = None) -> dict:
+    fn = {"name": call.name, "arguments": call.arguments}
+    out = {"id": tool_call_id(parser), "type": "function", "function": fn}
     return {"index": index, **out} if with_index else out
 
 
-def _finish(reason: str | None, called: bool) -> str | None:
-    return "tool_calls" if called and reason == "stop" else reason
+def _finish(reason: str | None, called: bool, mode: str | None) -> str | None:
+    """OpenAI's finish_reason (vLLM matches it since vllm-project/vllm#25054): "tool_calls" once the model chose to
+    call (auto, required) and stopped by itself; a forced named call stops with "stop", streamed or not."""
+    return "tool_calls" if called and reason == "stop" and mode != "named" else reason
 
 
 @dataclass(frozen=True)
@@ -50,8 +61,7 @@ class ChatFormat:
         return self.tool_mode in (None, "none") and not self.reasoning
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """The assistant message of a finished choice, and its finish_reason ("tool_calls" once calls were made
-        and it stopped by itself)."""
+        """The assistant message of a finished choice, and its finish_reason (``_finish``)."""
         msg: dict = {"role": "assistant"}
         if self.reasoning:
             reasoning, text = split_reasoning(text, self.opened)
@@ -68,8 +78,8 @@ class ChatFormat:
             content, calls = TOOL_PARSERS[self.parser]().parse(text)
         msg["content"] = content
         if calls:
-            msg["tool_calls"] = [_call(i, c, with_index=False) for i, c in enumerate(calls)]
-        return msg, _finish(finish_reason, bool(calls))
+            msg["tool_calls"] = [_call(i, c, False, self.parser) for i, c in enumerate(calls)]
+        return msg, _finish(finish_reason, bool(calls), self.tool_mode)
 
     def stream(self) -> "ChoiceStream":
         return ChoiceStream(self)
@@ -99,7 +109,7 @@ class ChoiceStream:
             if piece or (finished and self.named_id is None):
                 call: dict = {"index": 0, "function": {"arguments": piece}}
                 if self.named_id is None:
-                    self.named_id = tool_call_id()
+                    self.named_id = tool_call_id(self.fmt.parser)
                     call |= {"id": self.named_id, "type": "function"}
                     call["function"] = {"name": self.fmt.function, "arguments": piece}
                 delta["tool_calls"] = [call]
@@ -110,7 +120,7 @@ class ChoiceStream:
             if finished:
                 calls = parse_required_calls(self.buffer) or []
                 if calls:
-                    delta["tool_calls"] = [_call(i, c, with_index=True) for i, c in enumerate(calls)]
+                    delta["tool_calls"] = [_call(i, c, True, self.fmt.parser) for i, c in enumerate(calls)]
                     self.num_calls = len(calls)
                 elif self.buffer:
                     delta["content"] = self.buffer  # not a complete array (cut off): sent as it is
@@ -118,11 +128,12 @@ class ChoiceStream:
         if self.parser is not None:
             piece, calls = self.parser.feed(piece, finished)
             if calls:
-                delta["tool_calls"] = [_call(self.num_calls + i, c, with_index=True) for i, c in enumerate(calls)]
+                first = self.num_calls
+                delta["tool_calls"] = [_call(first + i, c, True, self.fmt.parser) for i, c in enumerate(calls)]
                 self.num_calls += len(calls)
         if piece:
             delta["content"] = piece
         return delta
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return _finish(reason, self.num_calls > 0)
+        return _finish(reason, self.num_calls > 0, self.fmt.tool_mode)

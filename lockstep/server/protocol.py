@@ -6,8 +6,8 @@ ignored, as OpenAI-compatible servers do, except the parameters of OpenAI's and 
 honour (``UNHONOURED``, and ``best_of`` > n, ``suffix``): set to anything that changes the answer, they are
 rejected with 400 rather than silently ignored. Besides OpenAI's fields, vLLM's sampling extensions ``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens`` and ``spaces_between_special_tokens`` are read (the openai client sends them through
-``extra_body``).
+``skip_special_tokens``, ``spaces_between_special_tokens``, ``prompt_logprobs`` and ``truncate_prompt_tokens`` are
+read (the openai client sends them through ``extra_body``).
 """
 
 from typing import Annotated, Any, ClassVar, Literal
@@ -61,8 +61,6 @@ UNHONOURED: dict[str, tuple] = {
     "logits_processors": ([],),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
-    "prompt_logprobs": (),
-    "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,),
     "prompt_embeds": (),
@@ -156,6 +154,9 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's: the top N logprobs at each prompt position (and the prompt token's own), returned in vLLM's shape.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # keep the last k (-1: all that fit)
 
     unhonoured: ClassVar[dict[str, tuple]] = UNHONOURED
 
@@ -174,6 +175,13 @@ class _Request(BaseModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop must be a non-empty string or a list of at most 4 of them")
         return stops
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate(cls, v):
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (as many as fit) or a number of tokens >= 1")
+        return v
 
     @field_validator("logit_bias")
     @classmethod

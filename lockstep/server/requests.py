@@ -17,7 +17,7 @@ from lockstep.server.protocol import GENERATION_FIELDS, APIError, ChatCompletion
 from lockstep.server.state import ServerState
 from lockstep.structured.grammar import GrammarError
 from lockstep.structured.params import StructuredOutputsParams
-from lockstep.structured.tools import named_tool_schema, required_tools_schema
+from lockstep.structured.tools import ReasoningStream, named_tool_schema, required_tools_schema
 
 AnyRequest = TypeVar("AnyRequest", CompletionRequest, ChatCompletionRequest)
 _UNION_TAGS = {"text", "texts", "ids", "id_lists", "str"}  # in a validation error's location, not fields
@@ -31,6 +31,7 @@ class ChoiceSpec(NamedTuple):
     params: SamplingParams
     chat_format: ChatFormat | None = None
     prompt_text: str | None = None  # a completion prompt's text, for echo (decoded from prompt_ids if given as ids)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs asked for (the reply's top N of each position)
 
 
 def parse_call(state: ServerState, body: bytes, chat: bool) -> tuple[AnyRequest, list[ChoiceSpec]]:
@@ -72,14 +73,15 @@ def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceS
         raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
     _check_num_seqs(state, req)
     structured = _compile(state, *_structured_outputs(req))
-    prompts = _completion_prompts(state, req)
+    prompts = [_truncate(state, req, p) for p in _completion_prompts(state, req)]
     if "max_tokens" in req.model_fields_set or "max_tokens" not in state.engine.engine.default_sampling:
         wanted = 1 if req.max_tokens == 0 else req.max_tokens
         max_tokens = [_check_length(state, len(p), wanted, "prompt") for p in prompts]
     else:  # the model's generation config's max_new_tokens, as far as the context allows
         max_tokens = [_default_max_tokens(state, len(p), "prompt") for p in prompts]
     texts = _echo_texts(state, req, prompts) if req.echo else [None] * len(prompts)
-    prompt_logprobs = req.logprobs if req.echo else None
+    wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(wanted) if wanted else None
     defaults = state.engine.engine.default_sampling
     return [
         ChoiceSpec(
@@ -88,6 +90,7 @@ def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceS
                 _params(req, m, req.logprobs, i, defaults, structured), prompt_logprobs=prompt_logprobs
             ),
             prompt_text=text,
+            prompt_logprobs=req.prompt_logprobs,
         )
         for p, m, text in zip(prompts, max_tokens, texts, strict=True)
         for i in range(req.n)
@@ -95,8 +98,10 @@ def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceS
 
 
 def _echo_texts(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
-    """The text each prompt is echoed as: as sent, or its token ids decoded."""
+    """The text each prompt is echoed as: as sent, or its token ids (as truncated) decoded."""
     p = req.prompt
+    if req.truncate_prompt_tokens is not None and state.tokenizer is not None:
+        return [state.tokenizer.decode(ids) for ids in prompts]
     if isinstance(p, str):
         return [p]
     if p and isinstance(p[0], str):
@@ -126,16 +131,39 @@ def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpe
             "(max_tokens is the older name of max_completion_tokens)",
             param="max_completion_tokens",
         )
-    prompt, opened = _chat_prompt(state, req)
+    prompt, opened, closed = _chat_prompt(state, req)
+    prompt = _truncate(state, req, prompt)
     if fmt.reasoning:
         fmt = ChatFormat(fmt.tool_mode, fmt.function, fmt.parser, True, opened)
+        if structured is not None and not closed:
+            # As vLLM: the constraint starts once the reasoning has ended (unless the prompt already ended it, as
+            # Qwen3's template does with enable_thinking off).
+            structured = dataclasses.replace(structured, reasoning_end=ReasoningStream.END)
     if given & {"max_tokens", "max_completion_tokens"} or "max_tokens" not in state.engine.engine.default_sampling:
         max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
     else:  # the model's generation config's max_new_tokens, as far as the context allows
         max_tokens = _default_max_tokens(state, len(prompt), "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     defaults = state.engine.engine.default_sampling
-    return [ChoiceSpec(prompt, _params(req, max_tokens, logprobs, i, defaults, structured), fmt) for i in range(req.n)]
+    return [
+        ChoiceSpec(
+            prompt,
+            dataclasses.replace(
+                _params(req, max_tokens, logprobs, i, defaults, structured), prompt_logprobs=req.prompt_logprobs
+            ),
+            fmt,
+            prompt_logprobs=req.prompt_logprobs,
+        )
+        for i in range(req.n)
+    ]
+
+
+def _truncate(state: ServerState, req: CompletionRequest | ChatCompletionRequest, ids: list[int]) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last k prompt tokens (-1: as many as leave room to generate one)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    return ids[-(state.max_model_len - 1 if k == -1 else k) :]
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -201,12 +229,14 @@ def _tool_format(state: ServerState, req: ChatCompletionRequest) -> tuple[ChatFo
     as_dicts = [t.model_dump(exclude_none=True) for t in tools]
     if choice == "required":
         schema = required_tools_schema(as_dicts, req.parallel_tool_calls)
-        return ChatFormat("required", reasoning=reasoning), StructuredOutputsParams(json=schema)
+        fmt = ChatFormat("required", parser=state.tool_call_parser, reasoning=reasoning)
+        return fmt, StructuredOutputsParams(json=schema)
     name = choice.function.name
     function = next((f for f in as_dicts if f["name"] == name), None)
     if function is None:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice")
-    return ChatFormat("named", name, reasoning=reasoning), StructuredOutputsParams(json=named_tool_schema(function))
+    fmt = ChatFormat("named", name, state.tool_call_parser, reasoning=reasoning)
+    return fmt, StructuredOutputsParams(json=named_tool_schema(function))
 
 
 def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -220,6 +250,8 @@ def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionReq
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"unsupported parameter(s) with non-default values: {', '.join(bad)}", param=bad[0])
+    if req.stream and req.prompt_logprobs is not None:  # as vLLM refuses them
+        raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
 
 def _check_num_seqs(state: ServerState, req: CompletionRequest) -> None:
@@ -315,14 +347,15 @@ def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         texts = [p] if isinstance(p, str) else p
         for t in texts:
-            _check_chars(state, len(t), "prompt")
+            if req.truncate_prompt_tokens is None:  # a longer text may still fit once truncated
+                _check_chars(state, len(t), "prompt")
         return [list(state.tokenizer.encode(t)) for t in texts]
     if not p:
         raise APIError(400, "the prompt is empty", param="prompt")
     return [p] if isinstance(p[0], int) else p
 
 
-def _message(m) -> dict:
+def template_message(m) -> dict:
     """One request message as the chat template reads it: tool calls' arguments as objects (what Hugging Face
     templates expect; vLLM does the same), tool results with their call's id."""
     out: dict = {"role": m.role, "content": m.text()}
@@ -342,16 +375,18 @@ def _message(m) -> dict:
     return out
 
 
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool]:
-    """The templated conversation's token ids, and whether the text ends inside an open ``<think>``."""
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool, bool]:
+    """The templated conversation's token ids, and whether the text ends inside an open ``<think>`` (opened) or
+    right after a ``</think>`` (closed: the reply is not to reason)."""
     tok = state.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
     try:
-        messages = [_message(m) for m in req.messages]
+        messages = [template_message(m) for m in req.messages]
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
+    if req.truncate_prompt_tokens is None:
+        _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
     extra = dict(req.chat_template_kwargs or {})
     if req.tools:
         extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
@@ -359,5 +394,8 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[i
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     except Exception as e:  # a template that rejects the conversation
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-    _check_chars(state, len(text), "messages")
-    return list(tok.encode(text, add_special_tokens=False)), text.rstrip().endswith("<think>")
+    if req.truncate_prompt_tokens is None:
+        _check_chars(state, len(text), "messages")
+    tail = text.rstrip()
+    ids = list(tok.encode(text, add_special_tokens=False))
+    return ids, tail.endswith(ReasoningStream.START), tail.endswith(ReasoningStream.END)

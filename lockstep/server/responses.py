@@ -118,6 +118,27 @@ def _prompt_logprobs(tok, out: RequestOutput, n: int) -> dict:
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": _offsets(tokens, 0)}
 
 
+def _vllm_prompt_logprobs(tok, out: RequestOutput, n: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` of a reply: for each prompt position, None for the first (nothing predicts it),
+    then ``{token_id: {"logprob", "rank", "decoded_token"}}`` of the top ``n`` and the prompt token itself."""
+    ids, dicts = out.prompt_token_ids, out.prompt_logprobs
+    result: list[dict | None] = [None]
+    for t, d in zip(ids[1:], dicts[1:], strict=True):
+        ranked = sorted(d.items(), key=lambda item: item[1].rank)
+        result.append(
+            {
+                k: {
+                    "logprob": max(v.logprob, -9999.0),  # -inf is not JSON; vLLM clamps it the same way
+                    "rank": v.rank,
+                    "decoded_token": v.decoded_token if v.decoded_token is not None else _token_str(tok, k),
+                }
+                for k, v in ranked
+                if v.rank <= n or k == t
+            }
+        )
+    return result
+
+
 def _chat_logprobs(tok, out: RequestOutput, start: int, n: int) -> dict:
     def entry(t: int, lp: float) -> dict:
         s = _token_str(tok, t)
@@ -210,7 +231,11 @@ class _Response:
                 head = _prompt_logprobs(tok, out, n)
                 lp = {key: head[key] + lp[key] for key in lp}
         text = prompt_text + text if echo_now else text
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+        k = self.specs[index].prompt_logprobs
+        if k is not None and not delta:  # vLLM's extension: in each completion choice
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(tok, out, k)
+        return choice
 
     def usage(self, finals: list[RequestOutput]) -> dict:
         prompt = sum(len(s.prompt_ids) for s in self.specs)
@@ -281,6 +306,9 @@ async def _reply(r: _Response, request: Request) -> Response:
         ordered = [finals[rid] for rid in r.request_ids]
         choices = [r.choice(i, out, out.text) for i, out in enumerate(ordered)]
         body = r.head(stream=False) | {"choices": choices, "usage": r.usage(ordered)}
+        k = r.specs[0].prompt_logprobs
+        if r.chat and k is not None:  # vLLM's: a chat reply's prompt logprobs, once (every choice shares the prompt)
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(r.state.tokenizer, ordered[0], k)
         return "".join(json.JSONEncoder(ensure_ascii=False).iterencode(body)).encode()
 
     body = await asyncio.get_running_loop().run_in_executor(r.state.workers, render)

@@ -2,17 +2,20 @@
 
 ``/tokenize`` takes a ``prompt`` (``add_special_tokens``, default true, adds BOS and the like as a completion
 prompt gets them) or chat ``messages`` (rendered with the model's chat template, as chat completions render them:
-``add_generation_prompt`` default true, ``continue_final_message``, ``add_special_tokens`` default false) and
+``add_generation_prompt`` default true, ``continue_final_message``, ``add_special_tokens`` default false, ``tools``,
+``chat_template_kwargs``; tool calls and tool results in the messages) and
 answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs`` with ``return_token_strs``).
 ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``, special tokens kept. Both run in a worker thread, and a
 text longer than any prompt that fits the context is refused before it is tokenized (``ServerState
 .max_prompt_chars``), as the completion routes refuse it.
 """
 
+from typing import Any
+
 from pydantic import BaseModel, Field, model_validator
 
-from lockstep.server.protocol import STRICT, APIError, ChatMessage
-from lockstep.server.requests import _check_chars, parse_body
+from lockstep.server.protocol import STRICT, APIError, ChatMessage, Tool
+from lockstep.server.requests import _check_chars, parse_body, template_message
 from lockstep.server.state import ServerState
 
 _UNSUPPORTED = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
@@ -48,6 +51,8 @@ class TokenizeRequest(_TokenizerRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    tools: list[Tool] | None = None  # rendered into the prompt as chat completions render them
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
@@ -71,13 +76,17 @@ def tokenize(state: ServerState, body: bytes) -> dict:
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template: tokenize a prompt instead", param="messages")
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [template_message(m) for m in req.messages]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
+        extra = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
             text = tok.apply_chat_template(
                 messages,
+                **extra,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 tokenize=False,

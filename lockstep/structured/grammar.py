@@ -4,7 +4,8 @@
 by the constraint (a server compiles in its request threads, so the engine step only ever hits the cache), and
 hands each request a ``GrammarState``: a copy of that matcher fed the request's own output tokens. The state is a
 function of those tokens alone (``advance`` replays whatever it has not seen, from the start if the tokens went
-back), so preemption, recompute and batching cannot change which tokens it allows.
+back), so preemption, recompute and batching cannot change which tokens it allows. With ``reasoning_end`` the
+state leaves the output free until that marker's tokens appear in it, then follows the tokens after them.
 
 ``token_masks`` turns the states of one step's constrained rows into a ``[rows, vocab]`` bool tensor of allowed
 tokens: each row's bits are unpacked from its own bitmask (an elementwise shift and and), on the logits' device.
@@ -106,6 +107,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._cache: OrderedDict[str, object] = OrderedDict()
+        self._markers: dict[str, tuple[int, ...]] = {}
 
     @property
     def ll_tokenizer(self):
@@ -151,26 +153,62 @@ class GrammarCompiler:
         template = self.compile(params)
         with self._lock:
             matcher = template.deep_copy()
-        return GrammarState(matcher, self.ll_tokenizer.vocab_size, self.eos_token_ids)
+        after = self.marker(params.reasoning_end) if params.reasoning_end is not None else ()
+        return GrammarState(matcher, self.ll_tokenizer.vocab_size, self.eos_token_ids, after)
+
+    def marker(self, text: str) -> tuple[int, ...]:
+        """The token ids ``text`` is written with (a special token such as Qwen3's ``</think>``: one id)."""
+        with self._lock:
+            if text not in self._markers:
+                self._markers[text] = tuple(self.hf_tokenizer.encode(text, add_special_tokens=False))
+            return self._markers[text]
 
 
 class GrammarState:
-    """One request's place in its grammar: an llguidance matcher fed the request's output tokens so far."""
+    """One request's place in its grammar: an llguidance matcher fed the request's output tokens so far (with
+    ``after``, a marker's token ids: only those after the marker's first occurrence; before it, all are allowed)."""
 
-    def __init__(self, matcher, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: Sequence[int], after: Sequence[int] = ()) -> None:
         self._matcher = matcher
         self._start = matcher.deep_copy()  # to replay from, should the tokens ever go back
         self.num_words = bitmask_words(vocab_size)  # the grammar's vocabulary (at least the model's), in words
         self.eos_token_ids = tuple(eos_token_ids)
         self._consumed: list[int] = []  # the output tokens fed to the matcher
+        self.after = tuple(after)
+        self.free = bool(self.after)  # no marker seen yet: the output is unconstrained
+        self._scanned = 0  # output tokens searched for the marker (where the next search may start a match)
 
     @property
     def num_tokens(self) -> int:
         return len(self._consumed)
 
+    def _constrained_part(self, output_token_ids: list[int]) -> list[int] | None:
+        """The output tokens the grammar follows: all of them, or those after the marker; None before it."""
+        if not self.after:
+            return output_token_ids
+        m, first = len(self.after), self.after[0]
+        start = min(self._scanned, max(len(output_token_ids) - m + 1, 0))
+        try:
+            while True:
+                i = output_token_ids.index(first, start)
+                if tuple(output_token_ids[i : i + m]) == self.after:
+                    self._scanned = i  # a later call finds the same occurrence at once
+                    return output_token_ids[i + m :]
+                start = i + 1
+        except ValueError:
+            self._scanned = max(len(output_token_ids) - m + 1, 0)
+            return None
+
     def advance(self, output_token_ids: list[int]) -> None:
         """Bring the state to ``output_token_ids``: consume the new ones, or replay from the start if the tokens
         are not an extension of those consumed; GrammarError if the grammar does not allow one."""
+        part = self._constrained_part(output_token_ids)
+        self.free = part is None
+        if part is None:
+            if self._consumed:  # the tokens went back to before the marker
+                self._matcher, self._consumed = self._start.deep_copy(), []
+            return
+        output_token_ids = part
         n = len(self._consumed)
         if output_token_ids[:n] != self._consumed:
             self._matcher, self._consumed, n = self._start.deep_copy(), [], 0
@@ -186,7 +224,7 @@ class GrammarState:
     @property
     def finished(self) -> bool:
         """True once the grammar allows nothing more but the end (EOS)."""
-        return self._matcher.is_stopped()
+        return not self.free and self._matcher.is_stopped()
 
     def fill_bitmask(self, out: torch.Tensor, output_token_ids: list[int], allow_eos: bool = True) -> None:
         """The tokens allowed after ``output_token_ids`` as a bitmask into ``out: [ceil(n_vocab / 32)]`` int32 on
@@ -199,7 +237,10 @@ class GrammarState:
             or len(out) != self.num_words
         ):
             raise ValueError(f"the bitmask must be a contiguous int32 CPU tensor of {self.num_words} words")
-        self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
+        if self.free:
+            out.fill_(-1)  # every bit: any token
+        else:
+            self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
         if not allow_eos:
             for t in self.eos_token_ids:
                 out[t // 32] &= ~(1 << (t % 32))

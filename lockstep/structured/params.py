@@ -30,6 +30,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -66,6 +67,11 @@ class StructuredOutputsParams:
                 f"structured outputs: whitespace_pattern must be a string, not {self.whitespace_pattern!r}"
             )
 
+        if self.reasoning_end is not None and not (isinstance(self.reasoning_end, str) and self.reasoning_end):
+            raise ValueError(
+                f"structured outputs: reasoning_end must be a non-empty string, got {self.reasoning_end!r}"
+            )
+
     @property
     def kind(self) -> str:
         """Which constraint this is: one of ``KINDS``."""
@@ -73,7 +79,8 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> str:
-        """A canonical text of the constraint: equal constraints have equal keys (the compiled-grammar cache's)."""
+        """A canonical text of the constraint: equal constraints have equal keys (the compiled-grammar cache's;
+        ``reasoning_end`` is not part of it: where the grammar starts does not change the grammar)."""
         spec = {
             "kind": self.kind,
             "value": getattr(self, self.kind),

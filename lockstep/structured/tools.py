@@ -6,16 +6,21 @@
 - ``HermesToolParser``: the Hermes / Qwen format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
   anywhere in the text (vLLM's ``--tool-call-parser hermes``). ``parse`` splits a whole output; ``HermesStream``
   does it piece by piece as text streams in, holding back what could still become a tag.
+- ``Llama3JsonToolParser``: Llama 3.x's JSON calls (vLLM's ``llama3_json``): an output that is, after an optional
+  ``<|python_tag|>``, one or more ``{"name": ..., "parameters": {...}}`` objects separated by ``;``.
+- ``MistralToolParser``: Mistral's ``[TOOL_CALLS]`` followed by a JSON array of ``{"name", "arguments"}`` (or, as
+  newer Mistral tokenizers write it, ``[TOOL_CALLS]name[ARGS]{...}``), after any content (vLLM's ``mistral``).
 - ``split_reasoning`` / ``ReasoningStream``: Qwen3's ``<think>...</think>`` (vLLM's ``--reasoning-parser qwen3``).
 
 A parsed call is a ``ParsedCall(name, arguments)``, ``arguments`` a JSON text, as the OpenAI API returns it.
 """
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-TOOL_PARSERS = ("hermes",)
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("qwen3",)
 
 
@@ -159,6 +164,192 @@ class HermesStream:
                 break
         self.num_calls += len(calls)
         return "".join(content), calls
+
+
+def _skip_separators(text: str, separators: str) -> str:
+    return text.lstrip(" \t\r\n" + separators)
+
+
+def _whole(stream, text: str) -> tuple[str | None, list[ParsedCall]]:
+    """A whole output parsed as one final piece of a stream (so the two always agree): content None when calls
+    were found and nothing but whitespace is left around them."""
+    content, calls = stream.feed(text, final=True)
+    if calls:
+        content = content.strip() or None
+    return content, calls
+
+
+@dataclass(frozen=True)
+class Llama3JsonToolParser:
+    """Llama 3.x JSON tool calls: an output that begins (after whitespace) with ``<|python_tag|>`` or ``{`` is a
+    sequence of ``{"name": ..., "parameters": ...}`` objects separated by ``;``; any other output is content. What
+    follows the calls and is not one (or a call that does not parse) is content."""
+
+    tag: str = "<|python_tag|>"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        return _whole(self.stream(), text)
+
+    def stream(self) -> "Llama3JsonStream":
+        return Llama3JsonStream(self.tag)
+
+
+def _decode_call(text: str) -> tuple[ParsedCall | None, int]:
+    """The JSON object at the start of ``text`` as a call, and where it ends; ``(None, 0)`` while it is incomplete
+    or not JSON, ``(None, -1)`` for a complete object that is not a call."""
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError:
+        return None, 0
+    call = _parse_call(json.dumps(obj)) if isinstance(obj, dict) else None
+    return (call, end) if call is not None else (None, -1)
+
+
+class Llama3JsonStream:
+    """``Llama3JsonToolParser`` piece by piece: the first characters decide between content and calls; each call
+    is sent once its object closes."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.state = "undecided"  # then "calls" or "content"
+        self.pending = ""
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, list[ParsedCall]]:
+        self.pending += piece
+        if self.state == "undecided":
+            head = self.pending.lstrip()
+            if head.startswith(self.tag):
+                self.state, self.pending = "calls", head[len(self.tag) :]
+            elif head.startswith("{"):
+                self.state, self.pending = "calls", head
+            elif not final and (not head or self.tag.startswith(head)):
+                return "", []  # could still open a call
+            else:
+                self.state = "content"
+        calls: list[ParsedCall] = []
+        while self.state == "calls":
+            rest = _skip_separators(self.pending, ";")
+            if not rest:
+                self.pending = "" if final else self.pending
+                break
+            call, end = _decode_call(rest) if rest.startswith("{") else (None, -1)
+            if call is not None:
+                calls.append(call)
+                self.pending = rest[end:]
+            elif end == 0 and not final:  # an object still arriving
+                break
+            else:  # not a call: the rest of the output is content
+                self.state, self.pending = "content", rest
+        if self.state == "content":
+            out, self.pending = self.pending, ""
+            return out, calls
+        return "", calls
+
+
+@dataclass(frozen=True)
+class MistralToolParser:
+    """Mistral tool calls: content, then ``[TOOL_CALLS]`` and a JSON array of ``{"name", "arguments"}`` (a single
+    object is taken too), or ``[TOOL_CALLS]name[ARGS]{arguments}`` / ``[TOOL_CALLS]name{arguments}``. A block that
+    does not parse stays in the content. Mistral's templates want call ids of 9 letters and digits (``id_length``)."""
+
+    start: str = "[TOOL_CALLS]"
+    args: str = "[ARGS]"
+    id_length: int = 9
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        return _whole(self.stream(), text)
+
+    def stream(self) -> "MistralStream":
+        return MistralStream(self)
+
+
+class MistralStream:
+    """``MistralToolParser`` piece by piece: content streams (holding back what could begin ``[TOOL_CALLS]``), the
+    calls after the tag are sent once their JSON closes. ``[TOOL_CALLS]`` is a special token in Mistral's
+    tokenizers, which ``skip_special_tokens`` (the default) drops from the text: an output that begins with a JSON
+    array of objects is taken as calls without it."""
+
+    def __init__(self, parser: MistralToolParser) -> None:
+        self.parser = parser
+        self.pending = ""
+        self.in_calls = False
+        self.at_start = True
+        self.tag = parser.start  # the tag the calls being read came after ("" for a bare array at the start)
+
+    def _start(self, final: bool) -> bool:
+        """Decide, at the output's start, whether it is a bare array of calls; False while it cannot tell yet."""
+        head = self.pending.lstrip()
+        if re.match(r"\[\s*\{", head):
+            self.in_calls, self.tag, self.pending = True, "", head
+        elif not final and (self.parser.start.startswith(head) or re.fullmatch(r"\[\s*", head)):
+            return False
+        self.at_start = False
+        return True
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, list[ParsedCall]]:
+        self.pending += piece
+        p, content, calls = self.parser, [], []
+        if self.at_start and not self._start(final):
+            return "", []
+        while True:
+            if not self.in_calls:
+                i = self.pending.find(p.start)
+                if i < 0:
+                    keep = 0 if final else _held_back(self.pending, p.start)
+                    content.append(self.pending[: len(self.pending) - keep])
+                    self.pending = self.pending[len(self.pending) - keep :]
+                    return "".join(content), calls
+                content.append(self.pending[:i])
+                self.pending, self.in_calls, self.tag = self.pending[i + len(p.start) :], True, p.start
+            found, used = self._calls(self.pending.lstrip(), final)
+            if used == 0:  # still arriving
+                if not final:
+                    return "".join(content), calls
+                content.append(self.tag + self.pending)  # never completed: content as it was
+                self.pending = ""
+            elif found is None:  # not calls: the tag and what follows are content
+                content.append(self.tag)
+            else:
+                calls.extend(found)
+                self.pending = self.pending.lstrip()[used:]
+            self.in_calls = False
+
+    def _calls(self, text: str, final: bool) -> tuple[list[ParsedCall] | None, int]:
+        """The calls at the start of ``text`` and the characters they take; ``(None, 0)`` while incomplete,
+        ``(None, -1)`` when what follows the tag is not calls."""
+        if text.startswith("["):
+            try:
+                arr, end = json.JSONDecoder().raw_decode(text)
+            except json.JSONDecodeError:
+                return None, 0 if not final else -1
+            items = arr if isinstance(arr, list) else []
+            found = [_decode_call(json.dumps(x))[0] if isinstance(x, dict) else None for x in items]
+            if not found or None in found:
+                return None, -1
+            return found, end
+        if text.startswith("{"):
+            call, end = _decode_call(text)
+            return ([call], end) if call is not None else (None, end)
+        # name[ARGS]{...} or name{...}
+        j = 0
+        while j < len(text) and (text[j].isalnum() or text[j] in "_.-"):
+            j += 1
+        if j == 0:
+            return (None, 0) if not text and not final else (None, -1)
+        rest = text[j:]
+        args_at = j + len(self.parser.args) if rest.startswith(self.parser.args) else j
+        if not rest.startswith(self.parser.args) and self.parser.args.startswith(rest) and not final:
+            return None, 0
+        body = text[args_at:]
+        if not body.startswith("{"):
+            return (None, 0) if not body and not final else (None, -1)
+        try:
+            args, end = json.JSONDecoder().raw_decode(body)
+        except json.JSONDecodeError:
+            return None, 0 if not final else -1
+        if not isinstance(args, dict):
+            return None, -1
+        return [ParsedCall(text[:j], json.dumps(args, ensure_ascii=False))], args_at + end
 
 
 def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:

@@ -63,8 +63,7 @@ def tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tools_server(tools_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("logs") / "server-tools.log"
-    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
-    s = start_server(tools_model_dir, log, *flags)
+    s = start_server(tools_model_dir, log, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
     stop_server(s.proc)
 
@@ -171,7 +170,9 @@ def test_named_tool_choice_returns_valid_arguments(tools_server: Server) -> None
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = chat(tools_server, tools=[WEATHER, CLOCK], tool_choice=named, temperature=0.5, seed=4)
     choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    # A forced call ends with "stop", as OpenAI's does (and vLLM's since vllm-project/vllm#25054); "auto" and
+    # "required" calls end with "tool_calls".
+    assert choice.finish_reason == "stop" and choice.message.content is None
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
     check_forecast(json.loads(call.function.arguments))
@@ -181,7 +182,7 @@ def test_named_tool_choice_returns_valid_arguments(tools_server: Server) -> None
     assert len(deltas) > 1 and deltas[0].function.name == "get_weather" and deltas[0].id
     assert all(d.index == 0 and d.function.name is None for d in deltas[1:])
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_required_tool_choice_returns_calls(tools_server: Server) -> None:
@@ -228,6 +229,62 @@ def test_auto_tool_choice_parses_hermes_calls(tools_server: Server) -> None:
     assert plain.choices[0].finish_reason == "stop"
 
 
+OTHER_FORMATS = {
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2, "unit": "C"}}; '
+    '{"name": "get_time", "parameters": {}}',
+    "mistral": 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "unit": "C"}}, '
+    '{"name": "get_time", "arguments": {}}]',
+}
+
+
+@pytest.fixture(scope="module", params=list(OTHER_FORMATS))
+def parser_server(request, tools_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("logs") / f"server-{request.param}.log"
+    s = start_server(tools_model_dir, log, "--enable-auto-tool-choice", "--tool-call-parser", request.param)
+    s.parser = request.param
+    yield s
+    stop_server(s.proc)
+
+
+def test_llama3_json_and_mistral_parsers(parser_server: Server) -> None:
+    reply = OTHER_FORMATS[parser_server.parser]
+    kwargs = dict(tools=[WEATHER, CLOCK], temperature=0, extra_body={"guided_choice": [reply]}, max_tokens=300)
+    choice = chat(parser_server, **kwargs).choices[0]
+    want = [("get_weather", {"city": "Oslo", "days": 2, "unit": "C"}), ("get_time", {})]
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == ("Checking." if parser_server.parser == "mistral" else None)
+    if parser_server.parser == "mistral":  # Mistral's templates take only ids of 9 letters and digits
+        assert all(re.fullmatch("[A-Za-z0-9]{9}", c.id) for c in calls)
+    chunks = stream_chat(parser_server, **kwargs)
+    streamed = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, d.function.arguments) for d in streamed] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(calls)
+    ]
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert content.strip() == (choice.message.content or "") and "TOOL" not in content and "python" not in content
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # A reply that is not a call stays content; the call's id round-trips through a tool message.
+    plain = chat(parser_server, tools=[WEATHER], temperature=0, extra_body={"guided_choice": ["No {need}."]})
+    assert plain.choices[0].message.content == "No {need}." and plain.choices[0].finish_reason == "stop"
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [calls[1].model_dump()]},
+        {"role": "tool", "tool_call_id": calls[1].id, "content": "12:00"},
+    ]
+    r = chat(parser_server, messages=history, tools=[WEATHER, CLOCK], tool_choice="none", max_tokens=3)
+    assert r.choices[0].message.content is not None and not r.choices[0].message.tool_calls
+    import httpx
+
+    # /tokenize renders the conversation as the chat route does: tools, the call and its result.
+    body = {"model": parser_server.model, "messages": history, "tools": [WEATHER, CLOCK], "return_token_strs": True}
+    rendered = httpx.post(parser_server.url + "/tokenize", json=body, timeout=60).json()
+    text = "".join(rendered["token_strs"])
+    assert f"tool {calls[1].id}: 12:00" in text and '"get_time"' in text and "<tool_call>" in text
+    assert rendered["count"] == r.usage.prompt_tokens
+
+
 def test_tool_round_trip_reaches_the_template(tools_server: Server, tools_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -257,14 +314,63 @@ def test_tool_round_trip_reaches_the_template(tools_server: Server, tools_model_
     assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
 
 
-def test_reasoning_is_split_off(tools_server: Server) -> None:
-    kwargs = dict(temperature=0, extra_body={"guided_choice": ["<think>it is cold</think>Take a coat."]})
-    msg = chat(tools_server, **kwargs).choices[0].message
-    assert (msg.reasoning_content, msg.content) == ("it is cold", "Take a coat.")
-    chunks = stream_chat(tools_server, **kwargs)
-    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
+# A model whose tokenizer writes <think> and </think> as one token each (added, not special, as Qwen3's are) and
+# whose template opens the reasoning, or closes it at once with enable_thinking off (as Qwen3's does).
+THINK_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def think_server(tmp_path_factory: pytest.TempPathFactory):
+    from transformers import AutoTokenizer
+
+    folder = save_tiny_llama(tmp_path_factory.mktemp("think") / "tiny-think", vocab_size=100)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = THINK_TEMPLATE
+    tok.save_pretrained(folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    (folder / "chat_template.jinja").write_text(THINK_TEMPLATE)
+    end_id = tok.convert_tokens_to_ids("</think>")
+    assert tok.encode("a</think>b", add_special_tokens=False)[1] == end_id
+    log = tmp_path_factory.mktemp("logs") / "server-think.log"
+    s = start_server(folder, log, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser",
+                     "qwen3")  # fmt: skip
+    s.end_id = end_id
+    yield s
+    stop_server(s.proc)
+
+
+def test_constraint_starts_after_the_reasoning(think_server: Server) -> None:
+    # The prompt opens <think>; a bias makes the model close it at once; the choice then holds (vLLM's rule).
+    end = {str(think_server.end_id): 100}
+    kwargs = dict(temperature=0, logit_bias=end, extra_body={"guided_choice": ["Take a coat."]})
+    r = chat(think_server, **kwargs)
+    msg = r.choices[0].message
+    assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == ("", "Take a coat.", "stop")
+    chunks = stream_chat(think_server, **kwargs)
     content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert (reasoning, content) == ("it is cold", "Take a coat.")
+    assert content == "Take a coat."
+    # Reasoning is free: without the bias the model reasons (text no constraint would allow) until it closes the
+    # reasoning itself, and only what follows keeps to the choice.
+    free = chat(think_server, temperature=0, max_tokens=12, extra_body={"guided_choice": ["Take a coat."]})
+    msg = free.choices[0].message
+    assert msg.reasoning_content and not "Take a coat.".startswith(msg.reasoning_content)
+    assert "Take a coat.".startswith(msg.content or "")
+    chunks = stream_chat(think_server, temperature=0, max_tokens=12, extra_body={"guided_choice": ["Take a coat."]})
+    streamed = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
+    assert streamed == msg.reasoning_content
+    # With thinking off the template closes the reasoning itself: the constraint holds from the first token.
+    no_thinking = {"guided_choice": ["Take a coat."], "chat_template_kwargs": {"enable_thinking": False}}
+    off = chat(think_server, temperature=0, extra_body=no_thinking)
+    assert (off.choices[0].message.reasoning_content, off.choices[0].message.content) == (None, "Take a coat.")
+    # A forced call's arguments come after the reasoning too, and parse.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    call = chat(think_server, tools=[WEATHER], tool_choice=named, temperature=0, logit_bias=end).choices[0]
+    assert call.message.reasoning_content == "" and call.finish_reason == "stop"
+    check_forecast(json.loads(call.message.tool_calls[0].function.arguments))
 
 
 # -- bad input -------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""vLLM's server surface beyond the OpenAI routes, against a real server: ``/tokenize`` and ``/detokenize``."""
+"""vLLM's server surface beyond the OpenAI routes, against a real server: ``/tokenize`` and ``/detokenize``,
+``prompt_logprobs`` and ``truncate_prompt_tokens``."""
 
 import asyncio
 import json
@@ -189,7 +190,6 @@ def test_max_completion_tokens_and_parameters_lockstep_cannot_honour(server: Ser
         ("/v1/completions", comp | {"use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", comp | {"length_penalty": 2.0}, "length_penalty"),
         ("/v1/completions", comp | {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
-        ("/v1/completions", comp | {"prompt_logprobs": 1}, "prompt_logprobs"),
         ("/v1/completions", comp | {"add_special_tokens": False}, "add_special_tokens"),
         ("/v1/completions", comp | {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous"),
         ("/v1/chat/completions", chat | {"continue_final_message": True}, "continue_final_message"),
@@ -252,3 +252,67 @@ def test_one_access_log_line_per_request_and_never_a_prompt(guarded_server: Serv
     assert "prompt_tokens=16 completion_tokens=3" in call
     assert "GET /health 200 " in health and "POST /v1/completions 400 " in bad
     assert secret not in new and "probe" not in new
+
+
+def test_prompt_logprobs_in_vllms_shape(server: Server) -> None:
+    c = client(server)
+    prompt = "the cat sat"
+    ids = [TINY_CHARS.index(ch) for ch in prompt]
+    r = c.completions.create(
+        model=server.model, prompt=prompt, max_tokens=2, temperature=0, n=2, extra_body={"prompt_logprobs": 2}
+    )
+    for choice in r.choices:
+        plp = choice.model_extra["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        for t, entry in zip(ids[1:], plp[1:], strict=True):
+            # The top 2 ranks and the prompt token itself (keys are token ids, as JSON writes them).
+            ranks = sorted(v["rank"] for v in entry.values())
+            assert ranks[:2] == [1, 2] and str(t) in entry and len(entry) in (2, 3)
+            assert entry[str(t)]["decoded_token"] == TINY_CHARS[t] and entry[str(t)]["logprob"] <= 0
+            best = min(entry.values(), key=lambda v: v["rank"])
+            assert all(best["logprob"] >= v["logprob"] for v in entry.values())
+    # The same numbers as echo's legacy logprobs (one computation), and the same when the prompt is one of three.
+    echo = c.completions.create(model=server.model, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert echo.choices[0].logprobs.token_logprobs[1:] == [
+        e[str(t)]["logprob"] for t, e in zip(ids[1:], plp[1:], strict=True)
+    ]
+    batch = c.completions.create(
+        model=server.model, prompt=["a b", prompt, "zz top"], max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    assert batch.choices[1].model_extra["prompt_logprobs"] == plp
+    plain = c.completions.create(model=server.model, prompt=prompt, max_tokens=1)
+    assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+
+    # Chat: once, at the top of the reply (vLLM's place), over the templated prompt; 0 means the token's own only.
+    messages = [{"role": "user", "content": "hi"}]
+    chat = c.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    plp = chat.model_extra["prompt_logprobs"]
+    prompt_ids = _post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    assert len(plp) == chat.usage.prompt_tokens == len(prompt_ids) and plp[0] is None
+    assert all(list(e) == [str(t)] for t, e in zip(prompt_ids[1:], plp[1:], strict=True))
+
+    comp = {"model": server.model, "prompt": "hi", "max_tokens": 2}
+    err = _assert_error(_post(server, "/v1/completions", comp | {"prompt_logprobs": 1, "stream": True}), 400, "stream")
+    assert err["param"] == "prompt_logprobs"
+    _assert_error(_post(server, "/v1/completions", comp | {"prompt_logprobs": 21}), 400, "prompt_logprobs")
+    _assert_error(_post(server, "/v1/completions", comp | {"prompt_logprobs": -1}), 400, "prompt_logprobs")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server: Server) -> None:
+    c = client(server)
+    kw = dict(model=server.model, max_tokens=3, temperature=0)
+    cut = c.completions.create(prompt="hello world", echo=True, extra_body={"truncate_prompt_tokens": 4}, **kw)
+    short = c.completions.create(prompt="orld", echo=True, **kw)
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == short.choices[0].text
+    assert cut.choices[0].text.startswith("orld")
+    # -1: as many as leave room to generate; a prompt longer than the context then fits.
+    long = c.completions.create(prompt="ab" * 700, extra_body={"truncate_prompt_tokens": -1}, **kw | {"max_tokens": 1})
+    assert long.usage.prompt_tokens == 1023
+    messages = [{"role": "user", "content": "a long question"}]
+    chat = c.chat.completions.create(messages=messages, extra_body={"truncate_prompt_tokens": 5}, **kw)
+    assert chat.usage.prompt_tokens == 5
+    comp = {"model": server.model, "prompt": "hi", "max_tokens": 2}
+    _assert_error(_post(server, "/v1/completions", comp | {"truncate_prompt_tokens": 0}), 400, "truncate_prompt_tokens")

@@ -84,6 +84,32 @@ def test_state_is_a_function_of_the_tokens(tok, compiler: GrammarCompiler) -> No
     assert allowed_text(tok, fresh, ids(tok, "ro")) == allowed_text(tok, state, ids(tok, "ro")) == {"s"}
 
 
+def test_reasoning_end_frees_the_output_until_the_marker(tok, compiler: GrammarCompiler) -> None:
+    # "</think>" is 8 tokens here (one a character): the grammar starts after the first whole occurrence.
+    everything = allowed_text(tok, compiler.start(S(regex=".*")), [])  # printable characters and EOS
+    state = compiler.start(S(regex="[0-9]+", reasoning_end="</think>"))
+    assert compiler.marker("</think>") == tuple(ids(tok, "</think>"))
+    for prefix in ("", "so, x < y", "hmm </think", "a </thin> b </think"):
+        assert allowed_text(tok, state, ids(tok, prefix)) >= everything
+        assert "EOS" not in allowed_text(tok, state, ids(tok, prefix), allow_eos=False)
+        assert not state.finished
+    reasoned = ids(tok, "a </thin> b </think>")
+    assert allowed_text(tok, state, reasoned) == set("0123456789")
+    assert allowed_text(tok, state, reasoned + ids(tok, "42")) == set("0123456789") | {"EOS"}
+    # A second marker is output like any other text: the grammar has started.
+    with pytest.raises(GrammarError):
+        state.advance(reasoned + ids(tok, "4</think>"))
+    # The same tokens give the same mask, whatever came before (a fresh state, tokens going back).
+    fresh = compiler.start(S(regex="[0-9]+", reasoning_end="</think>"))
+    assert allowed_text(tok, fresh, reasoned + ids(tok, "7")) == allowed_text(tok, state, reasoned + ids(tok, "7"))
+    assert allowed_text(tok, state, ids(tok, "back </thi")) >= everything
+    assert allowed_text(tok, state, reasoned) == set("0123456789")
+    # Negative control: without the marker the grammar applies from the first token.
+    assert allowed_text(tok, compiler.start(S(regex="[0-9]+")), ids(tok, "")) == set("0123456789")
+    with pytest.raises(ValueError, match="reasoning_end"):
+        S(regex="a", reasoning_end="")
+
+
 def test_json_schema_mask(tok, compiler: GrammarCompiler) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     compact = compiler.start(S(json=schema, disable_any_whitespace=True))

@@ -221,3 +221,26 @@ def test_chat_passes_tools_and_template_variables(tiny_model_dir: Path) -> None:
         chat_template_kwargs={"greeting": "hello "}, use_tqdm=False,
     )  # fmt: skip
     assert out.prompt == "[get_weather]hello hi:"
+
+
+def test_reasoning_end_leaves_the_reasoning_free_and_batching_changes_nothing(tiny_model_dir: Path) -> None:
+    # The marker is taken from the free output itself, so it certainly comes: up to it the constrained request
+    # samples exactly what the free one does (the mask allows every token), after it the regex holds.
+    llm = make_llm(tiny_model_dir)
+    free_params = SamplingParams(temperature=1.0, seed=21, max_tokens=40, logprobs=1)
+    [free] = llm.generate(["think"], free_params, use_tqdm=False)
+    marker = free.text[4:6]
+    cut = free.text.find(marker) + len(marker)
+    constraint = StructuredOutputsParams(regex=r"[a-f]{2,5}-[0-9]{3}", reasoning_end=marker)
+    p = SamplingParams(temperature=1.0, seed=21, max_tokens=40, logprobs=1, structured_outputs=constraint)
+    [out] = llm.generate(["think"], p, use_tqdm=False)
+    assert out.token_ids[:cut] == free.token_ids[:cut] and out.text[:cut] == free.text[:cut]
+    assert re.fullmatch(r"[a-f]{2,5}-[0-9]{3}", out.text[cut:]) and out.finish_reason == "stop", out.text
+    # Alone or among unconstrained requests, chunked, two at a time: the same bits.
+    for kwargs, seed in (({}, 6), ({"max_num_batched_tokens": 16, "max_num_seqs": 2}, 7)):
+        rng = random.Random(seed)
+        prompts, params = others(rng, 7)
+        prompts.insert(3, "think")
+        params.insert(3, p)
+        mixed = make_llm(tiny_model_dir, **kwargs).generate(prompts, params, use_tqdm=False)
+        assert bits(mixed[3]) == bits(out)

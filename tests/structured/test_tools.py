@@ -1,5 +1,5 @@
-"""Tool-call schemas and parsers: the Hermes/Qwen ``<tool_call>`` format whole and streamed in any pieces, the
-"required" array, Qwen3's ``<think>`` split."""
+"""Tool-call schemas and parsers: the Hermes/Qwen ``<tool_call>``, Llama 3 JSON and Mistral ``[TOOL_CALLS]``
+formats whole and streamed in any pieces, the "required" array, Qwen3's ``<think>`` split."""
 
 import json
 import random
@@ -8,6 +8,8 @@ import pytest
 
 from lockstep.structured.tools import (
     HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
     ParsedCall,
     ReasoningStream,
     named_tool_schema,
@@ -72,6 +74,90 @@ def test_hermes_stream_in_any_pieces_matches_the_whole(case: str, seed: int) -> 
         got_calls += new
     assert got_calls == calls
     assert (got_content.strip() or None if calls else got_content) == content
+
+
+LLAMA3_CASES = {
+    "one call": (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        None,
+        [ParsedCall("get_weather", '{"city": "Paris"}')],
+    ),
+    "python tag, two calls": (
+        '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": [1, "}"]}}',
+        None,
+        [ParsedCall("a", "{}"), ParsedCall("b", '{"x": [1, "}"]}')],
+    ),
+    "plain answer": ("It is sunny {or so}.", "It is sunny {or so}.", []),
+    "leading whitespace": ('\n {"name": "t", "parameters": {"z": "é"}}\n', None, [ParsedCall("t", '{"z": "é"}')]),
+    "not a call object": ('{"answer": 4}', '{"answer": 4}', []),
+    "cut off": ('{"name": "a", "parameters": {"x": 1', '{"name": "a", "parameters": {"x": 1', []),
+    "call then text": ('{"name": "a", "parameters": {}} and then words', "and then words", [ParsedCall("a", "{}")]),
+}
+
+MISTRAL_CASES = {
+    "array": (
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "t", "arguments": {}}]',
+        None,
+        [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("t", "{}")],
+    ),
+    "content first": (
+        'Let me look. [TOOL_CALLS][{"name": "a", "arguments": {"q": "[x]"}}]',
+        "Let me look.",
+        [ParsedCall("a", '{"q": "[x]"}')],
+    ),
+    "newer form": (
+        '[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}[TOOL_CALLS]a{}',
+        None,
+        [ParsedCall("get_time", '{"tz": "UTC"}'), ParsedCall("a", "{}")],
+    ),
+    "no call": ("Plain [TOOL and [brackets].", "Plain [TOOL and [brackets].", []),
+    "bad block stays content": ("[TOOL_CALLS] [1, 2] ok", "[TOOL_CALLS] [1, 2] ok", []),
+    "cut off": ('[TOOL_CALLS] [{"name": "a", "argu', '[TOOL_CALLS] [{"name": "a", "argu', []),
+    # The tag is a special token that skip_special_tokens drops: a bare array of calls at the start still counts.
+    "tag skipped": (' [{"name": "a", "arguments": {"k": 1}}]', None, [ParsedCall("a", '{"k": 1}')]),
+    "bare array not calls": ("[{}] is empty", "[{}] is empty", []),
+    "bare list of words": ("[1] see note", "[1] see note", []),
+}
+
+PARSERS = {"hermes": (HermesToolParser, HERMES_CASES), "llama3_json": (Llama3JsonToolParser, LLAMA3_CASES),
+           "mistral": (MistralToolParser, MISTRAL_CASES)}  # fmt: skip
+ALL_CASES = [(name, case) for name, (_, cases) in PARSERS.items() for case in cases]
+
+
+@pytest.mark.parametrize("parser, case", ALL_CASES)
+def test_parse(parser: str, case: str) -> None:
+    cls, cases = PARSERS[parser]
+    text, content, calls = cases[case]
+    assert cls().parse(text) == (content, calls)
+
+
+@pytest.mark.parametrize("parser, case", ALL_CASES)
+@pytest.mark.parametrize("seed", range(6))
+def test_stream_in_any_pieces_matches_the_whole(parser: str, case: str, seed: int) -> None:
+    cls, cases = PARSERS[parser]
+    text, content, calls = cases[case]
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 12))))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = cls().stream()
+    got_content, got_calls = "", []
+    for k, piece in enumerate(pieces):
+        c, new = stream.feed(piece, final=k == len(pieces) - 1)
+        got_content += c
+        got_calls += new
+    assert got_calls == calls
+    assert (got_content.strip() or None if calls else got_content) == content
+
+
+def test_llama3_and_mistral_streams_send_calls_as_they_close() -> None:
+    stream = Llama3JsonToolParser().stream()
+    assert stream.feed("<|python") == ("", [])  # could be the tag
+    assert stream.feed('_tag|>{"name": "a", "parameters": {}}; {"name"') == ("", [ParsedCall("a", "{}")])
+    assert stream.feed(': "b", "parameters": {}}', final=True) == ("", [ParsedCall("b", "{}")])
+    stream = MistralToolParser().stream()
+    assert stream.feed("Hi [TOOL") == ("Hi ", [])
+    assert stream.feed('_CALLS][{"name": "a", "arguments": {}}') == ("", [])  # the array is still open
+    assert stream.feed("]", final=True) == ("", [ParsedCall("a", "{}")])
 
 
 def test_hermes_stream_sends_content_before_the_call_closes() -> None:
