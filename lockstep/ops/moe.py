@@ -405,6 +405,10 @@ class MoEConfig:
     num_stages: int = 3
 
 
+# Enough programs for two per SM of a large GPU (an H200 has 132 SMs); a shape constant, not read from the device.
+_MIN_PROGRAMS = 256
+
+
 def moe_config(num_pairs: int, num_experts: int, n: int, k: int, dtype: torch.dtype) -> MoEConfig:
     """The tile for one grouped matmul (``n`` output columns, reduction ``k``), from shapes alone: the dtype and
     the *average* number of rows an expert gets (``num_pairs / num_experts``), never the per-expert counts.
@@ -415,8 +419,13 @@ def moe_config(num_pairs: int, num_experts: int, n: int, k: int, dtype: torch.dt
     if dtype == torch.float32:
         return MoEConfig(bm=16, bn=32, bk=32)
     avg = num_pairs // max(1, num_experts)
-    if avg <= 16:  # decode: bandwidth-bound, small row tiles, many column tiles
-        return MoEConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=4)
+    if avg <= 16:
+        # Decode: bandwidth-bound, every program streams its experts' weight columns. At most min(E, P) row tiles
+        # hold rows, so a few tokens get few programs: split N finer when 64-column tiles would give fewer than
+        # _MIN_PROGRAMS (Qwen3-30B-A3B's gate/up at one token: 8 experts x 12 = 96 programs for 132 SMs).
+        row_tiles = min(num_experts, num_pairs)
+        bn = 64 if row_tiles * triton.cdiv(n, 64) >= _MIN_PROGRAMS else 32
+        return MoEConfig(bm=16, bn=bn, bk=64, num_warps=4, num_stages=4)
     if avg <= 64:
         return MoEConfig(bm=64, bn=64, bk=64, num_warps=4, num_stages=4)
     if avg <= 256:
