@@ -201,15 +201,15 @@ def _plan_count_kernel(ids_ptr, bounds_ptr, block_base_ptr, P, E, BLOCK_P: tl.co
     # BLOCK_P pairs how many pairs of each expert came in the blocks before it (block_base[b, e]).
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
-    seen = tl.zeros((BLOCK_E,), dtype=tl.int64)
+    seen = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for b in range(0, tl.cdiv(P, BLOCK_P)):
         offs = b * BLOCK_P + tl.arange(0, BLOCK_P)
         e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)  # -1 matches no expert
         tl.store(block_base_ptr + b * E + cols, seen, mask=col_ok)
-        seen += tl.sum((e[:, None] == cols[None, :]).to(tl.int64), axis=0)
-    tl.store(bounds_ptr + cols, tl.cumsum(seen, 0) - seen, mask=col_ok)
-    one = tl.arange(0, 1)
-    tl.store(bounds_ptr + E + one, tl.zeros((1,), dtype=tl.int64) + P)  # (P may arrive as a constexpr 1)
+        seen += tl.sum((e[:, None] == cols[None, :]).to(tl.int32), axis=0)
+    tl.store(bounds_ptr + cols, (tl.cumsum(seen, 0) - seen).to(tl.int64), mask=col_ok)
+    # bounds[E] = P, through a masked vector store (P may arrive as a constexpr 1, which has no .to()).
+    tl.store(bounds_ptr + E + cols, tl.zeros((BLOCK_E,), dtype=tl.int64) + P, mask=cols == 0)
 
 
 @triton.jit
@@ -230,10 +230,11 @@ def _plan_place_kernel(
         offs = pid * BLOCK_P + tl.arange(0, BLOCK_P)
         valid = offs < P
         e = tl.load(ids_ptr + offs, mask=valid, other=-1)
-        hot = (e[:, None] == cols[None, :]).to(tl.int64)  # [BLOCK_P, BLOCK_E]
+        # int32 in the [BLOCK_P, BLOCK_E] arithmetic (rows < P < 2**31), int64 for addresses and the plan.
+        hot = (e[:, None] == cols[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
         rank = tl.cumsum(hot, 0)  # 1 + the pairs of the same expert before this one in the block
-        base = lo + tl.load(block_base_ptr + pid * E + cols, mask=col_ok, other=0)
-        row = tl.sum(hot * (base[None, :] + rank - 1), axis=1)  # [BLOCK_P]
+        base = (lo + tl.load(block_base_ptr + pid * E + cols, mask=col_ok, other=0)).to(tl.int32)
+        row = tl.sum(hot * (base[None, :] + rank - 1), axis=1).to(tl.int64)  # [BLOCK_P]
         pair = offs.to(tl.int64)
         tl.store(order_ptr + row, pair, mask=valid)
         tl.store(tokens_ptr + row, pair // TOP_K, mask=valid)
@@ -283,7 +284,7 @@ def plan_routing_triton(ids: torch.Tensor, num_experts: int, bm: int) -> Routing
     device = ids.device
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     bounds = torch.empty(num_experts + 1, device=device, dtype=torch.int64)
-    block_base = torch.empty((triton.cdiv(num_pairs, _PLAN_BLOCK_P), num_experts), device=device, dtype=torch.int64)
+    block_base = torch.empty((triton.cdiv(num_pairs, _PLAN_BLOCK_P), num_experts), device=device, dtype=torch.int32)
     _plan_count_kernel[(1,)](
         flat, bounds, block_base, num_pairs, num_experts,
         BLOCK_P=_PLAN_BLOCK_P, BLOCK_E=triton.next_power_of_2(num_experts),
