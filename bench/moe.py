@@ -246,6 +246,28 @@ def decode_breakdown(layer: Layer, dtype: torch.dtype, sizes: list[int]) -> list
     return rows
 
 
+def plan_timings(layer: Layer, dtype: torch.dtype, sizes: list[int]) -> list[dict]:
+    """The fused plan against the torch plan at every size (both with the tile table): microseconds and equality,
+    to place ``ops.moe.FUSED_PLAN_MAX_PAIRS`` (the size above which the layer uses the torch plan)."""
+    rows = []
+    for m in sizes:
+        _, ids = ops.moe_route(ops.linear(tokens(m, 5, dtype), layer.gate), TOP_K, True)
+        bm = table_configs(m, dtype)[0].bm
+        fused = moe.plan_routing_triton(ids, EXPERTS, bm)
+        ref, ref_tiles = torch_plan(ids, bm)
+        equal = all(torch.equal(getattr(fused, f), getattr(ref, f)) for f in ("order", "tokens", "rows", "bounds"))
+        equal = equal and all(torch.equal(a, b) for a, b in zip(fused.tiles, ref_tiles, strict=True))
+        row = {
+            "m": m, "pairs": ids.numel(), "equal": equal,
+            "fused_us": graph_us(lambda: moe.plan_routing_triton(ids, EXPERTS, bm)),
+            "torch_us": graph_us(lambda: torch_plan(ids, bm)),
+        }  # fmt: skip
+        rows.append(row)
+        print(f"plan M={m:6d}: fused {row['fused_us']:8.1f} us, torch {row['torch_us']:8.1f} us, equal {equal}",
+              flush=True)  # fmt: skip
+    return rows
+
+
 def decode_sweep(layer: Layer, dtype: torch.dtype, sizes: list[int]) -> list[dict]:
     """The expert op with each decode candidate for one matmul (the other keeps the table's), timed and checked."""
     rows = []
@@ -316,6 +338,7 @@ def main() -> None:
     configs = check_configs(layer, dtype, [1, 64, 2048, 8192] if not args.quick else [1, 2048])
     print("tile configs:", json.dumps({m: len(v["differing"]) for m, v in configs.items()}), flush=True)
     rows = timings(layer, dtype, decode + prefill, with_torch=True)
+    plans = plan_timings(layer, dtype, decode + prefill)
 
     failures = []
     if parity["invariant"] > 2e-2:
@@ -324,6 +347,7 @@ def main() -> None:
         failures.append(f"invariant rows changed at M = {batches['invariant']['sizes_differing']}")
     if not crowding["invariant"]:
         failures.append("invariant: a token alone at its experts and crowded differ")
+    failures += [f"M={r['m']}: the fused plan differs from the torch plan" for r in plans if not r["equal"]]
     for r in diagnostics.get("breakdown", []):
         if not r["plans_equal"]:
             failures.append(f"M={r['m']}: the fused plan differs from the torch plan")
@@ -341,7 +365,7 @@ def main() -> None:
         "triton": triton.__version__, "python": platform.python_version(), "dtype": args.dtype,
         "shape": {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "expert_width": WIDTH},
         "parity": parity, "batch_invariance": batches, "alone_vs_crowded_same_bits": crowding,
-        "tile_configs": configs, "timings": rows, "decode": diagnostics, "failures": failures,
+        "tile_configs": configs, "timings": rows, "plans": plans, "decode": diagnostics, "failures": failures,
         "seconds": time.time() - started,
     }  # fmt: skip
     if args.out:

@@ -34,7 +34,7 @@ from lockstep.ops.softmax import softmax
 
 __all__ = [
     "MoEConfig", "RoutingPlan", "combine", "experts", "moe_config", "plan_routing", "plan_routing_torch",
-    "plan_routing_triton", "route", "tile_table", "tile_table_torch",
+    "plan_routing_triton", "route", "tile_table", "tile_table_torch", "tile_table_triton",
 ]  # fmt: skip
 
 
@@ -295,15 +295,25 @@ def plan_routing_triton(ids: torch.Tensor, num_experts: int, bm: int) -> Routing
     return RoutingPlan(order=order, tokens=tokens, rows=rows, bounds=bounds, tiles=tiles, tile_rows=bm)
 
 
-def plan_routing(ids: torch.Tensor, num_experts: int, bm: int | None = None) -> RoutingPlan:
-    """The sorted layout of ``ids: [num_tokens, k]`` (int64 expert ids in ``[0, num_experts)``).
+# Above this many pairs the fused plan's one counting program (P x E one-hot sums, serially) would cost more than
+# the torch plan's fixed ~15 launches, which then matter little next to the matmuls: the torch plan is used there
+# (the same plan; only its speed differs). bench/moe.py times both at every size.
+FUSED_PLAN_MAX_PAIRS = 16384
 
-    CUDA: two Triton launches (``plan_routing_triton``), with the tile table for ``bm``-row tiles when ``bm`` is
-    given; the CPU: torch ops (``plan_routing_torch``). The plan is integer arithmetic: the same on both.
+
+def plan_routing(ids: torch.Tensor, num_experts: int, bm: int | None = None) -> RoutingPlan:
+    """The sorted layout of ``ids: [num_tokens, k]`` (int64 expert ids in ``[0, num_experts)``), with the tile
+    table for ``bm``-row tiles when ``bm`` is given.
+
+    CUDA up to ``FUSED_PLAN_MAX_PAIRS`` pairs: two Triton launches (``plan_routing_triton``); the CPU, and CUDA
+    above that size: torch ops (``plan_routing_torch``). The plan is integer arithmetic: the same on every path.
     """
-    if ids.is_cuda:
+    if ids.is_cuda and ids.numel() <= FUSED_PLAN_MAX_PAIRS:
         return plan_routing_triton(ids, num_experts, bm or 16)
-    return plan_routing_torch(ids, num_experts)
+    plan = plan_routing_torch(ids, num_experts)
+    if bm is None:
+        return plan
+    return replace(plan, tiles=tile_table(plan, num_experts, bm), tile_rows=bm)
 
 
 def tile_table_triton(
@@ -550,7 +560,11 @@ def _experts_triton(
         cfg2 = moe_config(num_pairs, num_experts, hidden, two_i // 2, x.dtype)
     else:
         cfg1, cfg2 = config if isinstance(config, tuple) else (config, config)
-    plan = plan_routing_triton(ids, num_experts, cfg1.bm)  # cfg2 shares the tile table when its BM is the same
+    # The fused plan (the torch one past FUSED_PLAN_MAX_PAIRS); cfg2 shares the tile table when its BM is the same.
+    if num_pairs <= FUSED_PLAN_MAX_PAIRS:
+        plan = plan_routing_triton(ids, num_experts, cfg1.bm)
+    else:
+        plan = plan_routing(ids, num_experts, cfg1.bm)
     act = _grouped_mm(x, plan.tokens, w13, plan, cfg1, silu_mul=True)  # [P, I], sorted rows
     y = _grouped_mm(act, None, w2, plan, cfg2, silu_mul=False)  # [P, H], sorted rows
     return combine(y, weights.float(), plan.rows.view(ids.shape))

@@ -120,3 +120,17 @@ def test_experts_with_per_matmul_configs_of_other_row_tiles():
     base = moe._experts_triton(x, w13, w2, w, ids, config=MoEConfig(16, 32, 32))
     mixed = moe._experts_triton(x, w13, w2, w, ids, config=(MoEConfig(16, 32, 32), MoEConfig(64, 16, 32)))
     assert same_bits(mixed, base)
+
+
+def test_past_the_fused_plan_size_the_torch_plan_gives_the_same_bits(monkeypatch):
+    # Above FUSED_PLAN_MAX_PAIRS the Triton experts take the torch plan (with its tile table): the same layout,
+    # so the same bits.
+    w13 = randn(8, 2 * 40, 48, seed=1, scale=48**-0.5)
+    w2 = randn(8, 48, 40, seed=2, scale=40**-0.5)
+    x = randn(29, 48, seed=5)
+    w, ids = moe.route(randn(29, 8, seed=6), 3, True)
+    fused = moe._experts_triton(x, w13, w2, w, ids)
+    monkeypatch.setattr(moe, "FUSED_PLAN_MAX_PAIRS", 10)
+    plan = moe.plan_routing(ids, 8, 16)
+    assert plan.tile_rows == 16 and plan_differences(plan, moe.plan_routing_torch(ids, 8), 8, 16) == []
+    assert same_bits(moe._experts_triton(x, w13, w2, w, ids), fused)
