@@ -15,9 +15,10 @@ The contract, as for every op here: a token's output bits depend only on the tok
   order of the sort.
 No capacity factor: no token is ever dropped (that would make a token depend on its neighbours).
 
-CUDA runs two Triton kernels: a grouped matmul over tiles of sorted rows (the first one fuses silu-and-mul) and
-the combine. The launch grids are sized from shapes (an upper bound on the number of row tiles); programs past
-the last real tile do nothing, so a decode step can be captured in a CUDA graph. The CPU runs each expert's rows
+CUDA runs Triton kernels throughout: the routing plan and tile table (two launches, ``plan_routing_triton``; the
+torch plan past ``FUSED_PLAN_MAX_PAIRS``), a grouped matmul over tiles of sorted rows (twice; the first fuses
+silu-and-mul) and the combine. The launch grids are sized from shapes (an upper bound on the number of row tiles);
+programs past the last real tile do nothing, so a decode step can be captured in a CUDA graph. The CPU runs each expert's rows
 through ``ops.linear`` (fixed row tiles) and the CPU ``silu_and_mul``, both row-invariant.
 """
 
