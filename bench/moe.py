@@ -22,6 +22,13 @@ Checks (the script exits 1 if an invariant one fails):
    average load per expert.
 Timings: median microseconds over CUDA-graph replays (triton.testing.do_bench_cudagraph) for invariant and fast,
 triton.testing.do_bench for the host-synced torch loop; the expert-weight bandwidth achieved at decode sizes.
+
+Decode diagnostics (skipped with ``--quick``; ``--decode-only`` runs only these):
+- breakdown: the invariant layer's parts timed alone at decode sizes (router matmul, routing, the plan -- the
+  fused Triton one and the torch one it replaced --, gate/up matmul, down matmul, combine);
+- sweep: the whole expert op with each decode candidate (``DECODE_CONFIGS``) for the gate/up matmul while the
+  down matmul keeps the table's tile, and the other way round, each checked for the table's bits. Compare the
+  table's choice (``ops.moe.moe_config``) with the fastest candidate before changing it.
 """
 
 import argparse
@@ -51,6 +58,13 @@ CONFIGS = [
     MoEConfig(32, 64, 64, 4, 4), MoEConfig(64, 64, 64, 4, 4), MoEConfig(64, 128, 64, 4, 3),
     MoEConfig(128, 128, 64, 8, 3), MoEConfig(128, 64, 64, 4, 3), MoEConfig(64, 256, 64, 8, 3),
 ]  # fmt: skip
+# Tiles for a few tokens (BM 16; BK fixed at 64 for bf16/fp16): BN, warps and stages varied.
+DECODE_CONFIGS = [
+    MoEConfig(16, 16, 64, 2, 4), MoEConfig(16, 32, 64, 2, 4), MoEConfig(16, 32, 64, 4, 4),
+    MoEConfig(16, 32, 64, 4, 6), MoEConfig(16, 64, 64, 4, 4), MoEConfig(16, 64, 64, 4, 6),
+    MoEConfig(16, 64, 64, 8, 4), MoEConfig(16, 128, 64, 4, 3), MoEConfig(16, 128, 64, 8, 4),
+]  # fmt: skip
+DECODE_DIAG = [1, 2, 4, 8, 16, 64]
 
 
 class Layer:
@@ -181,11 +195,114 @@ def timings(layer: Layer, dtype: torch.dtype, sizes: list[int], with_torch: bool
     return rows
 
 
+def graph_us(fn) -> float:
+    fn()  # compile outside the graph
+    return do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
+
+
+def table_configs(m: int, dtype: torch.dtype) -> tuple[MoEConfig, MoEConfig]:
+    pairs = m * TOP_K
+    return (moe.moe_config(pairs, EXPERTS, WIDTH, HIDDEN, dtype), moe.moe_config(pairs, EXPERTS, HIDDEN, WIDTH, dtype))
+
+
+def torch_plan(ids: torch.Tensor, bm: int):
+    plan = moe.plan_routing_torch(ids, EXPERTS)
+    return plan, moe.tile_table_torch(plan.bounds, ids.numel(), EXPERTS, bm)
+
+
+def decode_breakdown(layer: Layer, dtype: torch.dtype, sizes: list[int]) -> list[dict]:
+    """Each part of the invariant layer alone, at a few tokens (CUDA-graph replays, microseconds)."""
+    rows = []
+    for m in sizes:
+        x = tokens(m, 5, dtype)
+        logits = ops.linear(x, layer.gate)
+        weights, ids = ops.moe_route(logits, TOP_K, True)
+        cfg1, cfg2 = table_configs(m, dtype)
+        plan = moe.plan_routing_triton(ids, EXPERTS, cfg1.bm)
+        act = moe._grouped_mm(x, plan.tokens, layer.w13, plan, cfg1, silu_mul=True)
+        y = moe._grouped_mm(act, None, layer.w2, plan, cfg2, silu_mul=False)
+        row = {
+            "m": m,
+            "router_linear_us": graph_us(lambda: ops.linear(x, layer.gate)),
+            "route_us": graph_us(lambda: ops.moe_route(logits, TOP_K, True)),
+            "plan_triton_us": graph_us(lambda: moe.plan_routing_triton(ids, EXPERTS, cfg1.bm)),
+            "plan_torch_us": graph_us(lambda: torch_plan(ids, cfg1.bm)),
+            "gate_up_us": graph_us(lambda: moe._grouped_mm(x, plan.tokens, layer.w13, plan, cfg1, silu_mul=True)),
+            "down_us": graph_us(lambda: moe._grouped_mm(act, None, layer.w2, plan, cfg2, silu_mul=False)),
+            "combine_us": graph_us(lambda: moe.combine(y, weights, plan.rows.view(ids.shape))),
+            "whole_us": graph_us(lambda: layer.invariant(x)),
+            "configs": [vars(cfg1), vars(cfg2)],
+        }  # fmt: skip
+        torch_plan_out, torch_tiles = torch_plan(ids, cfg1.bm)
+        row["plans_equal"] = all(
+            torch.equal(getattr(plan, f), getattr(torch_plan_out, f)) for f in ("order", "tokens", "rows", "bounds")
+        ) and all(torch.equal(a, b) for a, b in zip(plan.tiles, torch_tiles, strict=True))
+        rows.append(row)
+        print(
+            f"M={m:4d} " + " ".join(f"{k[:-3]} {v:.1f}" for k, v in row.items() if k.endswith("_us"))
+            + f" us; plans equal: {row['plans_equal']}",
+            flush=True,
+        )  # fmt: skip
+    return rows
+
+
+def plan_timings(layer: Layer, dtype: torch.dtype, sizes: list[int]) -> list[dict]:
+    """The fused plan against the torch plan at every size (both with the tile table): microseconds and equality,
+    to place ``ops.moe.FUSED_PLAN_MAX_PAIRS`` (the size above which the layer uses the torch plan)."""
+    rows = []
+    for m in sizes:
+        _, ids = ops.moe_route(ops.linear(tokens(m, 5, dtype), layer.gate), TOP_K, True)
+        bm = table_configs(m, dtype)[0].bm
+        fused = moe.plan_routing_triton(ids, EXPERTS, bm)
+        ref, ref_tiles = torch_plan(ids, bm)
+        equal = all(torch.equal(getattr(fused, f), getattr(ref, f)) for f in ("order", "tokens", "rows", "bounds"))
+        equal = equal and all(torch.equal(a, b) for a, b in zip(fused.tiles, ref_tiles, strict=True))
+        row = {
+            "m": m, "pairs": ids.numel(), "equal": equal,
+            "fused_us": graph_us(lambda: moe.plan_routing_triton(ids, EXPERTS, bm)),
+            "torch_us": graph_us(lambda: torch_plan(ids, bm)),
+        }  # fmt: skip
+        rows.append(row)
+        print(f"plan M={m:6d}: fused {row['fused_us']:8.1f} us, torch {row['torch_us']:8.1f} us, equal {equal}",
+              flush=True)  # fmt: skip
+    return rows
+
+
+def decode_sweep(layer: Layer, dtype: torch.dtype, sizes: list[int]) -> list[dict]:
+    """The expert op with each decode candidate for one matmul (the other keeps the table's), timed and checked."""
+    rows = []
+    for m in sizes:
+        x = tokens(m, 5, dtype)
+        weights, ids = ops.moe_route(ops.linear(x, layer.gate), TOP_K, True)
+        cfg1, cfg2 = table_configs(m, dtype)
+        run = lambda c: moe._experts_triton(x, layer.w13, layer.w2, weights, ids, c)  # noqa: E731
+        base = run((cfg1, cfg2))
+        row = {"m": m, "table": [vars(cfg1), vars(cfg2)], "table_us": graph_us(lambda: run((cfg1, cfg2)))}
+        for which in ("gate_up", "down"):
+            results = []
+            for c in DECODE_CONFIGS:
+                pair = (c, cfg2) if which == "gate_up" else (cfg1, c)
+                results.append(
+                    {**vars(c), "us": graph_us(lambda p=pair: run(p)), "same_bits": bool(torch.equal(run(pair), base))}
+                )
+            best = min(results, key=lambda r: r["us"])
+            row[which] = results
+            print(
+                f"M={m:4d} {which:7s}: table {row['table_us']:.1f} us; best {best['us']:.1f} us with "
+                f"BM {best['bm']} BN {best['bn']} warps {best['num_warps']} stages {best['num_stages']}; "
+                f"all same bits: {all(r['same_bits'] for r in results)}",
+                flush=True,
+            )
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="folder for moe.json")
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--decode-only", action="store_true", help="only the decode breakdown and tile sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/moe.py needs a CUDA GPU")
@@ -194,6 +311,22 @@ def main() -> None:
     prefill = [2048, 8192] if args.quick else PREFILL
     layer = Layer(dtype)
     started = time.time()
+    diagnostics = {}
+    if args.decode_only or not args.quick:
+        diagnostics["breakdown"] = decode_breakdown(layer, dtype, DECODE_DIAG)
+        diagnostics["sweep"] = decode_sweep(layer, dtype, DECODE_DIAG)
+    if args.decode_only:
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "moe_decode.json"), "w") as f:
+                json.dump(diagnostics, f, indent=1)
+        bad = [r["m"] for r in diagnostics["breakdown"] if not r["plans_equal"]]
+        bad += [
+            r["m"] for r in diagnostics["sweep"] for w in ("gate_up", "down") if not all(c["same_bits"] for c in r[w])
+        ]
+        if bad:
+            sys.exit(f"FAILED: plans or tile bits differ at M = {sorted(set(bad))}")
+        return
 
     parity = check_parity(layer, tokens(512, 2, dtype))
     print("parity (rel. error vs fp32):", {k: f"{v:.2e}" for k, v in parity.items()}, flush=True)
@@ -205,6 +338,7 @@ def main() -> None:
     configs = check_configs(layer, dtype, [1, 64, 2048, 8192] if not args.quick else [1, 2048])
     print("tile configs:", json.dumps({m: len(v["differing"]) for m, v in configs.items()}), flush=True)
     rows = timings(layer, dtype, decode + prefill, with_torch=True)
+    plans = plan_timings(layer, dtype, decode + prefill)
 
     failures = []
     if parity["invariant"] > 2e-2:
@@ -213,6 +347,13 @@ def main() -> None:
         failures.append(f"invariant rows changed at M = {batches['invariant']['sizes_differing']}")
     if not crowding["invariant"]:
         failures.append("invariant: a token alone at its experts and crowded differ")
+    failures += [f"M={r['m']}: the fused plan differs from the torch plan" for r in plans if not r["equal"]]
+    for r in diagnostics.get("breakdown", []):
+        if not r["plans_equal"]:
+            failures.append(f"M={r['m']}: the fused plan differs from the torch plan")
+    for r in diagnostics.get("sweep", []):
+        if not all(c["same_bits"] for w in ("gate_up", "down") for c in r[w]):
+            failures.append(f"M={r['m']}: a decode tile config changes the bits")
     for m, v in configs.items():
         if v["differing"]:
             failures.append(f"M={m}: tile configs {v['differing']} change the bits")
@@ -224,7 +365,8 @@ def main() -> None:
         "triton": triton.__version__, "python": platform.python_version(), "dtype": args.dtype,
         "shape": {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "expert_width": WIDTH},
         "parity": parity, "batch_invariance": batches, "alone_vs_crowded_same_bits": crowding,
-        "tile_configs": configs, "timings": rows, "failures": failures, "seconds": time.time() - started,
+        "tile_configs": configs, "timings": rows, "plans": plans, "decode": diagnostics, "failures": failures,
+        "seconds": time.time() - started,
     }  # fmt: skip
     if args.out:
         os.makedirs(args.out, exist_ok=True)

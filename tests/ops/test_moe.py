@@ -344,3 +344,29 @@ def test_default_sets_cuda_experts_match_float64():
     x, w, ids = routed(29, seed=6)
     out = torch_kernels.sorted_order_moe_experts(x, w13, w2, w, ids)
     assert rel_err(out, reference(x, w13, w2, w, ids)) < 1e-5
+
+
+# --- tile configs --------------------------------------------------------------------------------------------------
+
+
+def test_tile_configs_keep_bk_fixed_per_dtype():
+    for dtype, bk in ((torch.bfloat16, 64), (torch.float16, 64), (torch.float32, 32)):
+        got = {
+            moe.moe_config(pairs, experts, n, k, dtype).bk
+            for pairs in (1, 8, 64, 512, 2048, 8192, 131072)
+            for experts in (8, 128)
+            for n, k in ((768, 2048), (2048, 768), (14336, 4096))
+        }
+        assert got == {bk}
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8])
+def test_decode_tiles_fill_the_gpu_at_the_qwen3_30b_shape(tokens):
+    # A few tokens (8-64 pairs over 128 experts): 16-row tiles, and columns split so that the matmuls launch
+    # at least ~200 programs with rows (an H200 has 132 SMs), each expert's N spread over many programs.
+    pairs = tokens * 8
+    for n, k in ((768, 2048), (2048, 768)):  # gate/up (N = expert width), down (N = hidden)
+        cfg = moe.moe_config(pairs, 128, n, k, torch.bfloat16)
+        assert cfg.bm == 16
+        assert min(128, pairs) * -(-n // cfg.bn) >= 192, (n, cfg)
+        assert -(-n // cfg.bn) >= 12  # programs per expert
