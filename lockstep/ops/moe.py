@@ -17,9 +17,9 @@ No capacity factor: no token is ever dropped (that would make a token depend on 
 
 CUDA runs Triton kernels throughout: the routing plan and tile table (two launches, ``plan_routing_triton``; the
 torch plan past ``FUSED_PLAN_MAX_PAIRS``), a grouped matmul over tiles of sorted rows (twice; the first fuses
-silu-and-mul) and the combine. The launch grids are sized from shapes (an upper bound on the number of row tiles);
-programs past the last real tile do nothing, so a decode step can be captured in a CUDA graph. The CPU runs each expert's rows
-through ``ops.linear`` (fixed row tiles) and the CPU ``silu_and_mul``, both row-invariant.
+silu-and-mul) and the combine. The launch grids are sized from shapes (an upper bound on the number of row
+tiles); programs past the last real tile do nothing, so a decode step can be captured in a CUDA graph. The CPU runs
+each expert's rows through ``ops.linear`` (fixed row tiles) and the CPU ``silu_and_mul``, both row-invariant.
 """
 
 from dataclasses import dataclass, replace
