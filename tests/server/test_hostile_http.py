@@ -180,7 +180,9 @@ def test_abandoned_bodies_cost_one_log_line_each(guarded_server: Server) -> None
     time.sleep(0.5)
     new = s.log.read_text()[len(before) :]
     assert new.count("the client left after 10 body bytes") == 3, new
-    assert len(new.splitlines()) == 3 and "Traceback" not in new, new
+    # An earlier test's late /health poll may land its access line in this window: it is not about these bodies.
+    lines = [line for line in new.splitlines() if " GET /health " not in line]
+    assert len(lines) == 3 and "Traceback" not in new, new
 
 
 def test_connections_past_the_cap_get_503_and_the_server_recovers(guarded_server: Server) -> None:
