@@ -41,7 +41,13 @@ from lockstep import LLM, SamplingParams  # noqa: E402
 def configurations(sizes: list[int]) -> list[tuple[str, dict]]:
     configs = [("tp1 tree", dict(tensor_parallel_size=1, tp_invariant=True)),
                ("tp1 plain", dict(tensor_parallel_size=1, tp_invariant=False))]  # fmt: skip
-    configs += [(f"tp{n}", dict(tensor_parallel_size=n)) for n in sizes if n > 1]
+    for n in sizes[1:]:
+        # Eager first: if graphs (NCCL collectives captured inside them) hang, the eager run still says whether
+        # the rest works.
+        configs += [
+            (f"tp{n} eager", dict(tensor_parallel_size=n, enforce_eager=True)),
+            (f"tp{n}", dict(tensor_parallel_size=n)),
+        ]
     configs += [(f"tp{n} fast", dict(tensor_parallel_size=n, batch_invariant=False)) for n in sizes]
     return configs
 
