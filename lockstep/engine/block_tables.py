@@ -90,10 +90,6 @@ class DeviceBlockTables:
             self.table[data[p : p + u], data[p + u : p + 2 * u]] = data[p + 2 * u :].to(torch.int32)
         return data[:p]
 
-    def prepare(self, seqs: Seq[Sequence]) -> torch.Tensor:
-        """``apply(plan(seqs))``: one process's step."""
-        return self.apply(self.plan(seqs))
-
     def _take_row(self, seq: Sequence, step: Seq[Sequence]) -> int:
         if not self._free:  # give back the rows of every sequence this step does not use
             in_step = {id(s) for s in step}

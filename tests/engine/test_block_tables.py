@@ -11,7 +11,7 @@ from lockstep.engine.sequence import Sequence
 
 
 def check(tables: DeviceBlockTables, seqs: list[Sequence], width: int) -> None:
-    picks = tables.prepare(seqs)
+    picks = tables.plan(seqs)
     got = tables.gather(picks, width)
     for i, s in enumerate(seqs):
         n = min(width, len(s.block_table))
@@ -27,7 +27,7 @@ def test_rows_follow_appends_and_replaced_tables():
     check(tables, [b, a], 8)
     a.block_table = [3]  # freed and allocated again: a new list, rewritten whole
     check(tables, [a], 8)
-    assert tables.gather(tables.prepare([a]), 2)[0].tolist()[0] == 3
+    assert tables.gather(tables.apply(tables.plan([a])), 2)[0].tolist()[0] == 3
 
 
 def test_random_traffic_with_few_rows_matches_the_lists():
@@ -70,7 +70,7 @@ def test_too_many_sequences_or_blocks_raise():
     for s in seqs:
         s.block_table = [0]
     with pytest.raises(ValueError, match="3 sequences"):
-        tables.prepare(seqs)
+        tables.plan(seqs)
     seqs[0].block_table = [0, 1, 2]
     with pytest.raises(ValueError, match="holds 3 blocks"):
-        tables.prepare(seqs[:1])
+        tables.plan(seqs[:1])
