@@ -11,7 +11,7 @@ from lockstep.engine.sequence import Sequence
 
 
 def check(tables: DeviceBlockTables, seqs: list[Sequence], width: int) -> None:
-    picks = tables.plan(seqs)
+    picks = tables.apply(tables.plan(seqs))
     got = tables.gather(picks, width)
     for i, s in enumerate(seqs):
         n = min(width, len(s.block_table))
