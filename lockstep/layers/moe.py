@@ -101,8 +101,7 @@ class SparseMoeBlock(nn.Module):
             if self.tp.size > 1:
                 roots = tp_linear.tree_reduce(self.tp.all_gather(roots))
             return moe_ops.combine(roots.to(x.dtype), weights.float(), rows)
-        out = self.kernels.moe_experts(x, self.w13, self.w2, weights, ids)
-        return self.tp.all_reduce(out) if self.tp.size > 1 else out
+        return self.tp.all_reduce(self.kernels.moe_experts(x, self.w13, self.w2, weights, ids))  # no-op at N = 1
 
     def checkpoint_entries(self, layer_prefix: str) -> Iterator[tuple[str, torch.Tensor, Shard | None]]:
         """``(checkpoint name, destination, shard)`` for every tensor of this block in layer ``layer_prefix``;
