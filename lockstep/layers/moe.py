@@ -7,6 +7,14 @@ depend on the other tokens of the batch or on how many of them chose the same ex
 
 The experts' weights are held stacked, ``w13: [E, 2I, H]`` (each expert's gate then up projection) and
 ``w2: [E, H, I]``; ``checkpoint_entries`` maps the checkpoint's per-expert matrices onto slices of them.
+
+Under tensor parallelism (``tp`` of N ranks) every expert is split along I, as the dense MLP is: a rank holds its
+I / N rows of each expert's gate and up projections and its I / N columns of each down projection; the router is
+replicated. With ``tree`` (``tp_invariant``) each routed pair's down projection, a reduction over I, goes through
+the chunk tree (``ops.moe.down_roots``): the ranks all-gather their fp32 subtree roots and each finishes the tree,
+rounds every pair's output to the model dtype and combines a token's k outputs in rank order, so the result has
+the same bits at TP 1, 2, 4 and 8. Without ``tree`` at N > 1 (the fast mode) the ranks' combined partial outputs
+are summed by an all-reduce, whose order follows the rank count and the message size.
 """
 
 from collections.abc import Iterator
@@ -16,7 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lockstep.distributed import Shard, TPGroup, split_evenly
 from lockstep.layers.linear import Linear
+from lockstep.ops import moe as moe_ops
+from lockstep.ops import tp_linear
 
 if TYPE_CHECKING:
     from lockstep.layers.kernels import Kernels
@@ -48,37 +59,63 @@ class SparseMoeBlock(nn.Module):
         kernels: "Kernels",
         dtype: torch.dtype,
         device: torch.device | str,
+        tp: TPGroup | None = None,
+        tree: bool = False,
     ):
         super().__init__()
         if kernels.moe_route is None or kernels.moe_experts is None:
             raise ValueError(f"kernel set {kernels.name!r} has no mixture-of-experts ops (moe_route, moe_experts)")
+        tp = tp or TPGroup()
+        start, stop = split_evenly(intermediate_size, tp.size, tp.rank, "the experts' intermediate size")
+        if tree and tp_linear.CHUNKS % tp.size:
+            raise ValueError(f"the chunk tree needs a tensor-parallel size dividing {tp_linear.CHUNKS}, not {tp.size}")
+        if tree and tp.size > 1 and intermediate_size % tp_linear.CHUNKS:
+            raise ValueError(
+                f"the experts' intermediate size {intermediate_size} is not a multiple of {tp_linear.CHUNKS}"
+            )
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size
         self.names = names
         self.kernels = kernels
+        self.tp, self.tree = tp, tree
+        # This rank's I slice of every expert; None in one process (the whole of each tensor).
+        self.shard = (start, stop) if tp.size > 1 else None
+        local = stop - start
         self.gate = Linear(hidden_size, num_experts, False, kernels, dtype, device)
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
-            requires_grad=False,
+            torch.empty(num_experts, 2 * local, hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device), requires_grad=False
+            torch.empty(num_experts, hidden_size, local, dtype=dtype, device=device), requires_grad=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden] -> router logits [num_tokens, E] (model dtype, as HF) -> [num_tokens, hidden]
         logits = self.gate(x)
         weights, ids = self.kernels.moe_route(logits, self.top_k, self.renormalize)  # [num_tokens, k] each
-        return self.kernels.moe_experts(x, self.w13, self.w2, weights, ids)
+        if self.tree:
+            if torch.is_grad_enabled() and (self.w2.requires_grad or x.requires_grad):
+                raise NotImplementedError("the MoE chunk tree (tp_invariant=True) has no backward: train without it")
+            # roots: [P, H] fp32, one per routed pair (sorted rows), this rank's subtree then the whole tree.
+            roots, rows = moe_ops.down_roots(x, self.w13, self.w2, ids, tp_linear.CHUNKS // self.tp.size)
+            if self.tp.size > 1:
+                roots = tp_linear.tree_reduce(self.tp.all_gather(roots))
+            return moe_ops.combine(roots.to(x.dtype), weights.float(), rows)
+        return self.tp.all_reduce(self.kernels.moe_experts(x, self.w13, self.w2, weights, ids))  # no-op at N = 1
 
-    def checkpoint_entries(self, layer_prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(checkpoint name, destination)`` for every tensor of this block in layer ``layer_prefix``."""
+    def checkpoint_entries(self, layer_prefix: str) -> Iterator[tuple[str, torch.Tensor, Shard | None]]:
+        """``(checkpoint name, destination, shard)`` for every tensor of this block in layer ``layer_prefix``;
+        ``shard`` names the slice of the checkpoint tensor this rank holds (None: all of it)."""
         n = self.names
         prefix = f"{layer_prefix}.{n.block}"
-        i = self.intermediate_size
-        yield f"{prefix}.gate.weight", self.gate.weight.detach()
+        i = self.w2.shape[2]
+        full = self.intermediate_size
+        gate_up = down = None
+        if self.shard is not None:
+            gate_up, down = Shard(0, *self.shard, full), Shard(1, *self.shard, full)
+        yield f"{prefix}.gate.weight", self.gate.weight.detach(), None
         w13, w2 = self.w13.detach(), self.w2.detach()
         for e in range(self.num_experts):
-            yield f"{prefix}.experts.{e}.{n.gate}.weight", w13[e, :i]
-            yield f"{prefix}.experts.{e}.{n.up}.weight", w13[e, i:]
-            yield f"{prefix}.experts.{e}.{n.down}.weight", w2[e]
+            yield f"{prefix}.experts.{e}.{n.gate}.weight", w13[e, :i], gate_up
+            yield f"{prefix}.experts.{e}.{n.up}.weight", w13[e, i:], gate_up
+            yield f"{prefix}.experts.{e}.{n.down}.weight", w2[e], down

@@ -13,10 +13,10 @@ All arithmetic runs through the kernel set picked at construction (``layers.kern
 comparison), or any other registered set.
 
 Under tensor parallelism (``tp``, a ``TPGroup`` of N ranks) each rank builds the same model with its shard of the
-weights: attention heads and the MLP's intermediate split N ways, KV heads split or replicated, the vocabulary
-split for the embedding and the head (docs/design.md, "Tensor parallelism"). With
-``tp_invariant`` the row-parallel layers reduce through the chunk tree, so the logits have the same bits at every
-N, one process included.
+weights: attention heads and the MLP's intermediate (every expert's, in a mixture of experts) split N ways, KV
+heads split or replicated, the vocabulary split for the embedding and the head (docs/design.md, "Tensor
+parallelism"). With ``tp_invariant`` the row-parallel layers (and the experts' down projections) reduce through
+the chunk tree, so the logits have the same bits at every N, one process included.
 """
 
 from dataclasses import dataclass
@@ -283,7 +283,7 @@ def _mlp(
     names = _EXPERT_NAMES[c.architecture]
     return SparseMoeBlock(
         c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, names,
-        kernels, dtype, device,
+        kernels, dtype, device, tp, tree,
     )  # fmt: skip
 
 
@@ -389,10 +389,6 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or TPGroup()
         if tp_invariant is None:
             tp_invariant = self.tp.size > 1 and self.kernels.batch_invariant
-        if self.tp.size > 1 and config.num_experts:
-            raise ValueError(
-                f"tensor parallelism is not supported for mixture-of-experts models ({config.architecture})"
-            )
         if tp_invariant and not self.kernels.batch_invariant:
             raise ValueError(f"tp_invariant=True needs a batch-invariant kernel set, not {self.kernels.name!r}")
         self.tp_invariant = tp_invariant
@@ -472,7 +468,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, SparseMoeBlock):  # it names its own tensors, those of its router included
                 moe_prefixes += (module_name + ".",)
                 layer_prefix = module_name.rpartition(".")[0]
-                yield from ((name, dest, None) for name, dest in module.checkpoint_entries(layer_prefix))
+                yield from module.checkpoint_entries(layer_prefix)
                 continue
             if module_name.startswith(moe_prefixes):
                 continue

@@ -15,6 +15,12 @@ The contract, as for every op here: a token's output bits depend only on the tok
   order of the sort.
 No capacity factor: no token is ever dropped (that would make a token depend on its neighbours).
 
+Under tensor parallelism the experts are split along their intermediate dimension I, and each routed pair's down
+projection (a reduction over I) goes through the chunk tree of ``ops.tp_linear``: ``down_roots`` gives a rank's
+fp32 subtree roots, one row per routed pair, and ``experts_tree`` is the whole tree in one process. A pair's output
+then has the same bits at every TP size; it is rounded to the model dtype where ``experts`` rounds it, before the
+combine.
+
 CUDA runs Triton kernels throughout: the routing plan and tile table (two launches, ``plan_routing_triton``; the
 torch plan past ``FUSED_PLAN_MAX_PAIRS``), a grouped matmul over tiles of sorted rows (twice; the first fuses
 silu-and-mul) and the combine. The launch grids are sized from shapes (an upper bound on the number of row
@@ -29,13 +35,14 @@ import triton
 import triton.language as tl
 
 from lockstep.layers.activation import silu_and_mul
+from lockstep.ops import tp_linear
 from lockstep.ops._common import FLOATS, interpreting
 from lockstep.ops.matmul import linear
 from lockstep.ops.softmax import softmax
 
 __all__ = [
-    "MoEConfig", "RoutingPlan", "combine", "experts", "moe_config", "plan_routing", "plan_routing_torch",
-    "plan_routing_triton", "route", "tile_table", "tile_table_torch", "tile_table_triton",
+    "MoEConfig", "RoutingPlan", "combine", "down_roots", "experts", "experts_tree", "moe_config", "plan_routing",
+    "plan_routing_torch", "plan_routing_triton", "route", "tile_table", "tile_table_torch", "tile_table_triton",
 ]  # fmt: skip
 
 
@@ -452,13 +459,14 @@ def _grouped_mm(
     plan: RoutingPlan,
     cfg: MoEConfig,
     silu_mul: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     # a: [*, K]; row r of the result reads a[a_rows[r]] (a[r] without a_rows); b: [E, N(x2 if silu_mul), K]
-    # -> c: [P, N] in a's dtype, the rows in sorted order.
+    # -> c: [P, N] in out_dtype (default a's; float32 keeps the accumulator unrounded), the rows in sorted order.
     num_experts, n_full, k = b.shape
     n = n_full // 2 if silu_mul else n_full
     num_pairs = plan.order.numel()
-    c = torch.empty((num_pairs, n), device=a.device, dtype=a.dtype)
+    c = torch.empty((num_pairs, n), device=a.device, dtype=out_dtype or a.dtype)
     if num_pairs == 0:
         return c
     tile_expert, tile_start, tile_end = tile_table(plan, num_experts, cfg.bm)
@@ -635,3 +643,68 @@ def experts_reference(
     y = y[plan.rows].view(num_tokens, top_k, hidden)  # back in pair order (a permutation)
     acc = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for a float64 reference
     return (y.to(acc) * weights.to(acc)[:, :, None]).sum(1).to(x.dtype)
+
+
+# --- the chunk tree over I (tensor parallelism) ---------------------------------------------------------------
+
+
+def _down_partials_cpu(x, w13, w2, plan: RoutingPlan, num_chunks: int) -> torch.Tensor:
+    bounds = plan.bounds.tolist()
+    partials = x.new_zeros((num_chunks, plan.order.numel(), x.shape[1]), dtype=torch.float32)
+    for e in range(w13.shape[0]):
+        start, end = bounds[e], bounds[e + 1]
+        if end > start:
+            act = silu_and_mul(linear(x[plan.tokens[start:end]], expert_weight(w13, e)))  # [n_e, I_local]
+            partials[:, start:end] = tp_linear.chunk_partials(act, expert_weight(w2, e), num_chunks)
+    return partials
+
+
+def _down_partials_triton(x, w13, w2, plan: RoutingPlan, num_chunks: int) -> torch.Tensor:
+    num_experts, two_i, hidden = w13.shape
+    num_pairs = plan.order.numel()
+    act = _grouped_mm(x, plan.tokens, w13, plan, moe_config(num_pairs, num_experts, two_i // 2, hidden, x.dtype), True)
+    width = -(-act.shape[1] // num_chunks)
+    pad = width * num_chunks - act.shape[1]
+    if pad:  # zero columns of act and of w2: each chunk's sum gains exact zeros at its end
+        act = torch.nn.functional.pad(act, (0, pad))
+        w2 = torch.nn.functional.pad(w2, (0, pad))
+    # Every chunk is `width` wide at every TP size, so the tile (and its K steps) is the same at every TP size.
+    cfg = moe_config(num_pairs, num_experts, hidden, width, x.dtype)
+    partials = act.new_empty((num_chunks, num_pairs, hidden), dtype=torch.float32)
+    for c in range(num_chunks):
+        cols = slice(c * width, (c + 1) * width)
+        partials[c] = _grouped_mm(act[:, cols], None, w2[:, :, cols], plan, cfg, False, out_dtype=torch.float32)
+    return partials
+
+
+def down_roots(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, num_chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every routed pair's down projection as the fp32 root of a subtree of the chunk tree over I.
+
+    ``x: [n, H]``, ``w13: [E, 2I', H]`` and ``w2: [E, H, I']`` (a rank's I' = I / N columns of every expert, or
+    all of them), ``ids: [n, k]`` -> ``(roots fp32 [P, H] in sorted-row order, rows int64 [n, k])``, ``rows`` as
+    ``combine`` takes them. I' is cut into ``num_chunks`` chunks (``8 / N`` on each of N ranks; 8 in one process,
+    zero-padded when 8 does not divide I), each accumulated in fp32 and the chunks summed by ``tp_linear``'s
+    pairwise tree. The ranks' roots, all-gathered in rank order and passed through ``tp_linear.tree_reduce``,
+    are the one-process roots bit for bit.
+    """
+    _check_experts(x, w13, w2, ids, ids)
+    if num_chunks not in (1, 2, 4, 8):
+        raise ValueError(f"num_chunks must be 1, 2, 4 or 8, got {num_chunks}")
+    plan = plan_routing(ids, w13.shape[0])
+    if x.is_cuda:
+        partials = _down_partials_triton(x, w13, w2, plan, num_chunks)
+    else:
+        partials = _down_partials_cpu(x, w13, w2, plan, num_chunks)
+    return tp_linear.tree_reduce(partials), plan.rows.view(ids.shape)
+
+
+def experts_tree(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """``experts`` with each pair's down projection reduced through the whole chunk tree (``down_roots`` over 8
+    chunks), rounded to x's dtype, then combined in rank order: the bits N ranks holding I / N each compute."""
+    _check_experts(x, w13, w2, weights, ids)
+    roots, rows = down_roots(x, w13, w2, ids, tp_linear.CHUNKS)
+    return combine(roots.to(x.dtype), weights.float(), rows)

@@ -9,7 +9,7 @@ from paged_runner import PagedRunner
 from safetensors.torch import load_file, save_file
 from tiny_models import hf_logits, max_rel_err, save_tiny_hf
 
-from lockstep.distributed import TPGroup
+from lockstep.distributed import Shard, TPGroup
 from lockstep.layers.moe import SparseMoeBlock
 from lockstep.models.llama import LlamaForCausalLM, LlamaMLP, ModelConfig
 from lockstep.models.loader import load_model, read_config
@@ -161,9 +161,16 @@ def test_checkpoint_names_map_onto_the_stacked_experts(moe_copy):
     assert set(model.checkpoint_tensors()) == set(weights)
 
 
-def test_moe_under_tensor_parallelism_is_refused(moe_copy):
-    with pytest.raises(ValueError, match="tensor parallelism is not supported for mixture-of-experts"):
-        LlamaForCausalLM(read_config(moe_copy), tp=TPGroup(rank=0, size=2), device="meta")
+def test_moe_under_tensor_parallelism_splits_every_expert(moe_copy):
+    # Rank 1 of 2 holds 12 of the 24 intermediate columns of each of the 8 experts; the router stays whole
+    # (tests/models/test_moe_tp.py runs the ranks).
+    model = LlamaForCausalLM(read_config(moe_copy), tp=TPGroup(rank=1, size=2), device="meta")
+    block = model.model.layers[2].mlp
+    assert block.w13.shape == (8, 24, 64) and block.w2.shape == (8, 64, 12) and block.gate.weight.shape == (8, 64)
+    shards = model.checkpoint_shards()
+    assert shards["model.layers.2.mlp.experts.5.up_proj.weight"] == Shard(0, 12, 24, 24)
+    assert shards["model.layers.2.mlp.experts.5.down_proj.weight"] == Shard(1, 12, 24, 24)
+    assert "model.layers.2.mlp.gate.weight" not in shards
 
 
 def test_a_dense_architecture_with_experts_is_refused():
