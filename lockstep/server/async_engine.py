@@ -448,6 +448,9 @@ class AsyncEngine:
         """Why the engine cannot go on after a failed step whose requests were all aborted; None if it can."""
         if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             return f"{self._failures} steps failed in a row"
+        workers = self.engine.workers  # tensor parallelism: a dead worker leaves the ranks out of step for good
+        if workers is not None and workers.failure is not None:
+            return workers.failure
         scheduler = self.engine.scheduler
         try:
             scheduler.check_integrity()

@@ -3,6 +3,8 @@ admission limits, deltas, unread outputs, time limits and the drain. (Over HTTP:
 
 import asyncio
 import dataclasses
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -165,6 +167,27 @@ def test_failed_steps_fail_their_calls_then_a_broken_engine_is_dead(tiny_model_d
         return good
 
     assert len(run(engine, main)["good-0"].token_ids) == 4
+
+
+def test_a_dead_tensor_parallel_worker_kills_the_engine_at_once(tiny_model_dir: Path) -> None:
+    # Under tensor parallelism a worker's death leaves the ranks out of step for good: the first failed step is
+    # fatal (503, on_fatal), not the third, so an orchestrator restarts the server instead of it failing every step.
+    engine = make_engine(tiny_model_dir, tensor_parallel_size=2)
+    fatal = threading.Event()
+
+    async def main(ae: AsyncEngine):
+        ae.on_fatal = fatal.set
+        good = await finals(await ae.submit(reqs("good")))
+        os.kill(engine.workers.pids[0], signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            await finals(await ae.submit(reqs("dies")))
+        assert fatal.wait(5) and not ae.alive and "rank 1" in ae.status, ae.status
+        return good
+
+    try:
+        assert len(run(engine, main)["good-0"].token_ids) == 4
+    finally:
+        engine.close()
 
 
 def test_a_fault_in_the_loop_itself_kills_the_engine_and_is_reported(tiny_model_dir: Path) -> None:
