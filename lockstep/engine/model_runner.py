@@ -285,11 +285,14 @@ class ModelRunner:
         """The forward of ``step`` on this rank: fp32 logits ``[len(rows), vocab_size]`` for each group of rows.
         ``fed``: input rows that take an earlier step's sampled tokens on the device (rank 0, async scheduling)."""
         flat = step.flat
-        picks = self.block_tables.apply(step.tables)
+        # Only the columns this step's longest sequence uses: a graph's wider buffer keeps stale (valid) ids past
+        # them, which no row reads.
+        tables = self.block_tables.gather(
+            self.block_tables.apply(step.tables), -(-max(flat.seq_lens) // self.block_size)
+        )
         if step.use_graphs and self.graphs is not None and self.graphs.can_run(flat):
-            hidden = self.graphs.run(flat, self.block_tables.gather(picks, self.graphs.block_tables.shape[1]), fed)
+            hidden = self.graphs.run(flat, tables, fed)
         else:
-            tables = self.block_tables.gather(picks, -(-max(flat.seq_lens) // self.block_size))
             input_ids, positions, attn = flat.to(self.device, self.kv_caches, tables)
             if fed is not None:
                 fed.write(input_ids)
