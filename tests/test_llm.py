@@ -122,8 +122,9 @@ def test_invariance_matrix(tiny_model_dir: Path, reference: list[tuple], case: s
     assert [bits(o) for o in outs] == reference
 
 
-def test_invariance_after_preemption(tiny_model_dir: Path, reference: list[tuple]) -> None:
-    llm = make_llm(tiny_model_dir, num_kv_blocks=12, max_num_batched_tokens=64, max_num_seqs=64)
+def run_preempted(folder: Path) -> list:
+    """The targets among 10 others on a cache too small for all of them at once: something is preempted."""
+    llm = make_llm(folder, num_kv_blocks=12, max_num_batched_tokens=64, max_num_seqs=64)
     preempted = []
     schedule = llm.engine.scheduler.schedule
 
@@ -135,12 +136,13 @@ def test_invariance_after_preemption(tiny_model_dir: Path, reference: list[tuple
     llm.engine.scheduler.schedule = spy
     outs = run_mixed(llm, 10, 8)
     assert preempted, "the cache was big enough: nothing was preempted"
-    assert [bits(o) for o in outs] == reference
+    return outs
 
 
-def test_invariance_after_prefix_cache_hit(tiny_model_dir: Path, reference: list[tuple]) -> None:
-    llm = make_llm(tiny_model_dir)
-    # Warm the cache with the targets' prompts (and more), then run the targets again among others.
+def run_after_prefix_warmup(folder: Path) -> tuple[list, dict]:
+    """The targets among 5 others after a warm-up with their prompts (and more); the outputs, and each request's
+    sequence by id (to read its prefix-cache hits)."""
+    llm = make_llm(folder)
     warm = [p + [1, 2, 3] for p in TARGET_PROMPTS]
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     cached = {}
@@ -151,7 +153,16 @@ def test_invariance_after_prefix_cache_hit(tiny_model_dir: Path, reference: list
         cached[seq.request_id] = seq
 
     llm.engine.scheduler.add = spy_add
-    outs = run_mixed(llm, 5, 9)
+    return run_mixed(llm, 5, 9), cached
+
+
+def test_invariance_after_preemption(tiny_model_dir: Path, reference: list[tuple]) -> None:
+    outs = run_preempted(tiny_model_dir)
+    assert [bits(o) for o in outs] == reference
+
+
+def test_invariance_after_prefix_cache_hit(tiny_model_dir: Path, reference: list[tuple]) -> None:
+    outs, cached = run_after_prefix_warmup(tiny_model_dir)
     for out, p in zip(outs, TARGET_PARAMS, strict=True):
         if p.prompt_logprobs is None:
             assert cached[out.request_id].num_cached_tokens >= BLOCK * 2, "no prefix-cache hit"

@@ -5,7 +5,18 @@ prefix-cache hit, after preemption, and equal to what a fresh prefill of the sam
 from pathlib import Path
 
 import pytest
-from test_llm import BLOCK, MATRIX, TARGET_PARAMS, TARGET_PROMPTS, bits, make_llm, prompt_vs_decode, run_mixed
+from test_llm import (
+    BLOCK,
+    MATRIX,
+    TARGET_PARAMS,
+    TARGET_PROMPTS,
+    bits,
+    make_llm,
+    prompt_vs_decode,
+    run_after_prefix_warmup,
+    run_mixed,
+    run_preempted,
+)
 
 from lockstep.sampling_params import SamplingParams
 
@@ -30,33 +41,12 @@ def test_moe_invariance_matrix(tiny_moe_dir: Path, moe_reference: list[tuple], c
 
 
 def test_moe_invariance_after_preemption(tiny_moe_dir: Path, moe_reference: list[tuple]) -> None:
-    llm = make_llm(tiny_moe_dir, num_kv_blocks=12, max_num_batched_tokens=64, max_num_seqs=64)
-    preempted = []
-    schedule = llm.engine.scheduler.schedule
-
-    def spy():
-        batch = schedule()
-        preempted.extend(s.request_id for s in batch.preempted)
-        return batch
-
-    llm.engine.scheduler.schedule = spy
-    outs = run_mixed(llm, 10, 8)
-    assert preempted, "the cache was big enough: nothing was preempted"
+    outs = run_preempted(tiny_moe_dir)
     assert [bits(o) for o in outs] == moe_reference
 
 
 def test_moe_invariance_after_prefix_cache_hit(tiny_moe_dir: Path, moe_reference: list[tuple]) -> None:
-    llm = make_llm(tiny_moe_dir)
-    llm.generate([p + [1, 2, 3] for p in TARGET_PROMPTS], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    cached = {}
-    add = llm.engine.scheduler.add
-
-    def spy_add(seq):
-        add(seq)
-        cached[seq.request_id] = seq
-
-    llm.engine.scheduler.add = spy_add
-    outs = run_mixed(llm, 5, 9)
+    outs, cached = run_after_prefix_warmup(tiny_moe_dir)
     hits = [
         cached[o.request_id].num_cached_tokens
         for o, p in zip(outs, TARGET_PARAMS, strict=True)
