@@ -175,7 +175,13 @@ def test_decode_logprobs_equal_a_fresh_prefill(tiny_model_dir: Path, reference: 
     """Step i's token and logprobs, as decoded, equal what a prefill of prompt + completion[:i] computes (the
     seeded targets resample the same token: the noise is a function of (seed, position)). Not for presence and
     frequency penalties: they count output tokens, which the fresh prefill holds as prompt."""
-    llm = make_llm(tiny_model_dir, enable_prefix_caching=False)
+    got, expect = fresh_prefills(make_llm(tiny_model_dir, enable_prefix_caching=False), reference)
+    assert got == expect
+
+
+def fresh_prefills(llm: LLM, reference: list[tuple]) -> tuple[list[tuple], list[tuple]]:
+    """Each decode step of the targets (but those with presence or frequency penalties) redone as a one-token
+    prefill of prompt + completion[:i]: the bits it gives, and the decoded bits from ``reference``."""
     prompts, params, expect = [], [], []
     for prompt, p, ref in zip(TARGET_PROMPTS, TARGET_PARAMS, reference, strict=True):
         if p.presence_penalty or p.frequency_penalty:
@@ -186,7 +192,7 @@ def test_decode_logprobs_equal_a_fresh_prefill(tiny_model_dir: Path, reference: 
             params.append(SamplingParams(**{**vars(p), "max_tokens": 1, "prompt_logprobs": None}))
             expect.append(((tokens[i],), (lps[i],), (tops[i],)))
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [bits(o)[:3] for o in outs] == expect
+    return [bits(o)[:3] for o in outs], expect
 
 
 def prompt_vs_decode(llm: LLM, reference: list[tuple]) -> list[bool]:

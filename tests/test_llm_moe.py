@@ -11,14 +11,13 @@ from test_llm import (
     TARGET_PARAMS,
     TARGET_PROMPTS,
     bits,
+    fresh_prefills,
     make_llm,
     prompt_vs_decode,
     run_after_prefix_warmup,
     run_mixed,
     run_preempted,
 )
-
-from lockstep.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +56,8 @@ def test_moe_invariance_after_prefix_cache_hit(tiny_moe_dir: Path, moe_reference
 
 
 def test_moe_decode_equals_a_fresh_prefill(tiny_moe_dir: Path, moe_reference: list[tuple]) -> None:
-    llm = make_llm(tiny_moe_dir, enable_prefix_caching=False)
-    prompts, params, expect = [], [], []
-    for prompt, p, ref in zip(TARGET_PROMPTS, TARGET_PARAMS, moe_reference, strict=True):
-        if p.presence_penalty or p.frequency_penalty:
-            continue  # they count output tokens, which a fresh prefill holds as prompt
-        tokens, lps, tops = ref[:3]
-        for i in range(len(tokens)):
-            prompts.append(prompt + list(tokens[:i]))
-            params.append(SamplingParams(**{**vars(p), "max_tokens": 1, "prompt_logprobs": None}))
-            expect.append(((tokens[i],), (lps[i],), (tops[i],)))
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [bits(o)[:3] for o in outs] == expect
+    got, expect = fresh_prefills(make_llm(tiny_moe_dir, enable_prefix_caching=False), moe_reference)
+    assert got == expect
     assert (
         prompt_vs_decode(make_llm(tiny_moe_dir, max_num_batched_tokens=7, max_num_seqs=7), moe_reference) == [True] * 5
     )
