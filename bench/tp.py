@@ -129,9 +129,11 @@ def run_one(job_file: str) -> None:
     run["decode_ms"] = decode_step_ms(llm, 128, 32, job["vocab"], random.Random(1))
     if not args.no_throughput:
         run["throughput_s"] = throughput_s(llm, args, job["vocab"], random.Random(2))
-    llm.close()
-    timer.cancel()
     (Path(job_file).parent / "result.json").write_text(json.dumps(run, default=bytes.hex))  # bits: hex
+    t0 = time.perf_counter()
+    llm.close()  # after the result is written: a close that hangs still leaves the figures
+    print(f"closed in {time.perf_counter() - t0:.1f} s", flush=True)
+    timer.cancel()
 
 
 def main() -> None:
@@ -182,7 +184,9 @@ def main() -> None:
         result_file = folder / "result.json"
         result_file.unlink(missing_ok=True)
         code = subprocess.run([sys.executable, __file__, "--run-one", str(job_file)]).returncode
-        if code != 0 or not result_file.exists():
+        if code != 0:
+            print(f"{name}: exit code {code}", flush=True)
+        if not result_file.exists():
             report["runs"][name] = {"error": f"exit code {code}"}
             print(f"{name}: failed (exit code {code})", flush=True)
             continue

@@ -88,7 +88,13 @@ def init_tp_group(
     return TPGroup(rank, size)
 
 
-def destroy_tp_group() -> None:
-    """Leave the default process group, if this process joined one."""
-    if dist.is_initialized():
+def destroy_tp_group(abort: bool = False) -> None:
+    """Leave the default process group, if this process joined one. ``abort``: drop every group at once without
+    waiting on the peers (NCCL's orderly destroy can wait forever on a peer that is gone, or on work a CUDA graph
+    still holds); for teardown when no collective is pending."""
+    if not dist.is_initialized():
+        return
+    if abort:
+        dist.distributed_c10d._abort_process_group()
+    else:
         dist.destroy_process_group()

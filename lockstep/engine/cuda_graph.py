@@ -72,6 +72,15 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.model.device)
 
+    def release(self) -> None:
+        """Free the graphs and their memory pool. Under TP first: a captured NCCL collective holds on to its
+        communicator until its graph is freed, and destroying the group before that waits forever."""
+        torch.cuda.synchronize(self.model.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def can_run(self, flat: FlatBatch) -> bool:
         """Whether ``flat`` is a decode step (one token per sequence) that fits a bucket."""
         num_seqs = len(flat.seq_lens)

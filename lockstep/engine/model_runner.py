@@ -314,14 +314,22 @@ class ModelRunner:
             elif op == WEIGHTS:
                 self._receive_weights()
             elif op == STOP:
+                self.release_graphs()
                 return
             else:
                 raise RuntimeError(f"unknown control message {op} from rank 0")
 
     def stop_workers(self) -> None:
-        """Rank 0: tell the other ranks' ``serve`` to return."""
+        """Rank 0: tell the other ranks' ``serve`` to return; this rank runs no more steps either."""
         if self.channel is not None:
             self.channel.send(torch.tensor([STOP]))
+        self.release_graphs()
+
+    def release_graphs(self) -> None:
+        """Free the CUDA graphs (before the group is left: ``DecodeGraphs.release``); later steps run eagerly."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
     def _prompt_logprob_rows(self, batch: ScheduledBatch, query_start_loc: list[int]) -> "_PromptRows":
         """Which rows of the step's hidden states give prompt logprobs: prompt token ``p + 1``'s come from

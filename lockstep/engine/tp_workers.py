@@ -30,6 +30,7 @@ import signal
 import tempfile
 import threading
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 # How long stopping waits for a worker to leave before killing it, and how long a failure waits to see which
 # worker died (a collective that failed because a peer crashed returns about when the peer's process ends).
 STOP_TIMEOUT = 10.0
+LEAVE_TIMEOUT = 15.0  # how long close() waits for this process to leave the group
 DEATH_GRACE = 3.0
 
 
@@ -165,7 +167,7 @@ class WorkerPool:
         try:
             ModelRunner(config, tp, channel, device=device).serve()
         finally:
-            destroy_tp_group()
+            destroy_tp_group(abort=device.type == "cuda")
         return None
 
     # -- health --------------------------------------------------------------------------------------------------
@@ -244,7 +246,22 @@ class WorkerPool:
     def _release(self) -> None:
         if self._watch_end is not None:
             self._watch_end.close()  # the watcher returns
-        destroy_tp_group()
+        # The workers have exited or been killed: nothing is pending, and an orderly NCCL destroy could wait on them.
+        # Leaving has still been seen to hang on CUDA after steps with graphs (bench/tp.py, 2026-11-30, not yet
+        # understood): a close that returns matters more than a clean group, so it waits LEAVE_TIMEOUT at most.
+        left = threading.Event()
+
+        def leave() -> None:
+            destroy_tp_group(abort=self.device.type == "cuda")
+            left.set()
+
+        threading.Thread(target=leave, name="lockstep-tp-leave", daemon=True).start()
+        if not left.wait(LEAVE_TIMEOUT):
+            warnings.warn(
+                f"leaving the tensor-parallel group did not finish within {LEAVE_TIMEOUT} s; going on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         for w in self.workers:
             w.reports.close()
             w.lifeline.close()
@@ -282,7 +299,7 @@ def _worker_main(
             reports.send(("failed", traceback.format_exc()))
         finally:
             os._exit(1)  # without tearing down a group whose peers may be gone (that can hang)
-    destroy_tp_group()
+    destroy_tp_group(abort=device.type == "cuda")  # rank 0 stopped us: nothing is pending
 
 
 def _exit_without_driver(lifeline: Connection) -> None:
