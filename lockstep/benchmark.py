@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 import lockstep
 from lockstep.llm import LLM
+from lockstep.outputs import OutputKind
 from lockstep.sampling_params import SamplingParams
 
 Kind = Literal["latency", "throughput"]
@@ -128,14 +129,13 @@ def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: s
     now = 0.0
     try:
         for rid, prompt in zip(ids, prompts, strict=True):
-            engine.add_request(rid, prompt, params)
+            engine.add_request(rid, prompt, params, output_kind=OutputKind.DELTA)
         while engine.has_unfinished_requests():
             outputs = engine.step()
             _sync(device)
             now = time.perf_counter() - start
             for out in outputs:
-                got = times[out.request_id]
-                got.extend([now] * (len(out.token_ids) - len(got)))
+                times[out.request_id].extend([now] * len(out.token_ids))
                 if out.finished and bar is not None:
                     bar.update(1)
     except BaseException:

@@ -6,7 +6,7 @@ from typing import Any
 
 from lockstep.config import EngineConfig
 from lockstep.engine.llm_engine import LLMEngine
-from lockstep.outputs import CompletionOutput, RequestOutput
+from lockstep.outputs import CompletionOutput, OutputKind, RequestOutput
 from lockstep.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
@@ -142,7 +142,8 @@ class LLM:
                 for i in range(p.n):
                     rid = str(self._next_id)
                     self._next_id += 1
-                    self.engine.add_request(rid, token_ids, p.for_choice(i), prompt=text)
+                    choice = p.for_choice(i)
+                    self.engine.add_request(rid, token_ids, choice, prompt=text, output_kind=OutputKind.FINAL_ONLY)
                     groups[-1].append(rid)
                     ids.append(rid)
         except Exception:

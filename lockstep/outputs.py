@@ -2,6 +2,7 @@
 ``CompletionOutput`` per generated sequence, with logprobs as vLLM's ``Logprob`` dicts."""
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 
 @dataclass(frozen=True)
@@ -98,3 +99,14 @@ class RequestOutput:
     @property
     def seed(self) -> int | None:
         return self.outputs[0].seed
+
+
+class OutputKind(Enum):
+    """What a request's outputs hold, step by step (vLLM's ``RequestOutputKind``): ``CUMULATIVE``, the whole output
+    so far at every step; ``DELTA``, only the tokens since the previous output (``text`` stays whole);
+    ``FINAL_ONLY``, one output, when the request ends. A cumulative output copies the request's tokens every step,
+    which over long outputs costs O(length) a step per request: ``LLM.generate`` asks for ``FINAL_ONLY``."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"

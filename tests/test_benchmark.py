@@ -142,7 +142,7 @@ def test_prompts_come_from_the_seed(tiny_model_dir: Path, monkeypatch: pytest.Mo
     llm = LLM(str(tiny_model_dir), device="cpu")
     sent: list[list[int]] = []
     add = llm.engine.add_request
-    monkeypatch.setattr(llm.engine, "add_request", lambda rid, ids, params: (sent.append(ids), add(rid, ids, params)))
+    monkeypatch.setattr(llm.engine, "add_request", lambda rid, ids, params, **kw: (sent.append(ids), add(rid, ids, params, **kw)))
 
     def prompts(seed: int) -> list[list[int]]:
         sent.clear()

@@ -30,7 +30,7 @@ from lockstep.engine.sequence import FinishReason, Sequence
 from lockstep.engine.token_feed import TokenFeed
 from lockstep.engine.tp_workers import WorkerPool
 from lockstep.layers.sampler import PendingSample, Sampled
-from lockstep.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from lockstep.outputs import CompletionOutput, Logprob, OutputKind, PromptLogprobs, RequestOutput
 from lockstep.sampling_params import SamplingParams
 from lockstep.structured.grammar import GrammarCompiler, GrammarError
 
@@ -45,8 +45,8 @@ class _Request:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # vLLM's dicts, built as tokens arrive
     stop_from: int | None = None  # min_tokens: a stop string must end after this many characters of the text
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's dicts, built once the prompt's are all computed
-    deltas: bool = False  # outputs hold only the tokens since the previous one (add_request)
-    num_sent: int = 0  # output tokens already reported, when deltas
+    kind: OutputKind = OutputKind.CUMULATIVE  # what its outputs hold (add_request)
+    num_sent: int = 0  # output tokens already reported, for DELTA
     error: str | None = None  # why the engine aborted it, for a fault of its own
 
 
@@ -143,14 +143,14 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         prompt: str | None = None,
-        deltas: bool = False,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         """Queue a request. Raises ValueError (naming the request and the problem) for one that cannot run;
         nothing is queued then.
 
-        ``deltas=True``: each of the request's outputs holds in ``token_ids``, ``token_logprobs`` and ``logprobs``
-        only what is new since its previous output (``text`` stays whole), so a consumer that keeps them does not
-        keep a copy of the output per step; the default gives the whole output each time."""
+        ``output_kind`` (``OutputKind``): the whole output at every step (the default), only what is new since the
+        request's previous output in ``token_ids``, ``token_logprobs`` and ``logprobs`` (``DELTA``: a consumer that
+        keeps them does not keep a copy of the output per step), or one output when it ends (``FINAL_ONLY``)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"request {request_id!r}: sampling params must be a SamplingParams, got {params!r}")
@@ -197,10 +197,10 @@ class LLMEngine:
             except GrammarError as e:
                 raise GrammarError(f"request {request_id!r}: {e}") from None
         self.scheduler.add(seq)
-        self._requests[request_id] = _Request(seq, prompt, ids, deltas=deltas)
+        self._requests[request_id] = _Request(seq, prompt, ids, kind=output_kind)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; its output so far (since its previous one, for deltas), finished with reason
+        """Stop a request now; its output so far (since its previous one, for DELTA), finished with reason
         "abort". None if it is unknown."""
         if self.scheduler.abort(request_id) is None:
             return None
@@ -221,7 +221,8 @@ class LLMEngine:
     # -- one step ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return an output for every request that got a token, in batch order.
+        """Run one scheduled batch; return an output for every request that got a token (a ``FINAL_ONLY`` one: that
+        ended), in batch order.
 
         With ``config.async_scheduling`` a call launches the next batch and then reports the previous one (the
         first call reports nothing), see ``_step_overlapped``."""
@@ -291,7 +292,8 @@ class LLMEngine:
                     self._update_text(request)
                 except Exception as e:  # the request's own tokens broke detokenising or the stop check
                     self._fail(request, f"detokenizing failed: {type(e).__name__}: {e}")
-            outputs.append(self._output(request))
+            if request.seq.is_finished or request.kind is not OutputKind.FINAL_ONLY:
+                outputs.append(self._output(request))
             if request.seq.is_finished:
                 del self._requests[entry.seq.request_id]
         return outputs
@@ -370,8 +372,9 @@ class LLMEngine:
 
     def _output(self, request: _Request) -> RequestOutput:
         seq = request.seq
-        start = request.num_sent if request.deltas else 0
-        if request.deltas:
+        delta = request.kind is OutputKind.DELTA
+        start = request.num_sent if delta else 0
+        if delta:
             request.num_sent = seq.num_output_tokens
         logprobs = None
         if seq.params.logprobs is not None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lockstep.engine.llm_engine import LLMEngine
-from lockstep.outputs import CompletionOutput, RequestOutput
+from lockstep.outputs import CompletionOutput, OutputKind, RequestOutput
 from lockstep.sampling_params import SamplingParams
 from lockstep.server.metrics import Metrics
 
@@ -332,7 +332,7 @@ class AsyncEngine:
         added = []
         try:
             for request_id, prompt_token_ids, params in cmd.requests:
-                self.engine.add_request(request_id, prompt_token_ids, params, deltas=True)
+                self.engine.add_request(request_id, prompt_token_ids, params, output_kind=OutputKind.DELTA)
                 added.append(request_id)
         except Exception as e:  # a rejected request: its handler answers 400
             for request_id in added:

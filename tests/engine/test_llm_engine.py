@@ -7,6 +7,7 @@ import pytest
 
 from lockstep.config import EngineConfig
 from lockstep.engine.llm_engine import LLMEngine
+from lockstep.outputs import OutputKind
 from lockstep.sampling_params import SamplingParams
 
 
@@ -119,7 +120,7 @@ def test_the_floor_temperature_of_the_issue_is_greedy(engine: LLMEngine) -> None
 def test_delta_outputs_add_up_to_the_whole_output(engine: LLMEngine) -> None:
     params = SamplingParams(temperature=0.8, seed=9, max_tokens=7, ignore_eos=True, logprobs=1)
     whole = _run(engine, {"whole": ([3, 4, 5], params)})["whole"]
-    engine.add_request("delta", [3, 4, 5], params, deltas=True)
+    engine.add_request("delta", [3, 4, 5], params, output_kind=OutputKind.DELTA)
     pieces = []
     while engine.has_unfinished_requests():
         pieces += engine.step()
@@ -128,6 +129,20 @@ def test_delta_outputs_add_up_to_the_whole_output(engine: LLMEngine) -> None:
     assert sum((p.token_logprobs for p in pieces), []) == whole.token_logprobs
     assert sum((p.logprobs for p in pieces), []) == whole.logprobs
     assert pieces[-1].text == whole.text and pieces[-1].finish_reason == "length"
+
+
+def test_a_final_only_request_reports_once_when_it_ends(engine: LLMEngine) -> None:
+    params = SamplingParams(temperature=0.8, seed=9, max_tokens=7, ignore_eos=True, logprobs=1)
+    whole = _run(engine, {"whole": ([3, 4, 5], params)})["whole"]
+    engine.add_request("final", [3, 4, 5], params, output_kind=OutputKind.FINAL_ONLY)
+    engine.add_request("each", [6, 7], params)  # a cumulative neighbour still reports every step
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = [o for o in outputs if o.request_id == "final"]
+    assert len(final) == 1 and final[0].finished
+    assert _bits(final[0]) == _bits(whole) and final[0].logprobs == whole.logprobs
+    assert len([o for o in outputs if o.request_id == "each"]) == 7
 
 
 def test_a_long_prompt_never_stalls_decodes_for_more_than_one_chunk(tiny_model_dir: Path) -> None:
