@@ -142,7 +142,12 @@ def test_prompts_come_from_the_seed(tiny_model_dir: Path, monkeypatch: pytest.Mo
     llm = LLM(str(tiny_model_dir), device="cpu")
     sent: list[list[int]] = []
     add = llm.engine.add_request
-    monkeypatch.setattr(llm.engine, "add_request", lambda rid, ids, params, **kw: (sent.append(ids), add(rid, ids, params, **kw)))
+
+    def record(rid, ids, params, **kwargs):
+        sent.append(ids)
+        return add(rid, ids, params, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "add_request", record)
 
     def prompts(seed: int) -> list[list[int]]:
         sent.clear()

@@ -5,6 +5,7 @@ prefix-cache hit, after preemption, and equal to what a fresh prefill of the sam
 from pathlib import Path
 
 import pytest
+import torch
 from test_llm import (
     BLOCK,
     MATRIX,
@@ -18,6 +19,7 @@ from test_llm import (
     run_mixed,
     run_preempted,
 )
+from tiny_models import save_tiny_moe
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +71,23 @@ def test_moe_default_kernels_follow_the_batch(tiny_moe_dir: Path) -> None:
     alone = [bits(llm.generate([p], s, use_tqdm=False)[0]) for p, s in zip(TARGET_PROMPTS, TARGET_PARAMS, strict=True)]
     batched = [bits(o) for o in run_mixed(make_llm(tiny_moe_dir, kernels="default"), 31, 1)]
     assert batched != alone
+
+
+def test_a_transformers_state_dict_syncs_into_the_engine(tiny_moe_dir: Path, tmp_path: Path) -> None:
+    # An RL trainer on transformers 5 holds the experts fused (mlp.experts.gate_up_proj [E, 2I, H], down_proj
+    # [E, H, I]; Mixtral's router under mlp.gate): load_weights takes its state_dict as it is, and the engine then
+    # answers like a fresh engine on the checkpoint those weights came from.
+    import transformers
+
+    arch = "qwen3_moe" if "qwen3_moe" in tiny_moe_dir.name else "mixtral"
+    other = save_tiny_moe(tmp_path / "other", arch, seed=5)
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
+    state = trainer.state_dict()
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)  # the fused layout this is about
+    llm = make_llm(tiny_moe_dir)
+    loaded = llm.load_weights(state)
+    assert any(".experts.0." in name for name in loaded)
+    prompt, params = TARGET_PROMPTS[1], TARGET_PARAMS[1]
+    synced = bits(llm.generate([prompt], params, use_tqdm=False)[0])
+    assert synced == bits(make_llm(other).generate([prompt], params, use_tqdm=False)[0])
+    assert synced != bits(make_llm(tiny_moe_dir).generate([prompt], params, use_tqdm=False)[0])  # it changed

@@ -192,14 +192,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-        """Copy checkpoint tensors (Hugging Face names, any dtype/device) into the model; returns the names loaded.
+        """Copy checkpoint tensors (Hugging Face names, any dtype/device; a transformers 5 MoE's fused expert
+        tensors too) into the model; returns the names loaded (the per-expert names for fused tensors).
 
         Raises ValueError for an unknown name or a wrong shape before anything is copied. Under tensor parallelism
         the tensors are whole checkpoint tensors: rank 0 broadcasts each one and every rank keeps its slice.
         """
         slots = self.model.checkpoint_tensors()
         shards = self.model.checkpoint_shards()
-        items = list(weights.items() if isinstance(weights, Mapping) else weights)
+        items = list(self.model.released_names(weights.items() if isinstance(weights, Mapping) else weights))
         tied = self.model.config.tie_word_embeddings
         todo = []
         for name, tensor in items:

@@ -47,6 +47,30 @@ QWEN3_MOE_NAMES = ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down=
 MIXTRAL_NAMES = ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
 
 
+def per_expert_tensors(name: str, tensor: torch.Tensor, names: ExpertNames) -> list[tuple[str, torch.Tensor]] | None:
+    """transformers 5 keeps a model's experts fused in memory, so its ``state_dict()`` (what an RL trainer syncs
+    into the engine) names them ``{layer}.mlp.experts.gate_up_proj`` (``[E, 2I, H]``, gate rows first) and
+    ``{layer}.mlp.experts.down_proj`` (``[E, H, I]``), and Mixtral's router ``{layer}.mlp.gate.weight``; its
+    ``save_pretrained`` writes the released per-expert names. The released names of one such tensor's parts (views),
+    or None for a name that is not a fused one."""
+    layer, _, leaf = name.rpartition(".mlp.")
+    if not layer:
+        return None
+    block = f"{layer}.{names.block}"
+    if leaf == "gate.weight":
+        return None if names.block == "mlp" else [(f"{block}.gate.weight", tensor)]
+    if leaf not in ("experts.gate_up_proj", "experts.down_proj") or tensor.dim() != 3:
+        return None
+    if leaf == "experts.down_proj":
+        return [(f"{block}.experts.{e}.{names.down}.weight", tensor[e]) for e in range(tensor.shape[0])]
+    i = tensor.shape[1] // 2
+    return [
+        (f"{block}.experts.{e}.{proj}.weight", part)
+        for e in range(tensor.shape[0])
+        for proj, part in ((names.gate, tensor[e, :i]), (names.up, tensor[e, i:]))
+    ]
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(
         self,

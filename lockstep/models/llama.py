@@ -19,6 +19,7 @@ parallelism"). With ``tp_invariant`` the row-parallel layers (and the experts' d
 the chunk tree, so the logits have the same bits at every N, one process included.
 """
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from lockstep.layers.attention import Attention, AttentionMetadata
 from lockstep.layers.embedding import LMHead, VocabEmbedding
 from lockstep.layers.kernels import Kernels, get_kernels
 from lockstep.layers.linear import Linear, RowParallelLinear
-from lockstep.layers.moe import MIXTRAL_NAMES, QWEN3_MOE_NAMES, SparseMoeBlock
+from lockstep.layers.moe import MIXTRAL_NAMES, QWEN3_MOE_NAMES, SparseMoeBlock, per_expert_tensors
 from lockstep.layers.norm import RMSNorm
 from lockstep.layers.rotary import ROPE_TYPES, RotaryEmbedding
 
@@ -455,6 +456,14 @@ class LlamaForCausalLM(nn.Module):
         Under tensor parallelism each entry takes the slice ``checkpoint_shards()`` names.
         """
         return {name: dest for name, dest, _ in self._checkpoint_entries()}
+
+    def released_names(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` pairs in released checkpoint names: transformers 5's fused expert tensors
+        (``layers.moe.per_expert_tensors``) become one pair per expert matrix; every other pair passes unchanged."""
+        names = _EXPERT_NAMES.get(self.config.architecture)
+        for name, tensor in items:
+            parts = None if names is None else per_expert_tensors(name, tensor, names)
+            yield from [(name, tensor)] if parts is None else parts
 
     def checkpoint_shards(self) -> dict[str, Shard]:
         """The slice of each checkpoint tensor this rank holds, for the tensors a rank holds only part of."""
