@@ -151,7 +151,7 @@ def test_negative_control_one_process_without_the_tree_differs(tp1: dict, tiny_m
     assert [r[0][:3] for r in ordinary] == [r[0][:3] for r in tp1["matrix"]["alone"]]  # and not another model
 
 
-def _as_bits(xs) -> list[bytes]:
+def as_float_bits(xs) -> list[bytes]:
     return [struct.pack("<f", x) for x in xs]
 
 
@@ -162,7 +162,10 @@ def test_a_one_process_trainer_reproduces_the_tp_sampler(tp: tuple[int, dict], t
     policy = load_policy(tiny_model_dir, tp_invariant=tree)
     completions = [tokens for tokens, _ in samples]
     lps = token_logprobs(policy, RL_PROMPTS, completions, micro_batch_size=2)
-    same = [_as_bits(lp.detach().tolist()) == _as_bits(sampled) for lp, (_, sampled) in zip(lps, samples, strict=True)]
+    same = [
+        as_float_bits(lp.detach().tolist()) == as_float_bits(sampled)
+        for lp, (_, sampled) in zip(lps, samples, strict=True)
+    ]
     if tree:
         assert all(same), f"TP {size}: sequences {[i for i, s in enumerate(same) if not s]} differ"
         # ... and the gradient reaches the tree's weights.

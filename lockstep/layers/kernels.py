@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from lockstep import ops
 from lockstep.layers import torch_kernels
 from lockstep.layers.activation import silu_and_mul
+from lockstep.ops import moe as moe_ops
 from lockstep.ops import tp_linear
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ class Kernels:
       [n, k])``, the top k experts of each token by softmax probability (``ops.moe.route``).
     - ``moe_experts(x, w13, w2, weights, ids)``: the routed expert MLPs combined by their weights, ``x: [n, H]``,
       ``w13: [E, 2I, H]``, ``w2: [E, H, I]`` -> ``[n, H]`` (``ops.moe.experts``). None in a set without MoE.
+    - ``moe_experts_tree(x, w13, w2, weights, ids)``: ``moe_experts`` with each down projection through the chunk
+      tree (``ops.moe.experts_tree``), the TP-invariant numerics in one process; like ``tree_linear``, the same for
+      every set but the RL trainer's.
 
     ``batch_invariant`` says whether the set keeps the contract (a row's bits never depend on its batch);
     ``capturable`` whether a decode forward on it can be captured in a CUDA graph (no host syncs, a launch grid
@@ -69,6 +73,7 @@ class Kernels:
     tree_linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = tp_linear.tree_linear
     moe_route: Callable[[Tensor, int, bool], tuple[Tensor, Tensor]] | None = None
     moe_experts: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
+    moe_experts_tree: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] = moe_ops.experts_tree
 
 
 def _invariant_attention(  # adapts ops.paged_attention to the metadata object

@@ -117,13 +117,12 @@ class SparseMoeBlock(nn.Module):
         # x: [num_tokens, hidden] -> router logits [num_tokens, E] (model dtype, as HF) -> [num_tokens, hidden]
         logits = self.gate(x)
         weights, ids = self.kernels.moe_route(logits, self.top_k, self.renormalize)  # [num_tokens, k] each
+        if self.tree and self.tp.size == 1:
+            return self.kernels.moe_experts_tree(x, self.w13, self.w2, weights, ids)  # with autograd: RL
         if self.tree:
-            if torch.is_grad_enabled() and (self.w2.requires_grad or x.requires_grad):
-                raise NotImplementedError("the MoE chunk tree (tp_invariant=True) has no backward: train without it")
             # roots: [P, H] fp32, one per routed pair (sorted rows), this rank's subtree then the whole tree.
             roots, rows = moe_ops.down_roots(x, self.w13, self.w2, ids, tp_linear.CHUNKS // self.tp.size)
-            if self.tp.size > 1:
-                roots = tp_linear.tree_reduce(self.tp.all_gather(roots))
+            roots = tp_linear.tree_reduce(self.tp.all_gather(roots))
             return moe_ops.combine(roots.to(x.dtype), weights.float(), rows)
         return self.tp.all_reduce(self.kernels.moe_experts(x, self.w13, self.w2, weights, ids))  # no-op at N = 1
 

@@ -12,8 +12,9 @@ deterministic run to run and use no atomics:
   framework does.
 - ``moe_route``: the gradient of the chosen experts' (renormalised) softmax probabilities in fp32 into the
   router logits; the choice itself is piecewise constant.
-- ``moe_experts``: recomputed in fp32 with plain torch ops (``ops.moe.experts_reference``) and differentiated by
-  autograd, as the trainer's attention backward does (``rl/attention.py``).
+- ``moe_experts`` and ``moe_experts_tree`` (the chunk tree over each expert's down projection, which orders the
+  forward's sum only): recomputed in fp32 with plain torch ops (``ops.moe.experts_reference``) and
+  differentiated by autograd, as the trainer's attention backward does (``rl/attention.py``).
 
 Only the forward carries the bitwise contract; a backward's bits may follow the batch (its column sums run over
 the tokens of the micro-batch), but never the run.
@@ -25,12 +26,13 @@ from lockstep.ops.matmul import linear as _linear
 from lockstep.ops.matmul import mm
 from lockstep.ops.moe import experts as _moe_experts
 from lockstep.ops.moe import experts_reference as _moe_experts_reference
+from lockstep.ops.moe import experts_tree as _moe_experts_tree
 from lockstep.ops.moe import route as _moe_route
 from lockstep.ops.rms_norm import rms_norm as _rms_norm
 from lockstep.ops.softmax import log_softmax as _log_softmax
 from lockstep.ops.tp_linear import tree_linear as _tree_linear
 
-__all__ = ["linear", "log_softmax", "moe_experts", "moe_route", "rms_norm", "tree_linear"]
+__all__ = ["linear", "log_softmax", "moe_experts", "moe_experts_tree", "moe_route", "rms_norm", "tree_linear"]
 
 
 class _Linear(torch.autograd.Function):
@@ -154,17 +156,35 @@ class _MoEExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, w13, w2, weights, ids = ctx.saved_tensors
-        inputs = [t.detach().float().requires_grad_() for t in (x, w13, w2, weights)]
-        with torch.enable_grad():
-            out = _moe_experts_reference(*inputs, ids)
-        wanted = [i for i in range(4) if ctx.needs_input_grad[i]]
-        grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad.float(), allow_unused=True)
-        result: list[torch.Tensor | None] = [None] * 5
-        originals = (x, w13, w2, weights)
-        for i, g in zip(wanted, grads, strict=True):
-            result[i] = torch.zeros_like(originals[i]) if g is None else g.to(originals[i].dtype)
-        return tuple(result)
+        return _moe_experts_backward(ctx, grad)
+
+
+class _MoEExpertsTree(torch.autograd.Function):
+    """The chunk-tree experts' forward (``ops.moe.experts_tree``); the gradient is the experts' own."""
+
+    @staticmethod
+    def forward(ctx, x, w13, w2, weights, ids):
+        ctx.save_for_backward(x, w13, w2, weights, ids)
+        return _moe_experts_tree(x, w13, w2, weights, ids)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _moe_experts_backward(ctx, grad)
+
+
+def _moe_experts_backward(ctx, grad: torch.Tensor):
+    """The gradients of the routed experts' combined output, recomputed in fp32 from the saved inputs."""
+    x, w13, w2, weights, ids = ctx.saved_tensors
+    inputs = [t.detach().float().requires_grad_() for t in (x, w13, w2, weights)]
+    with torch.enable_grad():
+        out = _moe_experts_reference(*inputs, ids)
+    wanted = [i for i in range(4) if ctx.needs_input_grad[i]]
+    grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad.float(), allow_unused=True)
+    result: list[torch.Tensor | None] = [None] * 5
+    originals = (x, w13, w2, weights)
+    for i, g in zip(wanted, grads, strict=True):
+        result[i] = torch.zeros_like(originals[i]) if g is None else g.to(originals[i].dtype)
+    return tuple(result)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +197,13 @@ def moe_experts(
 ) -> torch.Tensor:
     """``ops.moe.experts`` with autograd into ``x``, the expert weights and the routing weights."""
     return _MoEExperts.apply(x, w13, w2, weights, ids)
+
+
+def moe_experts_tree(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """``ops.moe.experts_tree`` (the tensor-parallel-invariant numerics in one process) with autograd."""
+    return _MoEExpertsTree.apply(x, w13, w2, weights, ids)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

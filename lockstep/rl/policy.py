@@ -82,6 +82,7 @@ TRAINABLE = Kernels(
     tree_linear=autograd.tree_linear,
     moe_route=autograd.moe_route,
     moe_experts=autograd.moe_experts,
+    moe_experts_tree=autograd.moe_experts_tree,
 )
 
 
