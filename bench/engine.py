@@ -82,6 +82,9 @@ QWEN3_8B = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
     tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
 )  # fmt: skip
+# Qwen3-32B: a model that needs several GPUs at long context (65.5 GB of bf16 weights).
+QWEN3_32B = dict(QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                 num_key_value_heads=8)  # fmt: skip
 SMOLLM2_135M = dict(
     arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,

@@ -1,6 +1,7 @@
 """Tensor parallelism on several GPUs: the same bits at every TP size, and what each size costs.
 
-    python bench/tp.py --layers 36 --sizes 1,2                # nvidia-h200-x2
+    python bench/tp.py --sizes 1,2                            # nvidia-h200-x2, the Qwen3-8B shape
+    python bench/tp.py --model qwen3-32b --sizes 1,4 --only "tp4,tp4 fast"   # nvidia-h200-x4
     python bench/tp.py --smoke                                 # tiny shapes on the CPU (gloo), < 1 min
 
 Builds a random-weight Qwen3-8B-shaped checkpoint (bench/engine.py's ``build_checkpoint``) and runs each
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import QWEN3_8B, QWEN3_TINY, bits, build_checkpoint  # noqa: E402
+from engine import QWEN3_8B, QWEN3_32B, QWEN3_TINY, bits, build_checkpoint  # noqa: E402
 
 from lockstep import LLM, SamplingParams  # noqa: E402
 
@@ -142,7 +143,8 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
-    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--model", choices=["qwen3-8b", "qwen3-32b"], default="qwen3-8b", help="the random model's shape")
+    ap.add_argument("--layers", type=int, default=None, help="cut the model's depth (default: all its layers)")
     ap.add_argument("--sizes", default="1,2", help="TP sizes (comma list; 1 always runs)")
     ap.add_argument("--targets", type=int, default=4)
     ap.add_argument("--crowd", type=int, default=60)
@@ -159,7 +161,8 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     if args.smoke:
         args.num_requests, args.input_len, args.output_len, args.crowd = 8, 32, 8, 6
-    shape, layers = (QWEN3_8B, args.layers) if not args.smoke else (QWEN3_TINY, None)
+    full = {"qwen3-8b": QWEN3_8B, "qwen3-32b": QWEN3_32B}[args.model]
+    shape, layers = (full, args.layers) if not args.smoke else (QWEN3_TINY, None)
     folder = Path(tempfile.mkdtemp(prefix="lockstep-tp-"))
     info = build_checkpoint(folder, shape, layers, device)
     vocab = shape["vocab_size"]
