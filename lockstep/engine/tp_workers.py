@@ -49,7 +49,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 # How long stopping waits for a worker to leave before killing it, and how long a failure waits to see which
 # worker died (a collective that failed because a peer crashed returns about when the peer's process ends).
 STOP_TIMEOUT = 10.0
-LEAVE_TIMEOUT = 15.0  # how long close() waits for this process to leave the group
+LEAVE_TIMEOUT = 10.0  # how long close() waits for this process to leave the group
 DEATH_GRACE = 3.0
 
 
@@ -299,7 +299,11 @@ def _worker_main(
             reports.send(("failed", traceback.format_exc()))
         finally:
             os._exit(1)  # without tearing down a group whose peers may be gone (that can hang)
-    destroy_tp_group(abort=device.type == "cuda")  # rank 0 stopped us: nothing is pending
+    if device.type == "cuda":
+        # Leaving an NCCL group has hung after full engine runs (docs/design.md, "Tensor parallelism"), and this
+        # process ends here anyway: exit at once instead of making the driver wait STOP_TIMEOUT to kill it.
+        os._exit(0)
+    destroy_tp_group()  # rank 0 stopped us: nothing is pending
 
 
 def _exit_without_driver(lifeline: Connection) -> None:
