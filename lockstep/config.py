@@ -124,11 +124,6 @@ class EngineConfig:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         self._resolve_kernels()
         self._resolve_tp()
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"async_scheduling with tensor_parallel_size={self.tensor_parallel_size}: the other ranks take a "
-                "step's input token ids from rank 0's control message, which the overlapped step does not have yet"
-            )
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_model_len is not None and self.num_kv_blocks is not None:

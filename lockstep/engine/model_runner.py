@@ -64,32 +64,37 @@ class ForwardStep:
     """One forward, as every rank runs it: the flattened batch (without block tables), what it does to the block
     tables each rank keeps on its device, the groups of its hidden rows that go through the LM head (one
     ``compute_logits`` call each, in order: the collectives inside must line up on every rank), and whether a
-    decode step may replay a CUDA graph."""
+    decode step may replay a CUDA graph. ``fed`` (async scheduling): the input rows that take the previous step's
+    sampled tokens, ``(rows, sample indices, number of samples)``; rank 0 broadcasts those samples on the model's
+    group right after the message (``ModelRunner.launch``)."""
 
     flat: FlatBatch
     tables: TableUpdate
     logit_rows: list[list[int]]
     use_graphs: bool
+    fed: tuple[list[int], list[int], int] | None = None
 
     def encode(self) -> torch.Tensor:
-        """The control message: ``[STEP, num_tokens, num_seqs, num_table_entries, use_graphs, num_groups,
-        *group_sizes]``, then the flat batch's lists, the table update's and the groups, concatenated."""
+        """The control message: ``[STEP, num_tokens, num_seqs, num_table_entries, use_graphs, num_fed,
+        num_samples, num_groups, *group_sizes]``, then the flat batch's lists, the table update's, the fed rows'
+        and the groups, concatenated."""
         f, t = self.flat, self.tables
-        header = [STEP, f.num_tokens, len(f.seq_lens), len(t.rows), int(self.use_graphs), len(self.logit_rows)]
-        header += [len(rows) for rows in self.logit_rows]
+        dst, src, num_samples = self.fed if self.fed is not None else ([], [], 0)
+        header = [STEP, f.num_tokens, len(f.seq_lens), len(t.rows), int(self.use_graphs), len(dst), num_samples]
+        header += [len(self.logit_rows)] + [len(rows) for rows in self.logit_rows]
         rows = [r for group in self.logit_rows for r in group]
         values = header + f.input_ids + f.positions + f.slot_mapping + f.seq_lens + f.query_start_loc
-        values += t.picks + t.rows + t.cols + t.values + rows
+        values += t.picks + t.rows + t.cols + t.values + dst + src + rows
         return torch.tensor(values, dtype=torch.int64)
 
     @classmethod
     def decode(cls, message: torch.Tensor) -> "ForwardStep":
         values = message.tolist()
-        op, num_tokens, num_seqs, num_entries, use_graphs, num_groups = values[:6]
+        op, num_tokens, num_seqs, num_entries, use_graphs, num_fed, num_samples, num_groups = values[:8]
         if op != STEP:
             raise ValueError(f"not a step message (op {op})")
-        sizes = values[6 : 6 + num_groups]
-        at = 6 + num_groups
+        sizes = values[8 : 8 + num_groups]
+        at = 8 + num_groups
 
         def take(n: int) -> list[int]:
             nonlocal at
@@ -99,11 +104,12 @@ class ForwardStep:
         input_ids, positions, slot_mapping = take(num_tokens), take(num_tokens), take(num_tokens)
         seq_lens, query_start_loc = take(num_seqs), take(num_seqs + 1)
         tables = TableUpdate(take(num_seqs), take(num_entries), take(num_entries), take(num_entries))
+        fed = (take(num_fed), take(num_fed), num_samples) if num_fed else None
         logit_rows = [take(n) for n in sizes]
         if at != len(values):
             raise ValueError(f"a step message of {len(values)} values holds {at}")
         flat = FlatBatch(input_ids, positions, slot_mapping, [], seq_lens, query_start_loc)
-        return cls(flat, tables, logit_rows, bool(use_graphs))
+        return cls(flat, tables, logit_rows, bool(use_graphs), fed)
 
 
 class ModelRunner:
@@ -257,12 +263,18 @@ class ModelRunner:
         prompt = self._prompt_logprob_rows(batch, flat.query_start_loc)
         groups = [prompt.rows[j : j + PROMPT_LOGPROB_ROWS] for j in range(0, len(prompt.rows), PROMPT_LOGPROB_ROWS)]
         samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
-        step = ForwardStep(flat, tables, groups + ([[row for _, row in samplers]] if samplers else []), self.use_graphs)
         fed = feed.plan([e.seq for e in entries], flat.query_start_loc, flat.input_ids) if feed is not None else None
+        step = ForwardStep(
+            flat,
+            tables,
+            groups + ([[row for _, row in samplers]] if samplers else []),
+            self.use_graphs,
+            None if fed is None else (fed.dst, fed.src, len(fed.tokens)),
+        )
         if self.channel is not None:
-            if fed is not None:  # EngineConfig rejects this combination; a guard against a silent wrong input
-                raise RuntimeError("a fed step cannot run under tensor parallelism: the other ranks need its ids")
             self.channel.send(step.encode())
+            if fed is not None:  # the other ranks' fed rows need the samples: on the device, no host sync
+                self.tp.broadcast(fed.tokens.contiguous())
         logits = self.execute(step, fed)
         self._prompt_logprobs(batch, prompt, logits[: len(groups)])
         if not samplers:
@@ -311,7 +323,14 @@ class ModelRunner:
             message = self.channel.recv()
             op = int(message[0])
             if op == STEP:
-                self.execute(ForwardStep.decode(message))
+                step = ForwardStep.decode(message)
+                fed = None
+                if step.fed is not None:  # rank 0's samples of the previous step (launch)
+                    dst, src, num_samples = step.fed
+                    fed = FedRows(
+                        dst, src, self.tp.broadcast(torch.empty(num_samples, dtype=torch.int64, device=self.device))
+                    )
+                self.execute(step, fed)
             elif op == WEIGHTS:
                 self._receive_weights()
             elif op == STOP:
