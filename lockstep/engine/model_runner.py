@@ -324,13 +324,7 @@ class ModelRunner:
             op = int(message[0])
             if op == STEP:
                 step = ForwardStep.decode(message)
-                fed = None
-                if step.fed is not None:  # rank 0's samples of the previous step (launch)
-                    dst, src, num_samples = step.fed
-                    fed = FedRows(
-                        dst, src, self.tp.broadcast(torch.empty(num_samples, dtype=torch.int64, device=self.device))
-                    )
-                self.execute(step, fed)
+                self.execute(step, self._receive_fed(step))
             elif op == WEIGHTS:
                 self._receive_weights()
             elif op == STOP:
@@ -338,6 +332,14 @@ class ModelRunner:
                 return
             else:
                 raise RuntimeError(f"unknown control message {op} from rank 0")
+
+    def _receive_fed(self, step: ForwardStep) -> FedRows | None:
+        """Ranks > 0: a fed step's rows, with rank 0's samples of the previous step (``launch`` broadcasts them)."""
+        if step.fed is None:
+            return None
+        dst, src, num_samples = step.fed
+        tokens = torch.empty(num_samples, dtype=torch.int64, device=self.device)
+        return FedRows(dst, src, self.tp.broadcast(tokens))
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks' ``serve`` to return; this rank runs no more steps either."""
