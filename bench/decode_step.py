@@ -130,7 +130,7 @@ def main() -> None:
     device = torch.device("cuda")
     batches = [int(b) for b in args.batches.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="lockstep-decode-"))
-    build_checkpoint(workdir, QWEN3_8B, args.layers, device)
+    build_checkpoint(workdir, QWEN3_8B, args.layers, device, weights=False)  # load_format="dummy"
     bandwidth = copy_bandwidth(device)
     rows, report = [], {"args": vars(args), "copy_bandwidth": bandwidth, "results": []}
     for mode in args.modes.split(","):
@@ -138,7 +138,7 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(
             str(workdir), kernels=mode, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
-            max_model_len=4096, enable_prefix_caching=False, gpu_memory_utilization=0.85,
+            max_model_len=4096, enable_prefix_caching=False, gpu_memory_utilization=0.85, load_format="dummy",
         )  # fmt: skip
         startup = time.perf_counter() - t0
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())

@@ -114,8 +114,12 @@ def save_tokenizer(folder: Path, vocab_size: int, eos: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>", eos_token=f"<{eos}>").save_pretrained(folder)
 
 
-def build_checkpoint(folder: Path, shape: dict, layers: int | None, device: torch.device, seed: int = 0) -> dict:
-    """Save a random-weight bf16 HF checkpoint of ``shape`` (depth cut to ``layers``) and a tokenizer."""
+def build_checkpoint(
+    folder: Path, shape: dict, layers: int | None, device: torch.device, seed: int = 0, weights: bool = True
+) -> dict:
+    """Save a random-weight bf16 HF checkpoint of ``shape`` (depth cut to ``layers``) and a tokenizer. Without
+    ``weights``, config.json and the tokenizer only: for ``LLM(..., load_format="dummy")``, which draws the weights
+    itself (minutes less on a 16-65 GB model)."""
     import transformers
 
     kwargs = {k: v for k, v in shape.items() if k != "arch"}
@@ -126,8 +130,16 @@ def build_checkpoint(folder: Path, shape: dict, layers: int | None, device: torc
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     }[shape["arch"]]
     config = cls_config(**kwargs)
-    with torch.device(device):
+    with torch.device(device if weights else "meta"):
         model = cls_model._from_config(config, dtype=torch.bfloat16).eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    info = {"params": num_params, "num_hidden_layers": kwargs["num_hidden_layers"], "weight_bytes": 2 * num_params}
+    save_tokenizer(folder, kwargs["vocab_size"], kwargs["eos_token_id"])
+    if not weights:
+        config.architectures = [cls_model.__name__]
+        config.dtype = torch.bfloat16
+        config.save_pretrained(folder)
+        return info | {"load_format": "dummy"}
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -135,14 +147,12 @@ def build_checkpoint(folder: Path, shape: dict, layers: int | None, device: torc
             # Norm weights near 1, matrices with fan-in scaling: logits of order 1, no degenerate ties.
             p.copy_(1.0 + 0.1 * noise if "norm" in name else noise / p.shape[-1] ** 0.5)
             del noise
-    num_params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(folder)
     del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    save_tokenizer(folder, kwargs["vocab_size"], kwargs["eos_token_id"])
-    return {"params": num_params, "num_hidden_layers": kwargs["num_hidden_layers"]}
+    return info | {"load_format": "auto"}
 
 
 # -- comparing outputs -------------------------------------------------------------------------------------------
@@ -657,7 +667,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     )
 
 
-def kv_blocks(folder: Path, cfg: dict, plan: Plan, long_len: int, max_model_len: int, device: torch.device) -> int:
+def kv_blocks(weight_bytes: int, cfg: dict, plan: Plan, long_len: int, max_model_len: int, device: torch.device) -> int:
     tokens = max(
         max(plan.batch_sizes) * (plan.other_prompt_max + plan.other_out_max)
         + 3 * (max(plan.target_lens) + plan.target_out),
@@ -669,9 +679,8 @@ def kv_blocks(folder: Path, cfg: dict, plan: Plan, long_len: int, max_model_len:
     floor = math.ceil(max_model_len / BLOCK) + 1
     if device.type == "cuda":
         per_block = 2 * cfg["num_hidden_layers"] * BLOCK * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
-        weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         free, _ = torch.cuda.mem_get_info(device)
-        cap = int(0.9 * (free - weights - (8 << 30)) / per_block)
+        cap = int(0.9 * (free - weight_bytes - (8 << 30)) / per_block)
         need = min(need, max(cap, floor))
     return max(need, floor)
 
@@ -701,6 +710,10 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="default: cuda if available (else cpu)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workdir", default=None, help="where to write the checkpoints (default: a temp dir, removed)")
+    ap.add_argument(
+        "--load-format", default="dummy", choices=["dummy", "auto"],
+        help="dummy (default): config.json only, weights drawn by the engine; auto: write and read a checkpoint",
+    )  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="JSON folder or .json path (default $OUT or .)")
     args = ap.parse_args()
 
@@ -759,7 +772,7 @@ def main() -> None:
             name, shape, layers = shapes[key]
             t0 = time.perf_counter()
             folder = workdir / name
-            info = build_checkpoint(folder, shape, layers, device)
+            info = build_checkpoint(folder, shape, layers, device, weights=args.load_format != "dummy")
             info.update(full_layers=shape["num_hidden_layers"], build_s=round(time.perf_counter() - t0, 1))
             report["models"][name] = info
             folders[name] = (folder, shape, info)
@@ -793,7 +806,7 @@ def main() -> None:
                 + BLOCK,
             )
             cfg = {**shape, "num_hidden_layers": info["num_hidden_layers"]}
-            blocks = kv_blocks(folder, cfg, plan, long_len, max_model_len, device)
+            blocks = kv_blocks(info["weight_bytes"], cfg, plan, long_len, max_model_len, device)
             print(
                 f"[{name} | {mode}] {blocks} KV blocks, max_model_len "
                 f"{max_model_len}, section ends at {section_end - START:.0f} s",
@@ -810,6 +823,7 @@ def main() -> None:
                 max_model_len=max_model_len,
                 max_num_batched_tokens=plan.large_budget,
                 seed=0,
+                load_format=args.load_format,
             )
             print(f"    loaded in {time.perf_counter() - t0:.1f} s", flush=True)
             if not args.no_matrix:

@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     workdir = Path(tempfile.mkdtemp(prefix="lockstep-profile-"))
-    build_checkpoint(workdir, QWEN3_8B, args.layers, device)
+    build_checkpoint(workdir, QWEN3_8B, args.layers, device, weights=False)  # load_format="dummy"
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100_000) for _ in range(args.input_len)] for _ in range(args.batch)]
     for mode in args.modes.split(","):
@@ -51,7 +51,7 @@ def main() -> None:
         llm = LLM(
             str(workdir), kernels=mode, device=str(device), dtype="bfloat16",
             max_num_seqs=args.batch, num_kv_blocks=args.batch * (seq_len // 16 + 1) + 64,
-            max_model_len=seq_len + 16, enable_prefix_caching=False,
+            max_model_len=seq_len + 16, enable_prefix_caching=False, load_format="dummy",
         )  # fmt: skip
         params = SamplingParams(temperature=0.0, max_tokens=seq_len - args.input_len, ignore_eos=True)
         llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)

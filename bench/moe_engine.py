@@ -110,10 +110,12 @@ def layer_tensors(shape: dict, i: int, gen: torch.Generator, device: torch.devic
     return out
 
 
-def build_checkpoint(folder: Path, shape: dict, layers: int, device: torch.device, seed: int = 0) -> dict:
+def build_checkpoint(
+    folder: Path, shape: dict, layers: int, device: torch.device, seed: int = 0, weights: bool = True
+) -> dict:
     """Write a random-weight Qwen3-MoE checkpoint of ``shape`` cut to ``layers`` layers: config.json, one
     safetensors shard per layer (plus one for the embeddings and head) with an index, and a tokenizer. Only one
-    layer is ever in memory."""
+    layer is ever in memory. Without ``weights``, config.json and the tokenizer only (``load_format="dummy"``)."""
     import transformers
     from safetensors.torch import save_file
 
@@ -123,6 +125,11 @@ def build_checkpoint(folder: Path, shape: dict, layers: int, device: torch.devic
     config.architectures = ["Qwen3MoeForCausalLM"]
     config.dtype = torch.bfloat16
     config.save_pretrained(folder)
+    if not weights:
+        save_tokenizer(folder, shape["vocab_size"], shape["eos_token_id"])
+        with torch.device("meta"):
+            params = sum(p.numel() for p in transformers.Qwen3MoeForCausalLM(config).parameters())
+        return {"params": params, "bytes": 2 * params, "num_hidden_layers": layers, "load_format": "dummy"}
     gen = torch.Generator(device=device).manual_seed(seed)
     h, vocab = shape["hidden_size"], shape["vocab_size"]
     shards = [
@@ -145,7 +152,7 @@ def build_checkpoint(folder: Path, shape: dict, layers: int, device: torch.devic
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     save_tokenizer(folder, vocab, shape["eos_token_id"])
-    return {"params": params, "bytes": total, "num_hidden_layers": layers}
+    return {"params": params, "bytes": total, "num_hidden_layers": layers, "load_format": "auto"}
 
 
 # -- the three measurements --------------------------------------------------------------------------------------
@@ -243,6 +250,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budget", type=float, default=None, help="seconds per mode for matrix + throughput")
     ap.add_argument("--device", default=None, help="default: cuda if available (else cpu)")
     ap.add_argument("--workdir", default=None, help="where to write the checkpoint (default: a temp dir, removed)")
+    ap.add_argument(
+        "--load-format", default="dummy", choices=["dummy", "auto"],
+        help="dummy (default): config.json only, weights drawn by the engine; auto: write and read a checkpoint",
+    )  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="JSON folder or .json path")
     args = ap.parse_args(argv)
 
@@ -272,14 +283,14 @@ def main(argv: list[str] | None = None) -> dict:
     folder = workdir / "qwen3-30b-a3b-shape"
     try:
         t0 = time.perf_counter()
-        report["model"] = build_checkpoint(folder, shape, layers, device)
+        report["model"] = build_checkpoint(folder, shape, layers, device, weights=args.load_format != "dummy")
         report["model"]["build_s"] = round(time.perf_counter() - t0, 1)
         print(f"built {folder}: {layers} layers, {report['model']['bytes'] / 1e9:.1f} GB, "
               f"{report['model']['build_s']} s", flush=True)  # fmt: skip
         cfg = {**shape, "num_hidden_layers": layers}
         max_model_len = max(plan.tp_in + plan.tp_out, max(plan.target_lens) + 2 * plan.target_out, 512) + BLOCK
         max_model_len = min(max_model_len, shape["max_position_embeddings"])
-        blocks = kv_blocks(folder, cfg, plan, plan.long_len, max_model_len, device)
+        blocks = kv_blocks(report["model"]["bytes"], cfg, plan, plan.long_len, max_model_len, device)
         for mode in modes:
             report["modes"][mode] = run_mode(mode, folder, args, plan, shape, device, blocks, max_model_len, budget)
             out_path.write_text(json.dumps(report, indent=1, default=str))
@@ -299,7 +310,7 @@ def run_mode(mode, folder, args, plan, shape, device, blocks, max_model_len, bud
     llm = LLM(
         model=str(folder), kernels=mode, device=str(device), dtype="bfloat16", block_size=BLOCK,
         num_kv_blocks=blocks, max_model_len=max_model_len, max_num_batched_tokens=max(plan.large_budget, 8192),
-        seed=0,
+        seed=0, load_format=args.load_format,
     )  # fmt: skip
     res: dict = {"load_s": round(time.perf_counter() - t0, 1), "kv_blocks": blocks, "decode": []}
     print(f"[{mode}] loaded in {res['load_s']} s, {blocks} KV blocks", flush=True)

@@ -125,7 +125,7 @@ def run_one(job_file: str) -> None:
     timer = watchdog(args.config_timeout, str(job["kwargs"]))
     t0 = time.perf_counter()
     llm = LLM(job["folder"], device=job["device"], dtype="bfloat16", max_num_seqs=max(args.num_requests, 64),
-              enable_prefix_caching=False, **job["kwargs"])  # fmt: skip
+              enable_prefix_caching=False, load_format=args.load_format, **job["kwargs"])  # fmt: skip
     run = {"startup_s": time.perf_counter() - t0, "bits": target_bits(llm, job["targets"], job["crowd"])}
     run["decode_ms"] = decode_step_ms(llm, 128, 32, job["vocab"], random.Random(1))
     if not args.no_throughput:
@@ -154,6 +154,10 @@ def main() -> None:
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--only", default="", help="run only these configurations (comma list of names)")
     ap.add_argument("--config-timeout", type=float, default=300, help="seconds before a stuck configuration dumps")
+    ap.add_argument(
+        "--load-format", default="dummy", choices=["dummy", "auto"],
+        help="dummy (default): config.json only, every rank draws the weights; auto: write and read a checkpoint",
+    )  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     sizes = sorted({1, *(int(s) for s in args.sizes.split(","))})
@@ -164,7 +168,7 @@ def main() -> None:
     full = {"qwen3-8b": QWEN3_8B, "qwen3-32b": QWEN3_32B}[args.model]
     shape, layers = (full, args.layers) if not args.smoke else (QWEN3_TINY, None)
     folder = Path(tempfile.mkdtemp(prefix="lockstep-tp-"))
-    info = build_checkpoint(folder, shape, layers, device)
+    info = build_checkpoint(folder, shape, layers, device, weights=args.load_format != "dummy")
     vocab = shape["vocab_size"]
     rng = random.Random(0)
     lengths = [7, 100, 513, 1500][: args.targets] if not args.smoke else [3, 17, 40][: args.targets]

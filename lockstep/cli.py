@@ -27,6 +27,10 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         "--tp-invariant", action="store_true",
         help="the chunk-tree reduction at --tensor-parallel-size 1 too: the bits every TP size gives",
     )  # fmt: skip
+    p.add_argument(
+        "--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+        help="dummy: random weights of config.json's shape, no checkpoint read (benchmarks)",
+    )  # fmt: skip
 
 
 def kernel_args(args: argparse.Namespace) -> dict:
@@ -35,7 +39,7 @@ def kernel_args(args: argparse.Namespace) -> dict:
     return {"kernels": args.kernels, "batch_invariant": invariant, "device": args.device, "dtype": args.dtype,
             "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling,
             "tensor_parallel_size": args.tensor_parallel_size,
-            "tp_invariant": True if args.tp_invariant else None}  # fmt: skip
+            "tp_invariant": True if args.tp_invariant else None, "load_format": args.load_format}  # fmt: skip
 
 
 def add_revision_arg(p: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # EngineConfig.load_format
 # A step's token budget when max_num_batched_tokens is None, by device type (at least max_num_seqs). A running
 # decode waits for at most one step, so one prefill chunk is the longest stall a long prompt can cause: on the
 # 2-core CPU machines 256 tokens of SmolLM2-135M take 4-15 s (the attention grows with the context), on an H200
@@ -85,6 +86,8 @@ class EngineConfig:
     # Sampling defaults for requests that leave them out (vLLM's): "auto" reads the model folder's
     # generation_config.json, "vllm" none, any other value is a folder whose generation_config.json to read.
     generation_config: str = "auto"
+    # "auto" reads the checkpoint's weights; "dummy" draws them at random from config.json's shape (benchmarks).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -122,6 +125,8 @@ class EngineConfig:
         _check_bool("async_scheduling", self.async_scheduling)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         self._resolve_kernels()
         self._resolve_tp()
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

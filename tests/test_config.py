@@ -21,6 +21,8 @@ def test_config_validation():
         EngineConfig(dtype="fp8")
     with pytest.raises(ValueError, match="enable_prefix_caching must be a bool"):
         EngineConfig(enable_prefix_caching="yes")
+    with pytest.raises(ValueError, match=r"load_format must be one of \('auto', 'safetensors', 'dummy'\), got 'pt'"):
+        EngineConfig(load_format="pt")
 
 
 def test_kernels_and_batch_invariant_resolve_to_one_kernel_set():

@@ -426,3 +426,16 @@ def test_embedded_model_batch_invariance(embedded_model_dir: Path) -> None:
         use_tqdm=False,
     )
     assert bits(batch[1]) == bits(alone)
+
+
+def test_load_format_dummy_serves_a_folder_without_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # vLLM's load_format="dummy": config.json and the tokenizer, random weights of that shape; the same each time.
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    outs = [make_llm(folder, load_format="dummy").generate(["hello"], params, use_tqdm=False)[0] for _ in range(2)]
+    assert bits(outs[0]) == bits(outs[1]) and len(outs[0].token_ids) == 6
+    assert bits(outs[0]) != bits(make_llm(tiny_model_dir).generate(["hello"], params, use_tqdm=False)[0])

@@ -150,6 +150,7 @@ class ModelRunner:
             max_model_len=config.max_model_len,
             tp=self.tp,
             tp_invariant=config.tp_invariant,
+            load_format=config.load_format,
         )
         limit = self.model.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:

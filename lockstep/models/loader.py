@@ -4,15 +4,20 @@
 Every failure names the file, and the tensor where there is one: a missing folder or file raises
 ``FileNotFoundError``; an unsupported architecture, unreadable JSON or safetensors, an unexpected, mis-shaped or
 missing tensor raises ``ValueError``. Pickled ``*.bin`` weights are never loaded.
+
+``load_format="dummy"`` (vLLM's name) reads ``config.json`` alone and draws the weights at random
+(``fill_random``): a model's shape without its checkpoint, for benchmarks.
 """
 
 import dataclasses
 import json
+import zlib
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from lockstep.config import LOAD_FORMATS
 from lockstep.distributed import TPGroup
 from lockstep.models.llama import LlamaForCausalLM, ModelConfig
 
@@ -133,13 +138,24 @@ def load_model(
     max_model_len: int | None = None,
     tp: TPGroup | None = None,
     tp_invariant: bool | None = None,
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
     """Build the model a checkpoint folder describes and load its weights, converted to ``dtype`` (default: the
     checkpoint's ``dtype``/``torch_dtype``), on the kernel set registered as ``kernels`` (``layers.kernels``).
+    ``load_format``: "auto" or "safetensors" reads the weights, "dummy" draws them (``fill_random``).
 
     Under tensor parallelism (``tp``, see ``LlamaForCausalLM``) only this rank's slice of each tensor is read."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     folder = _folder(path)
     config = read_config(folder)
+    if load_format == "dummy":
+        model = LlamaForCausalLM(
+            config, kernels=kernels, dtype=dtype, device=device, max_model_len=max_model_len, tp=tp,
+            tp_invariant=tp_invariant,
+        )  # fmt: skip
+        fill_random(model)
+        return model
     files = weight_files(folder)
     names_by_file = {file: _tensor_names(file) for file in files}
     all_names = {name for names in names_by_file.values() for name in names}
@@ -195,6 +211,24 @@ def load_model(
         shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{folder}: the checkpoint is missing tensor(s) {shown}")
     return model
+
+
+@torch.no_grad()
+def fill_random(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights in place of a checkpoint's. Each checkpoint tensor is drawn whole on the model's device from a
+    generator seeded by ``seed`` and its name, and each rank keeps its slice, so on one kind of device the model is
+    the same at every tensor-parallel size. Norm weights are 1 + 0.1 N(0, 1), every other tensor N(0, 1) over the
+    square root of its last dimension: logits of order one, without the ties of vLLM's tiny uniform values."""
+    shards = model.checkpoint_shards()
+    for name, dest in model.checkpoint_tensors().items():
+        shape = list(dest.shape)
+        shard = shards.get(name)
+        if shard is not None:
+            shape[shard.dim] = shard.full
+        gen = torch.Generator(device=dest.device).manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+        full = torch.randn(shape, generator=gen, device=dest.device)
+        full = 1.0 + 0.1 * full if "norm" in name else full / shape[-1] ** 0.5
+        dest.copy_(full if shard is None else full[shard.index()])
 
 
 def load_tokenizer(path: str | Path):

@@ -9,6 +9,7 @@ from paged_runner import PagedRunner
 from safetensors.torch import load_file, save_file
 from tiny_models import hf_logits, max_rel_err, save_tiny_hf
 
+from lockstep.distributed import TPGroup
 from lockstep.models.llama import ModelConfig
 from lockstep.models.loader import load_model, load_tokenizer, read_config
 
@@ -35,6 +36,13 @@ def _edit_config(folder, **changes) -> None:
     config = json.loads(path.read_text())
     config.update(changes)
     path.write_text(json.dumps(config))
+
+
+def _config_only(source, folder):
+    """A folder with ``source``'s config.json and nothing else."""
+    folder.mkdir()
+    shutil.copy(source / "config.json", folder / "config.json")
+    return folder
 
 
 # --- checkpoints that load -----------------------------------------------------------------------------------
@@ -211,3 +219,38 @@ def test_missing_shard(tmp_path):
 def test_missing_tokenizer(llama_dir):
     with pytest.raises(FileNotFoundError, match="no tokenizer"):
         load_tokenizer(llama_dir)
+
+
+# --- load_format="dummy" ---------------------------------------------------------------------------------------
+
+
+def test_dummy_weights_need_only_the_config(llama_dir, tmp_path):
+    folder = _config_only(llama_dir, tmp_path / "config-only")
+    with pytest.raises(FileNotFoundError, match="no \\*\\.safetensors"):
+        load_model(folder)  # the default format reads a checkpoint
+    model = load_model(folder, load_format="dummy")
+    tensors = model.checkpoint_tensors()
+    again = load_model(folder, load_format="dummy").checkpoint_tensors()
+    assert all(torch.equal(t, again[name]) for name, t in tensors.items())  # the same draw every time
+    assert all((t - 1).abs().max() < 1 for name, t in tensors.items() if "norm" in name)
+    logits = PagedRunner(model).prefill_logits("s", TOKENS)
+    assert logits.isfinite().all() and 0.1 < logits.std() < 10  # of order one: no ties, no overflow
+    assert not torch.equal(logits, _logits(llama_dir))  # not the checkpoint's weights
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        load_model(folder, load_format="pt")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_dummy_weights_are_the_same_at_every_tp_size(tmp_path, arch):
+    # Each rank draws every tensor whole and keeps its slice: rank r of N holds the one-process model's slice.
+    folder = _config_only(save_tiny_hf(tmp_path / "ckpt", arch), tmp_path / "config-only")
+    whole = load_model(folder, load_format="dummy").checkpoint_tensors()
+    for size in (2, 4):
+        for rank in range(size):
+            # Building and filling needs no collectives, so any rank can be made in this process.
+            part = load_model(folder, load_format="dummy", tp=TPGroup(rank=rank, size=size))
+            shards = part.checkpoint_shards()
+            for name, got in part.checkpoint_tensors().items():
+                shard = shards.get(name)
+                expected = whole[name] if shard is None else whole[name][shard.index()]
+                assert torch.equal(got, expected), f"TP {size} rank {rank}: {name}"
