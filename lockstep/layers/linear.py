@@ -108,8 +108,7 @@ class RowParallelLinear(nn.Module):
             return self.kernels.tree_linear(x, self.weight, self.bias)  # the whole tree (with autograd: RL)
         if self.tree:
             root = tp_linear.subtree(x, self.weight, tp_linear.CHUNKS // self.tp.size)  # [num_tokens, out] fp32
-            root = tp_linear.tree_reduce(self.tp.all_gather(root))
-            return tp_linear.finish(root, self.bias, x.dtype)
+            return tp_linear.tree_finish(self.tp.all_gather(root), self.bias, x.dtype)
         if self.tp.size == 1:
             return self.kernels.linear(x, self.weight, self.bias)
         # The bias goes in once, on rank 0, before the sum.

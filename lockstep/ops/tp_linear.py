@@ -17,9 +17,14 @@ it, the ranks all-gather their fp32 subtree roots, and ``tree_reduce`` over the 
 levels, the same additions in the same order. ``tree_linear`` is the single-process form (all 8 chunks).
 
 Nothing here communicates: the caller (``layers.linear.RowParallelLinear``) does the all-gather.
+
+On CUDA the tree, the bias and the rounding are one kernel (``tree_finish``): a decode step's tree linear is then
+two launches (the chunk partials, the tree) instead of five.
 """
 
 import torch
+import triton
+import triton.language as tl
 
 from lockstep.ops._common import FLOATS
 from lockstep.ops.matmul import _bmm_triton, _mm_cpu
@@ -71,16 +76,9 @@ def chunk_partials(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> to
 
 
 def tree_reduce(partials: torch.Tensor) -> torch.Tensor:
-    """Pairwise sum of ``[L, M, N]`` fp32 partials (L a power of two), level by level: ``p[2i] + p[2i + 1]``
+    """Pairwise sum of ``[L, M, N]`` fp32 partials (L 1, 2, 4 or 8), level by level: ``p[2i] + p[2i + 1]``
     until one is left. Applied to a rank's chunks and then to the ranks' roots, it is one tree over all chunks."""
-    if partials.dtype != torch.float32:
-        raise TypeError(f"tree partials must be float32, got {partials.dtype}")
-    length = partials.shape[0]
-    if length == 0 or length & (length - 1):
-        raise ValueError(f"the tree needs a power-of-two number of partials, got {length}")
-    while partials.shape[0] > 1:
-        partials = partials[0::2] + partials[1::2]
-    return partials[0]
+    return tree_finish(partials, None, torch.float32)
 
 
 def finish(total: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -90,9 +88,66 @@ def finish(total: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -
     return total.to(dtype)
 
 
+def tree_finish(partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``finish(tree_reduce(partials), bias, dtype)``: ``[L, M, N]`` fp32 -> ``[M, N]`` in ``dtype``. On CUDA one
+    kernel doing the same additions in the same order, then the same rounding."""
+    if partials.dtype != torch.float32:
+        raise TypeError(f"tree partials must be float32, got {partials.dtype}")
+    length = partials.shape[0]
+    if length not in (1, 2, 4, 8):
+        raise ValueError(f"the tree takes 1, 2, 4 or 8 partials, got {length}")
+    if partials.is_cuda:
+        return _tree_finish_triton(partials, bias, dtype)
+    while partials.shape[0] > 1:
+        partials = partials[0::2] + partials[1::2]
+    return finish(partials[0], bias, dtype)
+
+
+@triton.jit
+def _partial(p_ptr, i: tl.constexpr, numel, offs, mask):
+    return tl.load(p_ptr + i * numel + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _tree_finish_kernel(
+    p_ptr, bias_ptr, out_ptr, numel, n, L: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    # Elementwise over the M x N root: the L partials of an element meet in the pairwise tree, then the bias.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = _partial(p_ptr, 0, numel, offs, mask)
+    if L >= 2:
+        total = total + _partial(p_ptr, 1, numel, offs, mask)
+    if L >= 4:
+        total = total + (_partial(p_ptr, 2, numel, offs, mask) + _partial(p_ptr, 3, numel, offs, mask))
+    if L >= 8:
+        upper = (_partial(p_ptr, 4, numel, offs, mask) + _partial(p_ptr, 5, numel, offs, mask)) + (
+            _partial(p_ptr, 6, numel, offs, mask) + _partial(p_ptr, 7, numel, offs, mask)
+        )
+        total = total + upper
+    if HAS_BIAS:
+        total = total + tl.load(bias_ptr + offs % n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tree_finish_triton(partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    partials = partials.contiguous()
+    length, m, n = partials.shape
+    out = torch.empty((m, n), device=partials.device, dtype=dtype)
+    numel = m * n
+    if numel == 0:
+        return out
+    block = 1024
+    _tree_finish_kernel[(triton.cdiv(numel, block),)](
+        partials, bias if bias is not None else partials, out, numel, n,
+        L=length, HAS_BIAS=bias is not None, BLOCK=block,
+    )  # fmt: skip
+    return out
+
+
 def tree_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with the chunk-tree reduction, in one process: ``x: [..., K]``, ``weight: [N, K]``,
     ``bias: [N]`` -> ``[..., N]`` in x's dtype. Bit for bit what N ranks holding 8 / N chunks each compute."""
     lead = x.shape[:-1]
-    total = subtree(x.reshape(-1, x.shape[-1]), weight, CHUNKS)
-    return finish(total, bias, x.dtype).reshape(*lead, weight.shape[0])
+    partials = chunk_partials(x.reshape(-1, x.shape[-1]), weight, CHUNKS)
+    return tree_finish(partials, bias, x.dtype).reshape(*lead, weight.shape[0])

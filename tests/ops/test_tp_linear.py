@@ -7,7 +7,7 @@ from invariance import MOVES, SIZES, check_moved_row, check_prefixes, randn, sam
 
 from lockstep import ops
 from lockstep.ops.matmul import MatmulConfig, _bmm_triton
-from lockstep.ops.tp_linear import CHUNKS, finish, subtree, tree_linear, tree_reduce
+from lockstep.ops.tp_linear import CHUNKS, _tree_finish_triton, finish, subtree, tree_finish, tree_linear, tree_reduce
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 TP_SIZES = [1, 2, 4, 8]
@@ -50,6 +50,20 @@ def test_tree_order_is_pairwise():
     for t in f[1:]:
         sequential = sequential + t
     assert not same_bits(expected, sequential)  # the values do see the order
+
+
+@pytest.mark.parametrize("length", [1, 2, 4, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_tree_kernel_makes_the_same_additions(length, with_bias):
+    # CUDA's one-kernel tree (run here by Triton's interpreter) against the torch ops, fp32 out: the same bits.
+    # (The interpreter truncates fp32 -> bf16 instead of rounding, so a rounded output is only checked for closeness.)
+    p = randn(length, 37, 129, dtype=torch.float32, seed=7) * torch.logspace(-4, 4, length)[:, None, None]
+    bias = randn(129, dtype=torch.bfloat16, seed=8) if with_bias else None
+    assert same_bits(_tree_finish_triton(p, bias, torch.float32), tree_finish(p, bias, torch.float32))
+    rounded = _tree_finish_triton(p, bias, torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16 and rel_err(rounded, tree_finish(p, bias, torch.float32).double()) < 1e-2
+    order = torch.tensor([1e8, 1.0, -1e8, 1.0, 3.0, 1e-8, 1e8, -1e8], dtype=torch.float32)[:, None, None]
+    assert same_bits(_tree_finish_triton(order, None, torch.float32), tree_reduce(order))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -112,5 +126,7 @@ def test_bad_arguments_raise():
         subtree(x, torch.ones(5, 8), 8)
     with pytest.raises(TypeError, match="matching"):
         subtree(x, w.bfloat16(), 8)
-    with pytest.raises(ValueError, match="power-of-two"):
+    with pytest.raises(ValueError, match="the tree takes 1, 2, 4 or 8 partials, got 3"):
         tree_reduce(torch.ones(3, 2, 2))
+    with pytest.raises(TypeError, match="tree partials must be float32"):
+        tree_finish(torch.ones(2, 2, 2, dtype=torch.bfloat16), None, torch.bfloat16)
