@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine import QWEN3_8B, build_checkpoint  # noqa: E402
 
 from lockstep import LLM, SamplingParams  # noqa: E402
+from lockstep.outputs import OutputKind  # noqa: E402
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -57,7 +58,7 @@ def time_steps(
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     prompts = [[rng.randrange(1000, 100_000) for _ in range(args.input_len)] for _ in range(batch)]
     for i, p in enumerate(prompts):
-        engine.add_request(f"b{batch}-{graphs}-{overlap}-{i}", p, params)
+        engine.add_request(f"b{batch}-{graphs}-{overlap}-{i}", p, params, output_kind=OutputKind.FINAL_ONLY)
     sched = engine.scheduler
     while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
         engine.step()
@@ -86,7 +87,12 @@ def profile_steps(llm: LLM, batch: int, args, rng: random.Random) -> dict:
     engine.config = dataclasses.replace(engine.config, async_scheduling=args.async_scheduling != "off")
     params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + PROFILE_STEPS + 2, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"p{batch}-{i}", [rng.randrange(1000, 100_000) for _ in range(args.input_len)], params)
+        engine.add_request(
+            f"p{batch}-{i}",
+            [rng.randrange(1000, 100_000) for _ in range(args.input_len)],
+            params,
+            output_kind=OutputKind.DELTA,
+        )
     for _ in range(args.warm_steps + 1):
         engine.step()
     torch.cuda.synchronize()

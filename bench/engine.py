@@ -62,7 +62,7 @@ if not torch.cuda.is_available():
 from lockstep.config import EngineConfig  # noqa: E402
 from lockstep.engine.scheduler import Scheduler  # noqa: E402
 from lockstep.llm import LLM  # noqa: E402
-from lockstep.outputs import RequestOutput  # noqa: E402
+from lockstep.outputs import OutputKind, RequestOutput  # noqa: E402
 from lockstep.sampling_params import SamplingParams  # noqa: E402
 
 START = time.perf_counter()
@@ -437,7 +437,7 @@ def timed_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, deadli
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params)
+        engine.add_request(rid, prompt, params, output_kind=OutputKind.DELTA)
     out_tokens = steps = 0
     started: set[str] = set()
     partial = False

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine import QWEN3_8B, build_checkpoint  # noqa: E402
 
 from lockstep import LLM, SamplingParams  # noqa: E402
+from lockstep.outputs import OutputKind  # noqa: E402
 
 KERNEL_STEPS = 4  # decode steps under torch.profiler (CUDA)
 
@@ -57,7 +58,7 @@ def main() -> None:
         llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         engine = llm.engine
         for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, params)
+            engine.add_request(f"r{i}", p, params, output_kind=OutputKind.DELTA)
         sched = engine.scheduler
         while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
             engine.step()  # the prefills (and the first decodes that ride along)

@@ -58,6 +58,7 @@ from engine import (  # noqa: E402
 )
 
 from lockstep import LLM, SamplingParams  # noqa: E402
+from lockstep.outputs import OutputKind  # noqa: E402
 
 # config.json values of Qwen/Qwen3-30B-A3B.
 QWEN3_30B_A3B = dict(
@@ -171,7 +172,12 @@ def decode_step(llm: LLM, batch: int, input_len: int, steps: int, graphs: bool, 
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True, logprobs=0)
     for i in range(batch):
-        engine.add_request(f"d{batch}-{graphs}-{i}", [rng.randrange(vocab) for _ in range(input_len)], params)
+        engine.add_request(
+            f"d{batch}-{graphs}-{i}",
+            [rng.randrange(vocab) for _ in range(input_len)],
+            params,
+            output_kind=OutputKind.FINAL_ONLY,  # whole outputs, compared bit for bit
+        )
     sched = engine.scheduler
     while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
         engine.step()

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine import QWEN3_8B, QWEN3_32B, QWEN3_TINY, bits, build_checkpoint  # noqa: E402
 
 from lockstep import LLM, SamplingParams  # noqa: E402
+from lockstep.outputs import OutputKind  # noqa: E402
 
 
 def configurations(sizes: list[int]) -> list[tuple[str, dict]]:
@@ -70,7 +71,7 @@ def decode_step_ms(llm: LLM, input_len: int, steps: int, vocab: int, rng: random
     """Mean ms of a batch-1 decode step of the whole engine (graphs where the set has them)."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    engine.add_request("step", [rng.randrange(vocab) for _ in range(input_len)], params)
+    engine.add_request("step", [rng.randrange(vocab) for _ in range(input_len)], params, output_kind=OutputKind.DELTA)
     for _ in range(4):  # the prefill and warm steps
         engine.step()
     sync()
