@@ -243,6 +243,32 @@ def bench_speed(cfg, device):
             print(f"  {b:3d} {ctx:6d} | " + " ".join(f"{c:>16}" for c in cells[:-1]) + f" | {cells[-1]:>16}")
             del k_cache, v_cache, kc, vc, args
 
+    # What a CUDA-graph decode step sees: a block table as wide as max_model_len (here 40,960 positions, Qwen3's),
+    # whatever the context. The default split grid against one program per split (the launch before
+    # _split_grid), and the same rows over a table cut to their context.
+    print("\ndecode over a 40,960-position block table: us per call (TB/s reading K+V)")
+    print(f"  {'B':>3} {'ctx':>6} | {'default':>16} {'program/split':>16} {'fitted table':>16}")
+    wide = 40960
+    for b in cfg["speed_batches"] + [128, 256]:
+        for ctx in (128, 1024, 2048):
+            nblk = b * ctx // page
+            k_cache = torch.randn(nblk, page, hkv, d, device=device, dtype=dtype)
+            v_cache = torch.randn_like(k_cache)
+            fitted = torch.randperm(nblk, device=device).view(b, ctx // page).int()
+            tables = torch.zeros(b, wide // page, device=device, dtype=torch.int32)
+            tables[:, : ctx // page] = fitted
+            args = dict(q=torch.randn(b, hq, d, device=device, dtype=dtype), k_cache=k_cache, v_cache=v_cache,
+                        seq_lens=torch.full((b,), ctx, device=device, dtype=torch.int32),
+                        query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=scale)  # fmt: skip
+            gbytes = 2 * b * ctx * hkv * d * k_cache.element_size() / 1e9
+            times = [
+                us(lambda: _paged_attention_triton(**args, block_tables=tables)),
+                us(lambda: _paged_attention_triton(**args, block_tables=tables, split_grid=wide // cfg["split"])),
+                us(lambda: _paged_attention_triton(**args, block_tables=fitted)),
+            ]
+            print(f"  {b:3d} {ctx:6d} | " + " ".join(f"{t:8.1f} ({gbytes / t * 1e3:4.2f})" for t in times))
+            del k_cache, v_cache, args
+
     print("\ncausal prefill, one sequence: us (TFLOP/s)")
     for n in cfg["speed_prefill"]:
         k_cache = torch.randn(n // page, page, hkv, d, device=device, dtype=dtype)

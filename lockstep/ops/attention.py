@@ -258,19 +258,19 @@ def _paged_attention_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     if SPLIT_PROGRAMS:
-        split = tl.program_id(2)
-        if split * TILES_PER_SPLIT > last_tile:
-            return
-        m, den, acc = _attend_split(
-            q, pos, split, last_tile, qk_scale,
-            k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-            BLOCK_M, HEAD_DIM, D_PAD, TILE, TILES_PER_SPLIT, UPCAST, PRECISION,
-        )  # fmt: skip
-        ml = tok.to(tl.int64) * stride_mt + split * stride_ms + head * stride_mh
-        tl.store(part_ml_ptr + ml, m, mask=row_ok)
-        tl.store(part_ml_ptr + ml + 1, den, mask=row_ok)
-        part = tok.to(tl.int64)[:, None] * stride_pt + split * stride_ps + head[:, None] * stride_ph
-        tl.store(part_ptr + part + dims[None, :], acc, mask=io_mask)
+        # Splits p, p + P, p + 2P, ... of these rows, P the grid's third dimension: each split's partial is
+        # computed from scratch, so which program computes it cannot change it.
+        for split in range(tl.program_id(2), last_tile // TILES_PER_SPLIT + 1, tl.num_programs(2)):
+            m, den, acc = _attend_split(
+                q, pos, split, last_tile, qk_scale,
+                k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+                BLOCK_M, HEAD_DIM, D_PAD, TILE, TILES_PER_SPLIT, UPCAST, PRECISION,
+            )  # fmt: skip
+            ml = tok.to(tl.int64) * stride_mt + split * stride_ms + head * stride_mh
+            tl.store(part_ml_ptr + ml, m, mask=row_ok)
+            tl.store(part_ml_ptr + ml + 1, den, mask=row_ok)
+            part = tok.to(tl.int64)[:, None] * stride_pt + split * stride_ps + head[:, None] * stride_ph
+            tl.store(part_ptr + part + dims[None, :], acc, mask=io_mask)
     else:
         m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
         den_run = tl.zeros([BLOCK_M], tl.float32)
@@ -344,6 +344,18 @@ def _use_split_programs(decode: bool, max_splits: int, programs: int, part_bytes
     return decode or programs < 2 * num_sms
 
 
+def _split_grid(max_splits: int, programs: int, num_sms: int) -> int:
+    """The split-program path's programs per (query tile, KV head): a power of two up to ``max_splits``, as many as
+    keep the grid within 64 programs per SM. Program p takes splits p, p + P, ... (the bits do not depend on P).
+    One program per split, as before, left a CUDA graph's decode grid (its block table as wide as max_model_len)
+    almost all programs that had nothing to do: batch 128 under a 40k-token max_model_len is 102,400 programs a
+    layer for a 128-token context. Decode at batch 64 and 4k context keeps its measured 8."""
+    grid = 1
+    while grid * 2 <= max_splits and programs * grid * 2 <= 64 * num_sms:
+        grid *= 2
+    return grid
+
+
 def _paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -356,6 +368,7 @@ def _paged_attention_triton(
     split: int = SPLIT,
     block_m: int | None = None,
     split_programs: bool | None = None,
+    split_grid: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -394,7 +407,9 @@ def _paged_attention_triton(
         part = part_ml = torch.empty((1, 1, 1, 2), device=q.device, dtype=torch.float32)
     search_steps = max(1, num_seqs.bit_length())
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    _paged_attention_kernel[(num_tiles, num_kv_heads, max_splits if split_programs else 1)](
+    if split_programs and split_grid is None:
+        split_grid = _split_grid(max_splits, num_tiles * num_kv_heads, _num_sms(q.device))
+    _paged_attention_kernel[(num_tiles, num_kv_heads, split_grid if split_programs else 1)](
         q, k_cache, v_cache, out, part, part_ml,
         block_tables, seq_lens, query_start_loc,
         num_seqs, search_steps, page_size, scale * math.log2(math.e),

@@ -15,6 +15,7 @@ from lockstep.ops.attention import (
     _bmm,
     _paged_attention_cpu,
     _paged_attention_triton,
+    _split_grid,
     _use_split_programs,
     _write_kv_triton,
     cpu_attention_plan,
@@ -237,6 +238,28 @@ def test_triton_invariance():
     for launch in launches:
         results[str(launch)] = target.attend(triton_(split=128, **launch), [("t", seq, 0, 150)])[0]
     _assert_all_equal(results)
+
+
+def test_split_programs_per_row_do_not_change_bits():
+    # Decode rows over a block table far wider than their contexts (a CUDA graph's, max_model_len wide): however
+    # many programs share a row's splits (the grid's third dimension, each taking every P-th split), the bits are
+    # those of one program per split and of the in-register walk; and the default grid stays small.
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, page, split = 4, 2, 32, 16, 128
+    lens = [5, 300, 129, 700]
+    width = 96  # blocks per row: 1536 positions, 12 splits of 128
+    k_cache = torch.randn(len(lens) * width, page, hkv, d, generator=g)
+    v_cache = torch.randn(len(lens) * width, page, hkv, d, generator=g)
+    tables = torch.randperm(len(lens) * width, generator=g).view(len(lens), width).int()
+    q = torch.randn(len(lens), hq, d, generator=g)
+    args = (q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32))
+    args += (torch.arange(len(lens) + 1, dtype=torch.int32), 0.2)
+    reference = _paged_attention_triton(*args, split=split, split_programs=False)
+    for grid in (1, 2, 3, 12, 16):
+        assert_bitwise(_paged_attention_triton(*args, split=split, split_programs=True, split_grid=grid), reference)
+    assert _split_grid(max_splits=80, programs=160 * 8, num_sms=132) == 4  # batch 128, 40k max_model_len
+    assert _split_grid(max_splits=8, programs=80 * 8, num_sms=132) == 8  # batch 64, 4k: as measured
+    assert _split_grid(max_splits=80, programs=8, num_sms=132) == 64  # batch 1
 
 
 def test_cpu_bmm_entry_is_independent_of_the_batch():
