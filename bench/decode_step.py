@@ -166,6 +166,7 @@ def main() -> None:
                 r["async_ms"] = t_async * 1e3
                 r["async_equals_sync"] = out_async == (out_graph if has_graphs else out_eager)
             r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            r["compiles_after_start"] = llm.engine.triton_compiles_after_start
             rows.append(r)
             report["results"].append(r)
             print(json.dumps(r), flush=True)
@@ -182,14 +183,15 @@ def main() -> None:
     print(f"\ndecode step, Qwen3-8B shape {args.layers} layers, {args.input_len}-token prompts, "
           f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
     print(f"{'mode':14s}{'batch':>6s}{'graph ms':>10s}{'eager ms':>10s}{'async ms':>10s}{'x floor':>9s}"
-          f"{'same bits':>10s}{'start s':>9s}{'peak GiB':>9s}")  # fmt: skip
+          f"{'same bits':>10s}{'start s':>9s}{'peak GiB':>9s}{'compiles':>9s}")  # fmt: skip
     for r in rows:
         best = min(t for t in (r["graph_ms"], r["eager_ms"], r["async_ms"]) if t is not None)
         g = f"{r['graph_ms']:.2f}" if r["graph_ms"] is not None else "-"
         a = f"{r['async_ms']:.2f}" if r["async_ms"] is not None else "-"
         same = r["graph_equals_eager"] is not False and r["async_equals_sync"] is not False
         print(f"{r['mode']:14s}{r['batch']:>6d}{g:>10s}{r['eager_ms']:>10.2f}{a:>10s}{best / r['floor_ms']:>9.2f}"
-              f"{str(same):>10s}{r['startup_s']:>9.1f}{r['peak_gib']:>9.1f}")  # fmt: skip
+              f"{str(same):>10s}{r['startup_s']:>9.1f}{r['peak_gib']:>9.1f}"
+              f"{r['compiles_after_start']:>9d}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -844,6 +844,8 @@ def main() -> None:
                     )
                 else:
                     tp = {"skipped": "time budget"}
+                tp["compiles_after_start"] = llm.engine.triton_compiles_after_start  # while serving: the goal is 0
+                print(f"    Triton compiles after start-up: {tp['compiles_after_start']}", flush=True)
                 report["throughput"].setdefault(name, {})[mode] = tp
             del llm
             gc.collect()

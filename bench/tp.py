@@ -131,6 +131,7 @@ def run_one(job_file: str) -> None:
     run["decode_ms"] = decode_step_ms(llm, 128, 32, job["vocab"], random.Random(1))
     if not args.no_throughput:
         run["throughput_s"] = throughput_s(llm, args, job["vocab"], random.Random(2))
+    run["compiles_after_start"] = llm.engine.triton_compiles_after_start
     (Path(job_file).parent / "result.json").write_text(json.dumps(run, default=bytes.hex))  # bits: hex
     t0 = time.perf_counter()
     llm.close()  # after the result is written: a close that hangs still leaves the figures

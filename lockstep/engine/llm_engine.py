@@ -29,6 +29,7 @@ from lockstep.engine.scheduler import ScheduledBatch, Scheduler
 from lockstep.engine.sequence import FinishReason, Sequence
 from lockstep.engine.token_feed import TokenFeed
 from lockstep.engine.tp_workers import WorkerPool
+from lockstep.engine.warmup import compile_count, warm_up
 from lockstep.layers.sampler import PendingSample, Sampled
 from lockstep.outputs import CompletionOutput, Logprob, OutputKind, PromptLogprobs, RequestOutput
 from lockstep.sampling_params import SamplingParams
@@ -118,6 +119,15 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}  # lookup only; batch order comes from the scheduler
         self._grammars: GrammarCompiler | None = None
         self._in_flight: _InFlight | None = None  # async scheduling: the launched step not yet reported
+        if self.runner.device.type == "cuda":
+            warm_up(self)  # prefill shapes compile now, not while serving (engine/warmup.py)
+        self._compiles_at_start = compile_count()
+
+    @property
+    def triton_compiles_after_start(self) -> int:
+        """Triton kernels this process has compiled since the engine started (its warm-up done): each one stalled
+        a step. Counts the whole process (rank 0's, under TP); 0 is the goal."""
+        return compile_count() - self._compiles_at_start
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -1,0 +1,85 @@
+"""Start-up warm-up: compile the Triton kernels a server meets before it serves, and count what compiles later.
+
+Triton compiles a kernel the first time it sees a new specialisation: a new tile configuration (the matmul picks
+its tile from a bucket of M), a new constexpr, an integer argument newly divisible by 16 or not. Decode shapes
+compile when the CUDA graphs are captured; prefill shapes would compile on the first request of each size, a
+stall of seconds in the middle of serving (or tens of milliseconds from the disk cache). ``warm_up`` runs one
+prompt of each length in ``WARMUP_LENGTHS`` that one step can hold, greedy and sampled with the sampler's options,
+through the engine's own path (the scheduler, every tensor-parallel rank, the sampler), then forgets the prefix
+cache those prompts filled. Every request has its own seed, so the engine's draw of seeds is untouched, and the
+K/V they leave in free blocks is never read: the bits of later requests are what a fresh engine gives.
+
+``compile_count`` counts the in-memory kernel-cache misses of this process through Triton's post-compile hook;
+``LLMEngine.triton_compiles_after_start`` is the count since warm-up ended (0 is the goal).
+"""
+
+import random
+
+import triton
+
+from lockstep.outputs import OutputKind
+from lockstep.sampling_params import SamplingParams
+
+# Prompt lengths run at start-up: around each of the matmul's M buckets (ops/matmul.py: 16, 32, 64, 128, 256,
+# 512, 2048) and Triton's divisible-by-16 specialisation, up to a CUDA engine's default step budget.
+WARMUP_LENGTHS = (1, 5, 16, 17, 33, 64, 100, 128, 250, 256, 500, 512, 1000, 2048, 3000, 4096, 8192)
+WARMUP_OUTPUT = 3  # tokens each warm-up request generates: its prefill, then decode steps
+
+_compiles = 0
+_installed = False
+
+
+def _count(*args, **kwargs):
+    global _compiles
+    _compiles += 1
+    return None
+
+
+def compile_count() -> int:
+    """Triton kernels compiled (or loaded from the disk cache) in this process since counting began."""
+    _install_counter()
+    return _compiles
+
+
+def _install_counter() -> None:
+    """Chain a counter onto Triton's post-compile hook (once; a hook someone else set keeps running)."""
+    global _installed
+    if _installed:
+        return
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return  # an older Triton: no hook, the count stays 0
+    previous = runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):
+        _count()
+        return previous(*args, **kwargs) if previous is not None else None
+
+    runtime.jit_post_compile_hook = hook
+    _installed = True
+
+
+def warm_up(engine, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> int:
+    """Run the warm-up requests through ``engine`` to completion; returns how many ran. The engine must be idle."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("warm_up needs an idle engine")
+    config = engine.config
+    room = min(config.max_num_batched_tokens, config.max_model_len - WARMUP_OUTPUT - 1)
+    # Blocks for one request at a time: a prompt that would not fit the cache is left out.
+    room = min(room, config.num_kv_blocks * config.block_size - WARMUP_OUTPUT - 1)
+    rng = random.Random(0)
+    options = [
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_p=0.9, top_k=20, logprobs=5),
+        dict(temperature=1.0, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1),
+    ]
+    ran = 0
+    for i, n in enumerate(length for length in lengths if length <= room):
+        params = SamplingParams(max_tokens=WARMUP_OUTPUT, ignore_eos=True, seed=i, **options[i % len(options)])
+        prompt = [rng.randrange(engine.runner.vocab_size) for _ in range(n)]
+        engine.add_request(f"lockstep-warmup-{i}", prompt, params, output_kind=OutputKind.FINAL_ONLY)
+        while engine.has_unfinished_requests():
+            engine.step()
+        ran += 1
+    engine.scheduler.block_manager.reset_prefix_cache()
+    return ran
