@@ -226,16 +226,20 @@ def _paged_attention_kernel(
     stride_bt, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_mh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    SPLIT_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ONE_PER_SEQ: tl.constexpr,
 ):  # fmt: skip
     # Program (query tile, kv head[, split]). Rows are (token, head of the group) pairs, token-major:
-    # row r is token r // GROUP of the tile and query head kv_head * GROUP + r % GROUP.
+    # row r is token r // GROUP of the tile and query head kv_head * GROUP + r % GROUP. ONE_PER_SEQ (a decode
+    # step: one token per sequence): tile s is sequence s, found without the search.
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_seq(query_start_loc_ptr, num_seqs, search_steps, tile, BLOCK_Q)
+    if ONE_PER_SEQ:
+        seq = tile
+    else:
+        seq = _find_seq(query_start_loc_ptr, num_seqs, search_steps, tile, BLOCK_Q)
     q_begin = tl.load(query_start_loc_ptr + seq)
     q_end = tl.load(query_start_loc_ptr + seq + 1)
-    tok0 = q_begin + (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    tok0 = q_begin if ONE_PER_SEQ else q_begin + (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
     if tok0 >= q_end:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -293,11 +297,14 @@ def _merge_splits_kernel(
     num_seqs, search_steps,
     stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_mh, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    SPLIT_SIZE: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr, ONE_PER_SEQ: tl.constexpr,
 ):  # fmt: skip
     # Program per token, all its query heads: merge splits 0 .. pos // SPLIT_SIZE in order.
     tok = tl.program_id(0)
-    seq = _find_seq(query_start_loc_ptr, num_seqs, search_steps, tok, 0)
+    if ONE_PER_SEQ:
+        seq = tok
+    else:
+        seq = _find_seq(query_start_loc_ptr, num_seqs, search_steps, tok, 0)
     pos = tl.load(seq_lens_ptr + seq) - tl.load(query_start_loc_ptr + seq + 1) + tok
     heads = tl.arange(0, H_PAD)
     dims = tl.arange(0, D_PAD)
@@ -388,7 +395,10 @@ def _paged_attention_triton(
         block_m = 16 if decode else 64
     block_m = max(block_m, triton.next_power_of_2(group), 16)
     block_q = block_m // group
-    num_tiles = num_tokens // block_q + num_seqs
+    # A decode step (a token per sequence; the engine never schedules a sequence without tokens) needs one tile
+    # per sequence; otherwise every sequence owns cdiv(q_len, block_q) tiles, plus at most one spare.
+    one_per_seq = num_tokens == num_seqs
+    num_tiles = num_seqs if one_per_seq else num_tokens // block_q + num_seqs
     max_splits = triton.cdiv(block_tables.shape[1] * page_size, split)
     part_bytes = num_tokens * max_splits * num_q_heads * (head_dim + 2) * 4
     if split_programs is None:
@@ -421,7 +431,7 @@ def _paged_attention_triton(
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, D_PAD=d_pad,
         TILE=TILE, TILES_PER_SPLIT=split // TILE, SPLIT_PROGRAMS=split_programs,
         UPCAST=interpreting() and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_PER_SEQ=one_per_seq,
         num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages,
     )  # fmt: skip
     if split_programs:
@@ -432,7 +442,7 @@ def _paged_attention_triton(
             part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
             out.stride(0), out.stride(1),
             NUM_HEADS=num_q_heads, H_PAD=triton.next_power_of_2(num_q_heads), HEAD_DIM=head_dim,
-            D_PAD=d_pad, SPLIT_SIZE=split,
+            D_PAD=d_pad, SPLIT_SIZE=split, ONE_PER_SEQ=one_per_seq,
         )  # fmt: skip
     return out
 
@@ -699,9 +709,10 @@ def paged_attention(
     ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous; this step's K/V already
     written by ``write_kv``); ``block_tables: [num_seqs, max_blocks_per_seq]`` int32; ``seq_lens: [num_seqs]``
     context lengths including the new tokens; ``query_start_loc: [num_seqs + 1]`` int32 cumulative query
-    counts. The j-th of a sequence's q_len new tokens sits at position seq_len - q_len + j and attends to
-    positions 0 .. that position. num_q_heads must be a multiple of num_kv_heads (GQA: query head h reads
-    KV head h // group). Returns ``[num_tokens, num_q_heads, head_dim]`` in q's dtype.
+    counts (every q_len at least 1). The j-th of a sequence's q_len new tokens sits at position
+    seq_len - q_len + j and attends to positions 0 .. that position. num_q_heads must be a multiple of
+    num_kv_heads (GQA: query head h reads KV head h // group). Returns ``[num_tokens, num_q_heads, head_dim]``
+    in q's dtype.
 
     ``plan`` (CPU only): ``cpu_attention_plan`` of the same batch, which every layer of a step can share; made
     here when None.

@@ -257,6 +257,14 @@ def test_split_programs_per_row_do_not_change_bits():
     reference = _paged_attention_triton(*args, split=split, split_programs=False)
     for grid in (1, 2, 3, 12, 16):
         assert_bitwise(_paged_attention_triton(*args, split=split, split_programs=True, split_grid=grid), reference)
+    # A decode step maps tile s to sequence s directly; with a two-token sequence added, the tiles are found by the
+    # search instead: the decode rows keep their bits.
+    q5 = torch.cat([q, torch.randn(2, hq, d, generator=g)])
+    lens5 = torch.tensor(lens + [40], dtype=torch.int32)
+    tables5 = torch.cat([tables, tables[:1]])
+    starts5 = torch.tensor([0, 1, 2, 3, 4, 6], dtype=torch.int32)
+    mixed = _paged_attention_triton(q5, k_cache, v_cache, tables5, lens5, starts5, 0.2, split=split)
+    assert_bitwise(mixed[: len(lens)], reference)
     assert _split_grid(max_splits=80, programs=160 * 8, num_sms=132) == 4  # batch 128, 40k max_model_len
     assert _split_grid(max_splits=8, programs=80 * 8, num_sms=132) == 8  # batch 64, 4k: as measured
     assert _split_grid(max_splits=80, programs=8, num_sms=132) == 64  # batch 1
