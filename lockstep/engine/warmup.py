@@ -74,12 +74,29 @@ def warm_up(engine, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> int:
         dict(temperature=1.0, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1),
     ]
     ran = 0
-    for i, n in enumerate(length for length in lengths if length <= room):
-        params = SamplingParams(max_tokens=WARMUP_OUTPUT, ignore_eos=True, seed=i, **options[i % len(options)])
+
+    def add(n: int) -> None:
+        nonlocal ran
+        params = SamplingParams(max_tokens=WARMUP_OUTPUT, ignore_eos=True, seed=ran, **options[ran % len(options)])
         prompt = [rng.randrange(engine.runner.vocab_size) for _ in range(n)]
-        engine.add_request(f"lockstep-warmup-{i}", prompt, params, output_kind=OutputKind.FINAL_ONLY)
+        engine.add_request(f"lockstep-warmup-{ran}", prompt, params, output_kind=OutputKind.FINAL_ONLY)
+        ran += 1
+
+    def finish() -> None:
         while engine.has_unfinished_requests():
             engine.step()
-        ran += 1
+
+    for n in lengths:
+        if n <= room:
+            add(n)
+            finish()
+    # Several sequences in a step (Triton specialises an integer argument equal to 1, such as a one-sequence
+    # step's count), and a step mixing a decode with another request's prefill.
+    if room >= 3 * 40:
+        add(40)
+        engine.step()
+        add(39)
+        add(33)
+        finish()
     engine.scheduler.block_manager.reset_prefix_cache()
     return ran

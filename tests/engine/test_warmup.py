@@ -4,16 +4,18 @@ compile counter chains onto Triton's hook."""
 
 from pathlib import Path
 
+import pytest
+
 from lockstep.config import EngineConfig
 from lockstep.engine import warmup
 from lockstep.engine.llm_engine import LLMEngine
 from lockstep.sampling_params import SamplingParams
 
 
-def _engine(folder: Path) -> LLMEngine:
+def _engine(folder: Path, budget: int = 40) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=str(folder), block_size=4, num_kv_blocks=64, max_num_batched_tokens=40, max_num_seqs=8, seed=3
+            model=str(folder), block_size=4, num_kv_blocks=64, max_num_batched_tokens=budget, max_num_seqs=8, seed=3
         )
     )
 
@@ -31,14 +33,15 @@ def _run(engine: LLMEngine) -> list[tuple]:
     return [(o.token_ids, [x.hex() for x in o.token_logprobs], o.seed) for o in (done[r] for r in requests)]
 
 
-def test_warm_up_leaves_a_fresh_engine(tiny_model_dir: Path) -> None:
-    warmed = _engine(tiny_model_dir)
+@pytest.mark.parametrize("budget", [40, 128])
+def test_warm_up_leaves_a_fresh_engine(tiny_model_dir: Path, budget: int) -> None:
+    warmed = _engine(tiny_model_dir, budget)
     ran = warmup.warm_up(warmed)
-    # Lengths up to the step budget (40 tokens) ran; the prompts sharing the cache's blocks were forgotten.
-    assert ran == len([n for n in warmup.WARMUP_LENGTHS if n <= 40])
+    # Every length up to the step budget ran, and at 128 tokens the three requests sharing steps too.
+    assert ran == len([n for n in warmup.WARMUP_LENGTHS if n <= budget]) + (3 if budget >= 120 else 0)
     assert not warmed.has_unfinished_requests() and not warmed.scheduler.block_manager.hash_to_block_id
     assert warmed.scheduler.block_manager.num_free_blocks == warmed.config.num_kv_blocks
-    assert _run(warmed) == _run(_engine(tiny_model_dir))  # bits and the seed drawn for the unseeded request
+    assert _run(warmed) == _run(_engine(tiny_model_dir, budget))  # bits and the seed drawn for the unseeded request
 
 
 def test_the_warm_up_shows_in_the_cache_until_it_is_forgotten(tiny_model_dir: Path, monkeypatch) -> None:
