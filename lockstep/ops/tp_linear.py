@@ -104,27 +104,31 @@ def tree_finish(partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.
 
 
 @triton.jit
-def _partial(p_ptr, i: tl.constexpr, numel, offs, mask):
-    return tl.load(p_ptr + i * numel + offs, mask=mask, other=0.0)
-
-
-@triton.jit
 def _tree_finish_kernel(
     p_ptr, bias_ptr, out_ptr, numel, n, L: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
 ):
     # Elementwise over the M x N root: the L partials of an element meet in the pairwise tree, then the bias.
+    # Partial i starts i * numel elements in, reached by adding numel to the pointer (never an i * numel product,
+    # which could pass 2^31).
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    total = _partial(p_ptr, 0, numel, offs, mask)
+    ptrs = p_ptr + offs
+    total = tl.load(ptrs, mask=mask, other=0.0)
     if L >= 2:
-        total = total + _partial(p_ptr, 1, numel, offs, mask)
+        ptrs += numel
+        total = total + tl.load(ptrs, mask=mask, other=0.0)
     if L >= 4:
-        total = total + (_partial(p_ptr, 2, numel, offs, mask) + _partial(p_ptr, 3, numel, offs, mask))
+        p2 = tl.load(ptrs + numel, mask=mask, other=0.0)
+        p3 = tl.load(ptrs + numel + numel, mask=mask, other=0.0)
+        ptrs += numel + numel
+        total = total + (p2 + p3)
     if L >= 8:
-        upper = (_partial(p_ptr, 4, numel, offs, mask) + _partial(p_ptr, 5, numel, offs, mask)) + (
-            _partial(p_ptr, 6, numel, offs, mask) + _partial(p_ptr, 7, numel, offs, mask)
-        )
-        total = total + upper
+        p4 = tl.load(ptrs + numel, mask=mask, other=0.0)
+        p5 = tl.load(ptrs + numel + numel, mask=mask, other=0.0)
+        ptrs += numel + numel
+        p6 = tl.load(ptrs + numel, mask=mask, other=0.0)
+        p7 = tl.load(ptrs + numel + numel, mask=mask, other=0.0)
+        total = total + ((p4 + p5) + (p6 + p7))
     if HAS_BIAS:
         total = total + tl.load(bias_ptr + offs % n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
