@@ -492,6 +492,7 @@ class AsyncEngine:
         self.metrics.waiting = len(s.waiting)
         self.metrics.kv_blocks_total = bm.num_blocks
         self.metrics.kv_blocks_used = bm.num_blocks - bm.num_free_blocks
+        self.metrics.triton_compiles = self.engine.triton_compiles_after_start
 
 
 def _fail_future(future: Future, error: BaseException) -> None:

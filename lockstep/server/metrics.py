@@ -46,6 +46,7 @@ class Metrics:
     waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    triton_compiles: int = 0  # since the engine started: each one stalled a step (engine/warmup.py)
     request_seconds: Histogram = field(default_factory=Histogram)
     first_token_seconds: Histogram = field(default_factory=Histogram)
     step_seconds: Histogram = field(default_factory=Histogram)
@@ -73,6 +74,7 @@ class Metrics:
             ("num_requests_waiting", "gauge", self.waiting, "Sequences queued for admission."),
             ("kv_blocks_used", "gauge", self.kv_blocks_used, "KV cache blocks held by sequences."),
             ("kv_blocks_total", "gauge", self.kv_blocks_total, "KV cache blocks in all."),
+            ("triton_compiles_after_start", "gauge", self.triton_compiles, "Kernels compiled while serving."),
         ):
             lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
         for name, hist, doc in (

@@ -248,6 +248,7 @@ def test_metrics_text_format(server: Server) -> None:
         "num_requests_running",
         "num_requests_waiting",
         "kv_blocks_used",
+        "triton_compiles_after_start",
         "request_latency_seconds_bucket",
         "time_to_first_token_seconds_count",
     ):
