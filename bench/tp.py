@@ -137,6 +137,9 @@ def run_one(job_file: str) -> None:
     llm.close()  # after the result is written: a close that hangs still leaves the figures
     print(f"closed in {time.perf_counter() - t0:.1f} s", flush=True)
     timer.cancel()
+    # Exit at once: an NCCL group that did not finish leaving (tp_workers.LEAVE_TIMEOUT) could hang the
+    # interpreter's own teardown, and with it this benchmark.
+    os._exit(0)
 
 
 def main() -> None:
