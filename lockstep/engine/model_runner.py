@@ -253,7 +253,8 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, feed: TokenFeed | None = None) -> PendingSample:
         """``run`` without waiting for the device: the step's work is enqueued and ``result()`` on the answer reads
         the samples back. ``feed``: the previous step's samples, for the sequences whose newest token is still
-        pending (async scheduling). Steps with prompt logprobs or top-p rows wait for the device on the way."""
+        pending (async scheduling). Steps with prompt logprobs wait for the device on the way (so do top-p rows on
+        the CPU)."""
         if not batch:
             return PendingSample(torch.zeros(0, dtype=torch.int64, device=self.device), None, {})
         entries = batch.entries

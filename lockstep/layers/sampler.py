@@ -12,12 +12,14 @@ Every row's result is a function of that row's logits and its request's (params,
 - logprobs: ``lockstep.ops.log_softmax`` of the raw logits (vLLM's default "raw" logprobs), and the top ``N``
   when asked, ties to the lower id.
 
-How rows are grouped: penalties and biases go one row per call. For the temperature path on CUDA, the rows
-without top-p go through together: each op is elementwise (the division, min-p's threshold, the hash, the logs,
-the add: one device function per element wherever the element sits) or an exact selection (top-k's k-th value,
-the row max, the argmax), so a row's bits cannot depend on its neighbours. Top-p (a softmax and a cumsum over
-the row) and every temperature row on the CPU go one ``[1, vocab]`` row per call: a CPU elementwise kernel
-computes its vector-width tail with scalar code, and which elements fall in the tail moves with the batch.
+How rows are grouped: penalties and biases go one row per call. For the temperature path on CUDA, the rows go
+through together: each op is elementwise (the division, min-p's threshold, the hash, the logs, the add: one
+device function per element wherever the element sits), an exact selection (top-k's k-th value, the row max, the
+argmax) or top-p's cut, computed per row by ``ops.top_p`` (a row-invariant softmax, an exact sort, one scan
+program per row), so a row's bits cannot depend on its neighbours. Every temperature row on the CPU goes one
+``[1, vocab]`` row per call (its top-p by ``_top_p``: torch's sort and cumsum over the one row): a CPU
+elementwise kernel computes its vector-width tail with scalar code, and which elements fall in the tail moves
+with the batch.
 
 Faults stay in their row: NaN scores count as -inf, so a token id is always in ``[0, vocab)``; a row with no
 score above -inf, or whose own adjustment or sampling raises, is reported in ``Sampled.errors`` (a group of rows
@@ -32,9 +34,10 @@ from dataclasses import dataclass, field
 import torch
 
 from lockstep import ops
+from lockstep.ops.top_p import top_p_mask
 from lockstep.sampling_params import SamplingParams
 
-# Devices whose temperature rows without top-p share calls (the module docstring says why not the CPU), at most
+# Devices whose temperature rows share calls (the module docstring says why not the CPU), at most
 # ROWS_PER_CALL rows a call: the noise takes a few [rows, vocab] int64 temporaries (311 MB each at 256 x 151936).
 BATCHED_DEVICES = ("cuda",)
 ROWS_PER_CALL = 32
@@ -196,17 +199,20 @@ def _gumbel_max(
     logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens for ``logits: [rows, V]`` fp32 at temperature > 0, each row's noise from its ``params.seed``, and
-    the fp64 scores that won (-inf: nothing to pick); the module docstring says which rows may share a call
-    (top-p only ever comes one row at a time)."""
+    the fp64 scores that won (-inf: nothing to pick); the module docstring says which rows may share a call."""
     seeds = [p.seed for p in params]
     if any(s is None for s in seeds):
         raise ValueError("sampling with temperature > 0 needs a seed (the engine draws one per request)")
     temps = device_tensor([p.temperature for p in params], logits.dtype, logits.device)
     x = _top_k(logits / temps[:, None], [p.top_k for p in params])
     x = _min_p(x, [p.min_p for p in params])
-    for i, p in enumerate(params):
-        if p.top_p < 1.0:
-            x[i] = _top_p(x[i], p.top_p)
+    if any(p.top_p < 1.0 for p in params):
+        if x.is_cuda:  # every row at once, no host sync (ops/top_p.py says why a row's cut stays its own)
+            x = top_p_mask(x, device_tensor([p.top_p for p in params], torch.float32, x.device))
+        else:
+            for i, p in enumerate(params):
+                if p.top_p < 1.0:
+                    x[i] = _top_p(x[i], p.top_p)
     noise = _gumbel(_row_keys(seeds, positions, logits.device), logits.shape[-1])
     return _argmax_lowest(x.double() + noise)  # [rows] int64 and [rows] fp64, on the device
 
@@ -360,7 +366,7 @@ class Sampler:
         for i, p in enumerate(params):
             if p.greedy or i in errors:
                 continue
-            if batched and p.top_p >= 1.0:
+            if batched:
                 together.append(i)
             else:
                 alone.append([i])
