@@ -208,7 +208,9 @@ def _gumbel_max(
     x = _min_p(x, [p.min_p for p in params])
     if any(p.top_p < 1.0 for p in params):
         if x.is_cuda:  # every row at once, no host sync (ops/top_p.py says why a row's cut stays its own)
-            x = top_p_mask(x, device_tensor([p.top_p for p in params], torch.float32, x.device))
+            ks = [p.top_k for p in params]
+            head = max(ks) if all(0 < k for k in ks) else None  # top-k left at most that many tokens a row
+            x = top_p_mask(x, device_tensor([p.top_p for p in params], torch.float32, x.device), head)
         else:
             for i, p in enumerate(params):
                 if p.top_p < 1.0:

@@ -53,10 +53,15 @@ def top_p_cuts(sorted_probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor
     return cuts
 
 
-def top_p_mask(x: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+def top_p_mask(x: torch.Tensor, top_ps: torch.Tensor, head: int | None = None) -> torch.Tensor:
     """``x: [rows, V]`` fp32 scaled logits, ``top_ps: [rows]`` fp32 (a row at 1 or above is left as it is) -> ``x``
-    with each row's tokens outside its top-p head set to -inf."""
+    with each row's tokens outside its top-p head set to -inf. ``head``: no row has more than ``head`` tokens
+    above -inf (top-k ran first), so only the ``head`` largest need sorting (an exact selection); the others'
+    probabilities are 0 and cannot move a cut."""
     probs = softmax(x)
-    sorted_probs = probs.sort(dim=-1, descending=True, stable=True).values
+    if head is not None and head < x.shape[-1]:
+        sorted_probs = torch.topk(probs, head, dim=-1).values
+    else:
+        sorted_probs = probs.sort(dim=-1, descending=True, stable=True).values
     limits = torch.where(top_ps < 1.0, top_ps, torch.full_like(top_ps, float("inf")))
     return x.masked_fill(probs < top_p_cuts(sorted_probs, limits)[:, None], float("-inf"))

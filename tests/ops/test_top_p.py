@@ -84,3 +84,12 @@ def test_same_cut_as_the_one_row_path():
     batched = top_p_mask(x, top_ps)
     for i in range(6):
         assert torch.equal(batched[i], _top_p(x[i].clone(), float(top_ps[i])))
+
+
+def test_after_top_k_the_head_alone_gives_the_same_cut():
+    # The sampler passes top-k's largest k: sorting only that head (torch.topk) must give the full sort's cut.
+    x = randn(5, 3000, seed=6, scale=2.0)
+    kth = x.topk(20, dim=-1).values[:, -1:]
+    x = x.masked_fill(x < kth, float("-inf"))  # what top-k left
+    top_ps = torch.tensor([0.3, 0.6, 0.9, 0.99, 1.0])
+    assert torch.equal(top_p_mask(x, top_ps, head=20), top_p_mask(x, top_ps))
