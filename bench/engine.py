@@ -482,7 +482,14 @@ def quarters(xs: list[float]) -> list[list[float]]:
 
 
 def run_throughput(
-    llm: LLM, plan: Plan, vocab: int, temperature: float, deadline: float, async_scheduling: bool = False
+    llm: LLM,
+    plan: Plan,
+    vocab: int,
+    temperature: float,
+    deadline: float,
+    async_scheduling: bool = False,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> dict:
     fresh_scheduler(
         llm,
@@ -493,7 +500,9 @@ def run_throughput(
     )
     rng = random.Random(7)
     fresh = lambda: [[rng.randrange(vocab) for _ in range(plan.tp_in)] for _ in range(plan.tp_requests)]
-    sp = lambda n: SamplingParams(temperature=temperature, seed=0, max_tokens=n, ignore_eos=True)
+    sp = lambda n: SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=0, max_tokens=n, ignore_eos=True
+    )
     warm = timed_run(llm, fresh(), sp(min(4, plan.tp_out)), deadline, "warm")
     prefill = timed_run(llm, fresh(), sp(1), deadline, "prefill")
     full = timed_run(llm, fresh(), sp(plan.tp_out), deadline, "full")
@@ -698,6 +707,10 @@ def main() -> None:
     ap.add_argument("--tp-batched-tokens", type=int, default=8192, help="throughput max_num_batched_tokens")
     ap.add_argument("--tp-temperature", type=float, default=0.0, help="throughput sampling temperature")
     ap.add_argument(
+        "--tp-chat-sampling", action="store_true",
+        help="throughput with Qwen3's chat defaults instead: temperature 0.6, top_p 0.95, top_k 20",
+    )  # fmt: skip
+    ap.add_argument(
         "--async-scheduling", action="store_true", help="throughput with async scheduling (the matrix has its cases)"
     )
     ap.add_argument(
@@ -834,8 +847,16 @@ def main() -> None:
                 save()
             if with_tp:
                 if time.perf_counter() < section_end:
+                    chat = dict(temperature=0.6, top_p=0.95, top_k=20) if args.tp_chat_sampling else {}
                     tp = run_throughput(
-                        llm, plan, shape["vocab_size"], args.tp_temperature, section_end, args.async_scheduling
+                        llm,
+                        plan,
+                        shape["vocab_size"],
+                        chat.get("temperature", args.tp_temperature),
+                        section_end,
+                        args.async_scheduling,
+                        chat.get("top_p", 1.0),
+                        chat.get("top_k", 0),
                     )
                     print(
                         f"    throughput: {fmt_rate(tp.get('total_tok_s'))} tok/s total, "
