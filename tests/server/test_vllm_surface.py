@@ -109,6 +109,9 @@ def test_echo_loglikelihood_is_the_decode_logprobs_bitwise(server: Server) -> No
 
     ok = {"model": server.model, "prompt": "hi"}
     _assert_error(_post(server, "/v1/completions", ok | {"max_tokens": 0}), 400, "echo")
+    # Found by the fuzzer: a token id outside the vocabulary reached the echo's decode first (500).
+    for bad in ([-1], [3, 10**6]):
+        _assert_error(_post(server, "/v1/completions", ok | {"prompt": bad, "echo": True}), 400, "not a token id")
     _assert_error(_post(server, "/v1/chat/completions", {"model": server.model, "max_tokens": 0,
                   "messages": [{"role": "user", "content": "hi"}]}), 400, "max_tokens")  # fmt: skip
 
