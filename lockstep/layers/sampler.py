@@ -237,11 +237,14 @@ def adjust_row(
         x = x.index_put((ids,), device_tensor(list(params.logit_bias.values()), x.dtype, x.device), True)
     if not params.penalized:
         return x
-    output = torch.tensor(token_ids[num_prompt:], dtype=torch.int64, device=x.device)
-    counts = torch.bincount(output, minlength=x.shape[0]).to(x.dtype)  # exact: integer counts
+    # Integer counts, exact; neither a copy from pageable memory nor bincount (which reads its input's max back)
+    # makes the host wait for the device.
+    output = device_tensor(token_ids[num_prompt:], torch.int64, x.device)
+    counts = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+    counts = counts.scatter_add_(0, output, torch.ones_like(output)).to(x.dtype)
     if params.repetition_penalty != 1.0:
         seen = counts > 0
-        seen[torch.tensor(token_ids[:num_prompt], dtype=torch.int64, device=x.device)] = True
+        seen[device_tensor(token_ids[:num_prompt], torch.int64, x.device)] = True
         r = params.repetition_penalty
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
     if params.frequency_penalty:
