@@ -114,6 +114,15 @@ def save_tokenizer(folder: Path, vocab_size: int, eos: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>", eos_token=f"<{eos}>").save_pretrained(folder)
 
 
+def add_load_format_arg(ap: argparse.ArgumentParser) -> None:
+    """``--load-format``: dummy (config.json only, the engine draws the weights) or auto (a checkpoint written and
+    read), for ``build_checkpoint(weights=...)`` and ``LLM(load_format=...)``."""
+    ap.add_argument(
+        "--load-format", default="dummy", choices=["dummy", "auto"],
+        help="dummy (default): config.json only, weights drawn by the engine; auto: write and read a checkpoint",
+    )  # fmt: skip
+
+
 def build_checkpoint(
     folder: Path, shape: dict, layers: int | None, device: torch.device, seed: int = 0, weights: bool = True
 ) -> dict:
@@ -723,10 +732,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="default: cuda if available (else cpu)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workdir", default=None, help="where to write the checkpoints (default: a temp dir, removed)")
-    ap.add_argument(
-        "--load-format", default="dummy", choices=["dummy", "auto"],
-        help="dummy (default): config.json only, weights drawn by the engine; auto: write and read a checkpoint",
-    )  # fmt: skip
+    add_load_format_arg(ap)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="JSON folder or .json path (default $OUT or .)")
     args = ap.parse_args()
 

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine import (  # noqa: E402
     BLOCK,
     Plan,
+    add_load_format_arg,
     bits,
     cell,
     fresh_scheduler,
@@ -256,10 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budget", type=float, default=None, help="seconds per mode for matrix + throughput")
     ap.add_argument("--device", default=None, help="default: cuda if available (else cpu)")
     ap.add_argument("--workdir", default=None, help="where to write the checkpoint (default: a temp dir, removed)")
-    ap.add_argument(
-        "--load-format", default="dummy", choices=["dummy", "auto"],
-        help="dummy (default): config.json only, weights drawn by the engine; auto: write and read a checkpoint",
-    )  # fmt: skip
+    add_load_format_arg(ap)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="JSON folder or .json path")
     args = ap.parse_args(argv)
 

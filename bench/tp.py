@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import QWEN3_8B, QWEN3_32B, QWEN3_TINY, bits, build_checkpoint  # noqa: E402
+from engine import QWEN3_8B, QWEN3_32B, QWEN3_TINY, add_load_format_arg, bits, build_checkpoint  # noqa: E402
 
 from lockstep import LLM, SamplingParams  # noqa: E402
 from lockstep.outputs import OutputKind  # noqa: E402
@@ -123,7 +123,7 @@ def run_one(job_file: str) -> None:
     written next to the job as result.json."""
     job = json.loads(Path(job_file).read_text())
     args = argparse.Namespace(**job["args"])
-    timer = watchdog(args.config_timeout, str(job["kwargs"]))
+    watchdog(args.config_timeout, str(job["kwargs"]))  # a daemon timer: os._exit below ends it
     t0 = time.perf_counter()
     llm = LLM(job["folder"], device=job["device"], dtype="bfloat16", max_num_seqs=max(args.num_requests, 64),
               enable_prefix_caching=False, load_format=args.load_format, **job["kwargs"])  # fmt: skip
@@ -136,7 +136,6 @@ def run_one(job_file: str) -> None:
     t0 = time.perf_counter()
     llm.close()  # after the result is written: a close that hangs still leaves the figures
     print(f"closed in {time.perf_counter() - t0:.1f} s", flush=True)
-    timer.cancel()
     # Exit at once: an NCCL group that did not finish leaving (tp_workers.LEAVE_TIMEOUT) could hang the
     # interpreter's own teardown, and with it this benchmark.
     os._exit(0)
@@ -159,10 +158,7 @@ def main() -> None:
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--only", default="", help="run only these configurations (comma list of names)")
     ap.add_argument("--config-timeout", type=float, default=300, help="seconds before a stuck configuration dumps")
-    ap.add_argument(
-        "--load-format", default="dummy", choices=["dummy", "auto"],
-        help="dummy (default): config.json only, every rank draws the weights; auto: write and read a checkpoint",
-    )  # fmt: skip
+    add_load_format_arg(ap)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     sizes = sorted({1, *(int(s) for s in args.sizes.split(","))})

@@ -29,12 +29,6 @@ _compiles = 0
 _installed = False
 
 
-def _count(*args, **kwargs):
-    global _compiles
-    _compiles += 1
-    return None
-
-
 def compile_count() -> int:
     """Triton kernels compiled (or loaded from the disk cache) in this process since counting began."""
     _install_counter()
@@ -52,7 +46,8 @@ def _install_counter() -> None:
     previous = runtime.jit_post_compile_hook
 
     def hook(*args, **kwargs):
-        _count()
+        global _compiles
+        _compiles += 1
         return previous(*args, **kwargs) if previous is not None else None
 
     runtime.jit_post_compile_hook = hook

@@ -321,8 +321,8 @@ class Sampler:
         allowed: tuple[list[int], torch.Tensor] | None = None,
     ) -> "PendingSample":
         """``sample``'s device work, enqueued; the host reads the results back in ``PendingSample.result``. The
-        sampled ids are on the device at once (``PendingSample.tokens``), for a following step's input. Rows with
-        top-p still wait for the device on the way (their cut-off is a count taken back to the host)."""
+        sampled ids are on the device at once (``PendingSample.tokens``), for a following step's input. On the CPU,
+        rows with top-p wait for the device on the way (their cut-off is a count taken back to the host)."""
         num_rows = logits.shape[0]
         if logits.dim() != 2 or not len(params) == len(positions) == num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} for {len(params)} params, {len(positions)} positions")

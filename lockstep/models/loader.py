@@ -149,19 +149,13 @@ def load_model(
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     folder = _folder(path)
     config = read_config(folder)
-    if load_format == "dummy":
-        model = LlamaForCausalLM(
-            config, kernels=kernels, dtype=dtype, device=device, max_model_len=max_model_len, tp=tp,
-            tp_invariant=tp_invariant,
-        )  # fmt: skip
-        fill_random(model)
-        return model
-    files = weight_files(folder)
-    names_by_file = {file: _tensor_names(file) for file in files}
-    all_names = {name for names in names_by_file.values() for name in names}
-    if not config.tie_word_embeddings and "lm_head.weight" not in all_names:
-        # A checkpoint without a head shares the embedding (what transformers does too).
-        config = dataclasses.replace(config, tie_word_embeddings=True)
+    names_by_file = {}
+    if load_format != "dummy":
+        names_by_file = {file: _tensor_names(file) for file in weight_files(folder)}
+        all_names = {name for names in names_by_file.values() for name in names}
+        if not config.tie_word_embeddings and "lm_head.weight" not in all_names:
+            # A checkpoint without a head shares the embedding (what transformers does too).
+            config = dataclasses.replace(config, tie_word_embeddings=True)
 
     model = LlamaForCausalLM(
         config,
@@ -172,6 +166,9 @@ def load_model(
         tp=tp,
         tp_invariant=tp_invariant,
     )
+    if load_format == "dummy":
+        fill_random(model)
+        return model
     slots = model.checkpoint_tensors()
     shards = model.checkpoint_shards()
     loaded: set[str] = set()

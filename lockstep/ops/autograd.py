@@ -156,35 +156,27 @@ class _MoEExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _moe_experts_backward(ctx, grad)
+        # The gradients of the routed experts' combined output, recomputed in fp32 from the saved inputs.
+        x, w13, w2, weights, ids = ctx.saved_tensors
+        inputs = [t.detach().float().requires_grad_() for t in (x, w13, w2, weights)]
+        with torch.enable_grad():
+            out = _moe_experts_reference(*inputs, ids)
+        wanted = [i for i in range(4) if ctx.needs_input_grad[i]]
+        grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad.float(), allow_unused=True)
+        result: list[torch.Tensor | None] = [None] * 5
+        originals = (x, w13, w2, weights)
+        for i, g in zip(wanted, grads, strict=True):
+            result[i] = torch.zeros_like(originals[i]) if g is None else g.to(originals[i].dtype)
+        return tuple(result)
 
 
-class _MoEExpertsTree(torch.autograd.Function):
+class _MoEExpertsTree(_MoEExperts):
     """The chunk-tree experts' forward (``ops.moe.experts_tree``); the gradient is the experts' own."""
 
     @staticmethod
     def forward(ctx, x, w13, w2, weights, ids):
         ctx.save_for_backward(x, w13, w2, weights, ids)
         return _moe_experts_tree(x, w13, w2, weights, ids)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _moe_experts_backward(ctx, grad)
-
-
-def _moe_experts_backward(ctx, grad: torch.Tensor):
-    """The gradients of the routed experts' combined output, recomputed in fp32 from the saved inputs."""
-    x, w13, w2, weights, ids = ctx.saved_tensors
-    inputs = [t.detach().float().requires_grad_() for t in (x, w13, w2, weights)]
-    with torch.enable_grad():
-        out = _moe_experts_reference(*inputs, ids)
-    wanted = [i for i in range(4) if ctx.needs_input_grad[i]]
-    grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad.float(), allow_unused=True)
-    result: list[torch.Tensor | None] = [None] * 5
-    originals = (x, w13, w2, weights)
-    for i, g in zip(wanted, grads, strict=True):
-        result[i] = torch.zeros_like(originals[i]) if g is None else g.to(originals[i].dtype)
-    return tuple(result)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

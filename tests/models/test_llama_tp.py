@@ -69,16 +69,21 @@ def ranks(request, folders) -> tuple[int, list[dict]]:
     return request.param, run_ranks(run_cases, request.param, folders)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{name}-{str(dtype)[6:]}" for name, dtype in CASES])
-def test_logits_do_not_depend_on_the_tp_size(ranks, one_process, case):
+def assert_every_rank_matches(ranks, one_process, case) -> None:
+    """Every rank's mixed-batch logits equal one process's, and a sequence alone has its rows of the mixed batch
+    (batch invariance at this TP size too)."""
     size, results = ranks
     expected = one_process[case]["batch"]
     for rank, res in enumerate(results):
         got = res[case]["batch"]
         assert torch.equal(got, expected), f"TP {size} rank {rank}: {int((got != expected).sum())} logits differ"
-        # Batch invariance holds at this TP size too: a sequence alone has its rows of the mixed batch.
         alone = res[case]["alone"]
         assert torch.equal(alone, got[: alone.shape[0]])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{name}-{str(dtype)[6:]}" for name, dtype in CASES])
+def test_logits_do_not_depend_on_the_tp_size(ranks, one_process, case):
+    assert_every_rank_matches(ranks, one_process, case)
 
 
 def test_a_plain_all_reduce_depends_on_the_tp_size(ranks, one_process):

@@ -5,7 +5,7 @@ TP size, and one process without the tree is other bits."""
 
 import pytest
 import torch
-from test_llama_tp import run_model
+from test_llama_tp import assert_every_rank_matches, run_model
 from tiny_models import max_rel_err, save_tiny_moe
 from tp_spawn import run_ranks
 
@@ -42,13 +42,7 @@ def ranks(request, folders) -> tuple[int, list[dict]]:
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{arch}-{str(dtype)[6:]}" for arch, dtype in CASES])
 def test_moe_logits_do_not_depend_on_the_tp_size(ranks, one_process, case):
-    size, results = ranks
-    expected = one_process[case]["batch"]
-    for rank, res in enumerate(results):
-        got = res[case]["batch"]
-        assert torch.equal(got, expected), f"TP {size} rank {rank}: {int((got != expected).sum())} logits differ"
-        alone = res[case]["alone"]
-        assert torch.equal(alone, got[: alone.shape[0]])  # batch invariance at this TP size too
+    assert_every_rank_matches(ranks, one_process, case)
 
 
 def test_a_plain_all_reduce_of_the_experts_depends_on_the_tp_size(ranks, one_process, folders):
