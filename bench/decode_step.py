@@ -167,6 +167,7 @@ def main() -> None:
                 r["async_equals_sync"] = out_async == (out_graph if has_graphs else out_eager)
             r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             r["compiles_after_start"] = llm.engine.triton_compiles_after_start
+            r["compiled_after_start"] = llm.engine.triton_kernels_compiled_after_start
             rows.append(r)
             report["results"].append(r)
             print(json.dumps(r), flush=True)

@@ -274,6 +274,7 @@ def fresh_scheduler(llm: LLM, **overrides) -> Scheduler:
     """Give the engine a new scheduler (a new, empty block manager) with some settings changed; the model and
     its KV cache tensors stay. What a fresh ``LLM(**overrides)`` gives, without reloading the weights."""
     engine = llm.engine
+    overrides.setdefault("async_scheduling", False)  # the matrix's references run synchronously (its cases say)
     config = dataclasses.replace(engine.runner.config, **overrides)
     engine.config = config
     engine.scheduler = Scheduler(config, eos_token_ids=engine.eos_token_ids)
@@ -496,7 +497,7 @@ def run_throughput(
     vocab: int,
     temperature: float,
     deadline: float,
-    async_scheduling: bool = False,
+    async_scheduling: bool | None = None,
     top_p: float = 1.0,
     top_k: int = 0,
 ) -> dict:
@@ -505,7 +506,7 @@ def run_throughput(
         max_num_seqs=max(plan.tp_requests, 1),
         enable_prefix_caching=False,
         max_num_batched_tokens=max(plan.tp_batched_tokens, plan.tp_requests),
-        async_scheduling=async_scheduling,
+        async_scheduling=llm.engine.runner.config.async_scheduling if async_scheduling is None else async_scheduling,
     )
     rng = random.Random(7)
     fresh = lambda: [[rng.randrange(vocab) for _ in range(plan.tp_in)] for _ in range(plan.tp_requests)]
@@ -720,7 +721,8 @@ def main() -> None:
         help="throughput with Qwen3's chat defaults instead: temperature 0.6, top_p 0.95, top_k 20",
     )  # fmt: skip
     ap.add_argument(
-        "--async-scheduling", action="store_true", help="throughput with async scheduling (the matrix has its cases)"
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="throughput with async scheduling or without (default: the engine's; the matrix has its own cases)",
     )
     ap.add_argument(
         "--modes", default="invariant,default", help="comma list of invariant, default, torch-linear (bench only)"
@@ -872,7 +874,10 @@ def main() -> None:
                 else:
                     tp = {"skipped": "time budget"}
                 tp["compiles_after_start"] = llm.engine.triton_compiles_after_start  # while serving: the goal is 0
+                tp["compiled_after_start"] = llm.engine.triton_kernels_compiled_after_start
                 print(f"    Triton compiles after start-up: {tp['compiles_after_start']}", flush=True)
+                for kernel in tp["compiled_after_start"]:
+                    print(f"      {kernel[:300]}", flush=True)
                 report["throughput"].setdefault(name, {})[mode] = tp
             del llm
             gc.collect()

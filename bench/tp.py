@@ -126,12 +126,14 @@ def run_one(job_file: str) -> None:
     watchdog(args.config_timeout, str(job["kwargs"]))  # a daemon timer: os._exit below ends it
     t0 = time.perf_counter()
     llm = LLM(job["folder"], device=job["device"], dtype="bfloat16", max_num_seqs=max(args.num_requests, 64),
-              enable_prefix_caching=False, load_format=args.load_format, **job["kwargs"])  # fmt: skip
+              enable_prefix_caching=False, load_format=args.load_format, async_scheduling=args.async_scheduling,
+              **job["kwargs"])  # fmt: skip
     run = {"startup_s": time.perf_counter() - t0, "bits": target_bits(llm, job["targets"], job["crowd"])}
     run["decode_ms"] = decode_step_ms(llm, 128, 32, job["vocab"], random.Random(1))
     if not args.no_throughput:
         run["throughput_s"] = throughput_s(llm, args, job["vocab"], random.Random(2))
     run["compiles_after_start"] = llm.engine.triton_compiles_after_start
+    run["compiled_after_start"] = llm.engine.triton_kernels_compiled_after_start
     (Path(job_file).parent / "result.json").write_text(json.dumps(run, default=bytes.hex))  # bits: hex
     t0 = time.perf_counter()
     llm.close()  # after the result is written: a close that hangs still leaves the figures
@@ -156,6 +158,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--no-throughput", action="store_true")
+    ap.add_argument(
+        "--async-scheduling", action="store_true", help="every configuration with async scheduling (default: none)"
+    )
     ap.add_argument("--only", default="", help="run only these configurations (comma list of names)")
     ap.add_argument("--config-timeout", type=float, default=300, help="seconds before a stuck configuration dumps")
     add_load_format_arg(ap)

@@ -16,8 +16,9 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (on CUDA, decode replays graphs)")
     p.add_argument(
-        "--async-scheduling", action="store_true",
-        help="schedule and launch each step before reading the previous one's tokens back (same bits)",
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="schedule and launch each step before reading the previous one's tokens back (same bits; default: on "
+        "for one CUDA GPU)",
     )  # fmt: skip
     p.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",

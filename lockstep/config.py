@@ -74,8 +74,10 @@ class EngineConfig:
     seed: int | None = None  # seeds the draw of per-request seeds for sampled requests that bring none
     enforce_eager: bool = False  # True: no CUDA graphs (on CUDA, decode steps replay captured graphs)
     # True: the engine schedules and launches step N + 1 before it reads step N's sampled tokens back, feeding them
-    # to step N + 1 on the device (docs/design.md, "Async scheduling"); the same bits either way. Off until measured.
-    async_scheduling: bool = False
+    # to step N + 1 on the device (docs/design.md, "Async scheduling"); the same bits either way. None: on for one
+    # CUDA GPU (measured faster there, docs/perf.md), off on the CPU (nothing to overlap) and under tensor
+    # parallelism (not yet measured on GPUs).
+    async_scheduling: bool | None = None
     # Tensor parallelism: the model sharded over this many processes (one per GPU on CUDA, gloo processes on the
     # CPU), each with its own copy of the decode graphs. ``tp_invariant`` reduces the row-parallel layers through
     # the chunk tree (ops.tp_linear), whose bits do not depend on the TP size; None: on exactly when
@@ -122,13 +124,19 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {mem!r}")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enforce_eager", self.enforce_eager)
-        _check_bool("async_scheduling", self.async_scheduling)
+        if self.async_scheduling is not None:
+            _check_bool("async_scheduling", self.async_scheduling)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         self._resolve_kernels()
         self._resolve_tp()
+        if self.async_scheduling is None:
+            import torch
+
+            device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            self.async_scheduling = device.startswith("cuda") and self.tensor_parallel_size == 1
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_model_len is not None and self.num_kv_blocks is not None:

@@ -10,7 +10,6 @@ non-invariant fast mode and the negative control.
 """
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
@@ -85,12 +84,6 @@ def init_tp_group(
     if size == 1:
         return TPGroup()
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    if backend == "nccl":
-        # NCCL registers the buffers of collectives captured in CUDA graphs with the peers (the graphs' pool
-        # memory), and un-registers them as the graphs are freed. Suspected (not yet confirmed on a GPU) of the
-        # hang in leaving the group after a full engine run, where the batch-256 graphs' all-gathers are large
-        # enough for it (docs/design.md, "Tensor parallelism"). Off unless the environment says otherwise.
-        os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
     return TPGroup(rank, size)
 

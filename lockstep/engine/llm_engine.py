@@ -29,7 +29,7 @@ from lockstep.engine.scheduler import ScheduledBatch, Scheduler
 from lockstep.engine.sequence import FinishReason, Sequence
 from lockstep.engine.token_feed import TokenFeed
 from lockstep.engine.tp_workers import WorkerPool
-from lockstep.engine.warmup import compile_count, warm_up
+from lockstep.engine.warmup import compiled_kernels, warm_up
 from lockstep.layers.sampler import PendingSample, Sampled
 from lockstep.outputs import CompletionOutput, Logprob, OutputKind, PromptLogprobs, RequestOutput
 from lockstep.sampling_params import SamplingParams
@@ -121,13 +121,19 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None  # async scheduling: the launched step not yet reported
         if self.runner.device.type == "cuda":
             warm_up(self)  # prefill shapes compile now, not while serving (engine/warmup.py)
-        self._compiles_at_start = compile_count()
+        self._compiles_at_start = len(compiled_kernels())
 
     @property
     def triton_compiles_after_start(self) -> int:
         """Triton kernels this process has compiled since the engine started (its warm-up done): each one stalled
         a step. Counts the whole process (rank 0's, under TP); 0 is the goal."""
-        return compile_count() - self._compiles_at_start
+        return len(self.triton_kernels_compiled_after_start)
+
+    @property
+    def triton_kernels_compiled_after_start(self) -> list[str]:
+        """Which kernels ``triton_compiles_after_start`` counts (Triton's description of each: name, launch options,
+        argument specialisations), in order."""
+        return compiled_kernels()[self._compiles_at_start :]
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -330,8 +330,7 @@ class ModelRunner:
             elif op == WEIGHTS:
                 self._receive_weights()
             elif op == STOP:
-                self.release_graphs()
-                return
+                return  # a CUDA worker exits at once, graphs and all (engine/tp_workers.py); the CPU has none
             else:
                 raise RuntimeError(f"unknown control message {op} from rank 0")
 

@@ -300,8 +300,10 @@ def _worker_main(
         finally:
             os._exit(1)  # without tearing down a group whose peers may be gone (that can hang)
     if device.type == "cuda":
-        # Leaving an NCCL group has hung after full engine runs (docs/design.md, "Tensor parallelism"), and this
-        # process ends here anyway: exit at once instead of making the driver wait STOP_TIMEOUT to kill it.
+        # Freeing graphs that captured collectives, or leaving an NCCL group, has hung after full engine runs
+        # (docs/design.md, "Tensor parallelism"; on two H200s closes took 20 s: the workers killed after
+        # STOP_TIMEOUT, the driver's leaving given up after LEAVE_TIMEOUT), and this process ends here anyway:
+        # exit at once, graphs and group as they are.
         os._exit(0)
     destroy_tp_group()  # rank 0 stopped us: nothing is pending
 

@@ -9,8 +9,10 @@ through the engine's own path (the scheduler, every tensor-parallel rank, the sa
 cache those prompts filled. Every request has its own seed, so the engine's draw of seeds is untouched, and the
 K/V they leave in free blocks is never read: the bits of later requests are what a fresh engine gives.
 
-``compile_count`` counts the in-memory kernel-cache misses of this process through Triton's post-compile hook;
-``LLMEngine.triton_compiles_after_start`` is the count since warm-up ended (0 is the goal).
+``compiled_kernels`` lists the in-memory kernel-cache misses of this process through Triton's post-compile hook
+(each as Triton describes it: the kernel's name, launch options and argument specialisations);
+``LLMEngine.triton_compiles_after_start`` is the count since warm-up ended (0 is the goal), and
+``LLMEngine.triton_kernels_compiled_after_start`` says which.
 """
 
 import random
@@ -25,14 +27,15 @@ from lockstep.sampling_params import SamplingParams
 WARMUP_LENGTHS = (1, 5, 16, 17, 33, 64, 100, 128, 250, 256, 500, 512, 1000, 2048, 3000, 4096, 8192)
 WARMUP_OUTPUT = 3  # tokens each warm-up request generates: its prefill, then decode steps
 
-_compiles = 0
+_compiled: list[str] = []
 _installed = False
 
 
-def compile_count() -> int:
-    """Triton kernels compiled (or loaded from the disk cache) in this process since counting began."""
+def compiled_kernels() -> list[str]:
+    """The Triton kernels compiled (or loaded from the disk cache) in this process since counting began, in
+    order, each as Triton's hook describes it (a copy)."""
     _install_counter()
-    return _compiles
+    return list(_compiled)
 
 
 def _install_counter() -> None:
@@ -46,8 +49,7 @@ def _install_counter() -> None:
     previous = runtime.jit_post_compile_hook
 
     def hook(*args, **kwargs):
-        global _compiles
-        _compiles += 1
+        _compiled.append(str(kwargs.get("repr") or kwargs.get("fn") or "?"))
         return previous(*args, **kwargs) if previous is not None else None
 
     runtime.jit_post_compile_hook = hook

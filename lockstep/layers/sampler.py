@@ -13,10 +13,11 @@ Every row's result is a function of that row's logits and its request's (params,
   when asked, ties to the lower id.
 
 How rows are grouped: penalties and biases go one row per call. For the temperature path on CUDA, the rows go
-through together: each op is elementwise (the division, min-p's threshold, the hash, the logs, the add: one
-device function per element wherever the element sits), an exact selection (top-k's k-th value, the row max, the
-argmax) or top-p's cut, computed per row by ``ops.top_p`` (a row-invariant softmax, an exact sort, one scan
-program per row), so a row's bits cannot depend on its neighbours. Every temperature row on the CPU goes one
+through together: each op is elementwise (the division, min-p's threshold: one device function per element
+wherever the element sits), an exact selection (top-k's k-th value, the row max), top-p's cut, computed per row
+by ``ops.top_p`` (a row-invariant softmax, an exact sort, one scan program per row), or the noise and the
+argmax, one program per row in ``ops.gumbel`` (the torch path's arithmetic, fused), so a row's bits cannot
+depend on its neighbours. Every temperature row on the CPU goes one
 ``[1, vocab]`` row per call (its top-p by ``_top_p``: torch's sort and cumsum over the one row): a CPU
 elementwise kernel computes its vector-width tail with scalar code, and which elements fall in the tail moves
 with the batch.
@@ -34,13 +35,15 @@ from dataclasses import dataclass, field
 import torch
 
 from lockstep import ops
+from lockstep.ops.gumbel import gumbel_argmax
 from lockstep.ops.top_p import top_p_mask
 from lockstep.sampling_params import SamplingParams
 
 # Devices whose temperature rows share calls (the module docstring says why not the CPU), at most
-# ROWS_PER_CALL rows a call: the noise takes a few [rows, vocab] int64 temporaries (311 MB each at 256 x 151936).
+# ROWS_PER_CALL rows a call: top-k, min-p and top-p take a few [rows, vocab] fp32 temporaries (156 MB each at
+# 256 x 151936).
 BATCHED_DEVICES = ("cuda",)
-ROWS_PER_CALL = 32
+ROWS_PER_CALL = 256
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
@@ -206,8 +209,12 @@ def _gumbel_max(
     temps = device_tensor([p.temperature for p in params], logits.dtype, logits.device)
     x = _top_k(logits / temps[:, None], [p.top_k for p in params])
     x = _min_p(x, [p.min_p for p in params])
+    # Rows that share calls (the module docstring) go through Triton kernels whose rows are independent programs:
+    # top-p with no host sync (ops/top_p.py), the noise and the argmax in one pass (ops/gumbel.py, the same
+    # arithmetic as below). A one-row CPU call stays on torch.
+    batched = x.device.type in BATCHED_DEVICES
     if any(p.top_p < 1.0 for p in params):
-        if x.is_cuda:  # every row at once, no host sync (ops/top_p.py says why a row's cut stays its own)
+        if batched:
             ks = [p.top_k for p in params]
             head = max(ks) if all(0 < k for k in ks) else None  # top-k left at most that many tokens a row
             x = top_p_mask(x, device_tensor([p.top_p for p in params], torch.float32, x.device), head)
@@ -215,8 +222,10 @@ def _gumbel_max(
             for i, p in enumerate(params):
                 if p.top_p < 1.0:
                     x[i] = _top_p(x[i], p.top_p)
-    noise = _gumbel(_row_keys(seeds, positions, logits.device), logits.shape[-1])
-    return _argmax_lowest(x.double() + noise)  # [rows] int64 and [rows] fp64, on the device
+    keys = _row_keys(seeds, positions, logits.device)
+    if batched:
+        return gumbel_argmax(x.float(), keys[:, 0])
+    return _argmax_lowest(x.double() + _gumbel(keys, logits.shape[-1]))  # [rows] int64 and [rows] fp64
 
 
 def adjust_row(

@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import TINY_EOS, TINY_VOCAB
 
 from lockstep import LLM, SamplingParams, StructuredOutputsParams
@@ -304,3 +305,13 @@ def test_scheduler_advance_holds_pending_tokens(tiny_model_dir: Path) -> None:
 def test_config_checks_async_scheduling() -> None:
     with pytest.raises(ValueError, match="async_scheduling must be a bool"):
         EngineConfig(async_scheduling=1)
+
+
+def test_async_scheduling_default_follows_the_device(monkeypatch) -> None:
+    # None: on for one CUDA GPU, off on the CPU and under tensor parallelism; an explicit choice stays.
+    assert EngineConfig(device="cpu").async_scheduling is False
+    assert EngineConfig(device="cpu", async_scheduling=True).async_scheduling is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineConfig().async_scheduling is True
+    assert EngineConfig(tensor_parallel_size=2, batch_invariant=False).async_scheduling is False
+    assert EngineConfig(async_scheduling=False).async_scheduling is False

@@ -58,6 +58,6 @@ def test_compile_counter_chains_onto_triton_hook(monkeypatch) -> None:
     seen = []
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda *a, **k: seen.append(1))
     monkeypatch.setattr(warmup, "_installed", False)
-    before = warmup.compile_count()
-    triton.knobs.runtime.jit_post_compile_hook("key")  # what Triton calls after a compile
-    assert warmup.compile_count() == before + 1 and seen == [1]
+    before = warmup.compiled_kernels()
+    triton.knobs.runtime.jit_post_compile_hook(key="k", repr="_kernel[num_warps=4](x: *fp32)")  # as Triton calls it
+    assert warmup.compiled_kernels() == [*before, "_kernel[num_warps=4](x: *fp32)"] and seen == [1]
