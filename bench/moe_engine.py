@@ -74,8 +74,10 @@ QWEN3_MOE_TINY = dict(
     num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
     max_position_embeddings=1024, bos_token_id=0, eos_token_id=511,
 )  # fmt: skip
-# The matrix: every target alone (the references), then these of bench/engine.py's cases.
+# The matrix: every target alone (the references), then these of bench/engine.py's cases; with --long also its
+# two long-prompt cases (a long prompt inside a batch, two long prompts chunked).
 CASES = ("rerun_alone", "batch_", "chunked_", "preemption")
+LONG_CASES = ("long_in_batch_", "long_pair_chunked_")
 
 
 # -- the checkpoint ----------------------------------------------------------------------------------------------
@@ -196,18 +198,20 @@ def decode_step(llm: LLM, batch: int, input_len: int, steps: int, graphs: bool, 
     return per_step, [bits(o) for o in outs]
 
 
-def short_matrix(llm: LLM, plan: Plan, vocab: int, deadline: float) -> dict:
-    """The targets alone (references), then ``CASES`` of bench/engine.py's matrix, compared bit for bit."""
+def short_matrix(llm: LLM, plan: Plan, vocab: int, deadline: float, long: bool = False) -> dict:
+    """The targets alone (references), then ``CASES`` of bench/engine.py's matrix (and ``LONG_CASES`` with
+    ``long``), compared bit for bit."""
     tp = target_requests(plan, vocab, plan.long_len)
     n_short = len(plan.target_lens)
+    cases = CASES + (LONG_CASES if long else ())
     refs = []
-    for prompt, params in zip(tp[0][:n_short], tp[1][:n_short], strict=True):
+    for prompt, params in zip(*(t if long else t[:n_short] for t in tp), strict=True):
         fresh_scheduler(llm, max_num_batched_tokens=plan.large_budget)
         [out] = llm.generate([prompt], params, use_tqdm=False)
         refs.append(bits(out))
     rows = []
     for k, (name, overrides, targets, others) in enumerate(matrix_cases(plan, n_short, len(tp[0]) - n_short)):
-        if not name.startswith(CASES) or min(targets) >= n_short:
+        if not name.startswith(cases) or (not long and min(targets) >= n_short):
             continue
         if time.perf_counter() > deadline:
             rows.append({"case": name, "skipped": "time budget"})
@@ -234,7 +238,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         )  # fmt: skip
     return Plan(
         target_lens=(37, 150, 301, 90), target_out=16, other_prompt_max=384, other_out_max=24,
-        batch_sizes=(args.max_batch,), chunk_small=64, chunk_mid=512, long_len=512, long_out=2, long_chunk=256,
+        batch_sizes=(args.max_batch,), chunk_small=64, chunk_mid=512, long_len=args.long or 512, long_out=2,
+        long_chunk=2048 if args.long else 256,
         tp_requests=args.num_requests or 64, tp_in=args.input_len or 512, tp_out=args.output_len or 512,
         tp_batched_tokens=8192,
     )  # fmt: skip
@@ -249,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-input", type=int, default=128, help="prompt tokens before the decode steps")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps")
     ap.add_argument("--max-batch", type=int, default=64, help="batch of the matrix's batched case")
+    ap.add_argument("--long", type=int, default=None, help="add the long-prompt cases at this length (try 32768)")
     ap.add_argument("--num-requests", type=int, default=None, help="throughput requests (default 64)")
     ap.add_argument("--input-len", type=int, default=None, help="throughput prompt tokens (default 512)")
     ap.add_argument("--output-len", type=int, default=None, help="throughput output tokens (default 512)")
@@ -292,7 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"built {folder}: {layers} layers, {report['model']['bytes'] / 1e9:.1f} GB, "
               f"{report['model']['build_s']} s", flush=True)  # fmt: skip
         cfg = {**shape, "num_hidden_layers": layers}
-        max_model_len = max(plan.tp_in + plan.tp_out, max(plan.target_lens) + 2 * plan.target_out, 512) + BLOCK
+        longest = plan.long_len + plan.long_out if args.long else 0
+        max_model_len = max(plan.tp_in + plan.tp_out, max(plan.target_lens) + 2 * plan.target_out, 512, longest) + BLOCK
         max_model_len = min(max_model_len, shape["max_position_embeddings"])
         blocks = kv_blocks(report["model"]["bytes"], cfg, plan, plan.long_len, max_model_len, device)
         for mode in modes:
@@ -332,7 +339,7 @@ def run_mode(mode, folder, args, plan, shape, device, blocks, max_model_len, bud
     deadline = time.perf_counter() + budget
     if not args.no_matrix:
         matrix_deadline = deadline if args.no_throughput else time.perf_counter() + budget / 2
-        res["matrix"] = short_matrix(llm, plan, vocab, matrix_deadline)
+        res["matrix"] = short_matrix(llm, plan, vocab, matrix_deadline, long=bool(args.long))
     if not args.no_throughput:
         tp = run_throughput(llm, plan, vocab, 0.0, deadline)
         res["throughput"] = tp

@@ -42,6 +42,11 @@ PROMPT_LOGPROB_ROWS = 128
 
 # What rank 0 asks the other ranks to do: the first element of each control message.
 STEP, WEIGHTS, STOP = 1, 2, 3
+# Block-table widths are multiples of this many columns. Triton compiles a kernel again for an integer argument
+# newly equal to 1 or divisible by 16, and a table's row stride is one: with widths following the longest
+# sequence, serving met table shapes the start-up warm-up had not (compiles while serving, 2026-12-01). Columns
+# past a sequence's length are never read, so the bits do not change.
+TABLE_COLUMNS = 16
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -170,7 +175,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_caches = self.model.allocate_kv_cache(num_kv_blocks, config.block_size)
         self.sampler = Sampler(self.model.kernels.log_softmax)
-        max_blocks = -(-self.config.max_model_len // config.block_size)
+        max_blocks = _table_width(-(-self.config.max_model_len // config.block_size))
         # Twice the rows a step can use, so a row is taken back only every max_num_seqs new sequences or so.
         self.block_tables = DeviceBlockTables(2 * config.max_num_seqs, max_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
@@ -300,10 +305,10 @@ class ModelRunner:
         """The forward of ``step`` on this rank: fp32 logits ``[len(rows), vocab_size]`` for each group of rows.
         ``fed``: input rows that take an earlier step's sampled tokens on the device (rank 0, async scheduling)."""
         flat = step.flat
-        # Only the columns this step's longest sequence uses: a graph's wider buffer keeps stale (valid) ids past
-        # them, which no row reads.
+        # Only the columns this step's longest sequence uses (rounded up: _table_width): a graph's wider buffer
+        # keeps stale (valid) ids past them, which no row reads.
         tables = self.block_tables.gather(
-            self.block_tables.apply(step.tables), -(-max(flat.seq_lens) // self.block_size)
+            self.block_tables.apply(step.tables), _table_width(-(-max(flat.seq_lens) // self.block_size))
         )
         if step.use_graphs and self.graphs is not None and self.graphs.can_run(flat):
             hidden = self.graphs.run(flat, tables, fed)
@@ -396,3 +401,8 @@ class _PromptRows:
     targets: list[int]  # the prompt token each row predicts
     nums: list[int]  # how many top logprobs each row's request asked for
     owners: list[tuple[Sequence, int]]  # (sequence, how many of the rows are its), in row order
+
+
+def _table_width(blocks: int) -> int:
+    """``blocks`` rounded up to a multiple of ``TABLE_COLUMNS`` (at least one multiple)."""
+    return max(1, -(-blocks // TABLE_COLUMNS)) * TABLE_COLUMNS

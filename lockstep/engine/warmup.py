@@ -72,9 +72,10 @@ def warm_up(engine, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> int:
     ]
     ran = 0
 
-    def add(n: int) -> None:
+    def add(n: int, option: int | None = None) -> None:
         nonlocal ran
-        params = SamplingParams(max_tokens=WARMUP_OUTPUT, ignore_eos=True, seed=ran, **options[ran % len(options)])
+        option = ran % len(options) if option is None else option
+        params = SamplingParams(max_tokens=WARMUP_OUTPUT, ignore_eos=True, seed=ran, **options[option])
         prompt = [rng.randrange(engine.runner.vocab_size) for _ in range(n)]
         engine.add_request(f"lockstep-warmup-{ran}", prompt, params, output_kind=OutputKind.FINAL_ONLY)
         ran += 1
@@ -94,6 +95,13 @@ def warm_up(engine, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> int:
         engine.step()
         add(39)
         add(33)
+        finish()
+    # A step of 16 sequences (a count divisible by 16, another specialisation), all sampled with top-k and top-p
+    # (16 rows in each of the sampler's kernels): their prefill together, then their decodes.
+    blocks_each = -(-(8 + WARMUP_OUTPUT) // config.block_size)
+    if config.max_num_batched_tokens >= 16 * 8 and config.num_kv_blocks >= 16 * blocks_each:
+        for _ in range(16):
+            add(8, option=1)
         finish()
     engine.scheduler.block_manager.reset_prefix_cache()
     return ran
