@@ -81,10 +81,10 @@ def main() -> None:
             r[f"Sampler {name} ms"] = ms(lambda: s.sample(logits, params, positions), args.reps)
         results.append(r)
         print(json.dumps(r), flush=True)
-    keys_ = list(results[0])
     print(f"\nsampler | {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} | vocab {args.vocab}")
-    for k in keys_:
-        print(f"{k:28s} " + " ".join(f"{str(round(r[k], 3) if isinstance(r[k], float) else r[k]):>10s}" for r in results))
+    for k in results[0]:
+        cells = (str(round(r[k], 3) if isinstance(r[k], float) else r[k]) for r in results)
+        print(f"{k:28s} " + " ".join(f"{c:>10s}" for c in cells))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "sampler_bench.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
 
