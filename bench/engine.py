@@ -721,7 +721,9 @@ def main() -> None:
         help="throughput with Qwen3's chat defaults instead: temperature 0.6, top_p 0.95, top_k 20",
     )  # fmt: skip
     ap.add_argument(
-        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="throughput with async scheduling or without (default: the engine's; the matrix has its own cases)",
     )
     ap.add_argument(
