@@ -159,8 +159,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument(
-        "--async-scheduling", action="store_true", help="every configuration with async scheduling (default: none)"
-    )
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="every configuration with async scheduling or without (default: the engine's, on with CUDA)",
+    )  # fmt: skip
     ap.add_argument("--only", default="", help="run only these configurations (comma list of names)")
     ap.add_argument("--config-timeout", type=float, default=300, help="seconds before a stuck configuration dumps")
     add_load_format_arg(ap)

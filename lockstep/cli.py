@@ -18,7 +18,7 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="schedule and launch each step before reading the previous one's tokens back (same bits; default: on "
-        "for one CUDA GPU)",
+        "with CUDA)",
     )  # fmt: skip
     p.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",

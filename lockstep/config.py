@@ -74,9 +74,8 @@ class EngineConfig:
     seed: int | None = None  # seeds the draw of per-request seeds for sampled requests that bring none
     enforce_eager: bool = False  # True: no CUDA graphs (on CUDA, decode steps replay captured graphs)
     # True: the engine schedules and launches step N + 1 before it reads step N's sampled tokens back, feeding them
-    # to step N + 1 on the device (docs/design.md, "Async scheduling"); the same bits either way. None: on for one
-    # CUDA GPU (measured faster there, docs/perf.md), off on the CPU (nothing to overlap) and under tensor
-    # parallelism (not yet measured on GPUs).
+    # to step N + 1 on the device (docs/design.md, "Async scheduling"); the same bits either way. None: on CUDA (one
+    # GPU or several: measured faster, docs/perf.md), off on the CPU (nothing to overlap).
     async_scheduling: bool | None = None
     # Tensor parallelism: the model sharded over this many processes (one per GPU on CUDA, gloo processes on the
     # CPU), each with its own copy of the decode graphs. ``tp_invariant`` reduces the row-parallel layers through
@@ -136,7 +135,7 @@ class EngineConfig:
             import torch
 
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self.async_scheduling = device.startswith("cuda") and self.tensor_parallel_size == 1
+            self.async_scheduling = device.startswith("cuda")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_model_len is not None and self.num_kv_blocks is not None:

@@ -308,10 +308,11 @@ def test_config_checks_async_scheduling() -> None:
 
 
 def test_async_scheduling_default_follows_the_device(monkeypatch) -> None:
-    # None: on for one CUDA GPU, off on the CPU and under tensor parallelism; an explicit choice stays.
+    # None: on CUDA (any TP size), off on the CPU; an explicit choice stays.
     assert EngineConfig(device="cpu").async_scheduling is False
+    assert EngineConfig(device="cpu", tensor_parallel_size=2).async_scheduling is False
     assert EngineConfig(device="cpu", async_scheduling=True).async_scheduling is True
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert EngineConfig().async_scheduling is True
-    assert EngineConfig(tensor_parallel_size=2, batch_invariant=False).async_scheduling is False
+    assert EngineConfig(tensor_parallel_size=2).async_scheduling is True
     assert EngineConfig(async_scheduling=False).async_scheduling is False
