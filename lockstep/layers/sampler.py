@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lockstep import ops
-from lockstep.ops.gumbel import gumbel_argmax
+from lockstep.ops.gumbel import _GOLDEN, _M1, _M2, gumbel_argmax  # splitmix64's constants: one definition
 from lockstep.ops.top_p import top_p_mask
 from lockstep.sampling_params import SamplingParams
 
@@ -45,9 +45,6 @@ from lockstep.sampling_params import SamplingParams
 BATCHED_DEVICES = ("cuda",)
 ROWS_PER_CALL = 256
 _MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
 
 
 @dataclass(frozen=True)

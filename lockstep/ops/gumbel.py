@@ -6,7 +6,8 @@
 counter-based hash of the row's 64-bit key and ``t`` (``layers/sampler.py``: ``_uniform``, ``_gumbel``). It is
 the same arithmetic as the sampler's torch path (integer hashing modulo 2**64, exact conversions, fp64 logs and
 one fp64 add a token, then an exact maximum and an integer minimum), with no ``[rows, V]`` temporaries: torch
-spent about 25 passes over fp64 and int64 arrays of that size, ~5 ms a step at batch 256 on an H200.
+spends about 25 passes over fp64 and int64 arrays of that size, 4.4 ms at 256 rows of Qwen3's vocabulary on an
+H200 against this kernel's 0.57 ms, with the same tokens and scores bit for bit (bench/sampler.py).
 
 A row's result depends on that row alone: one program per row, and the per-block maxima and minimum ids are
 combined exactly (a maximum and an integer minimum do not depend on their order). A block whose tokens are all
@@ -19,7 +20,8 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048
-_GOLDEN = 0x9E3779B97F4A7C15  # the sampler's constants (layers/sampler.py)
+# splitmix64's constants, shared with the sampler's torch path and its scalar reference (layers/sampler.py).
+_GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 
