@@ -1,14 +1,18 @@
-"""A Qwen3-30B-A3B-shaped mixture of experts through the whole engine: batch-1 decode step, a short invariance
-matrix and throughput, with the invariant and the default kernels.
+"""A mixture of experts through the whole engine: batch-1 decode step, a short invariance matrix and throughput,
+with the invariant and the default kernels. The Qwen3-30B-A3B shape by default, or Mixtral-8x7B's.
 
     python bench/moe_engine.py --layers 8                   # H200, depth cut to 8 of 48 layers (10 GB)
-    python bench/moe_engine.py --layers 48 --workdir DIR    # full depth: a 61 GB bf16 checkpoint in DIR
+    python bench/moe_engine.py --layers 48                  # full depth, 61 GB of random weights on the GPU
+    python bench/moe_engine.py --model mixtral-8x7b --layers 32 --num-requests 64    # 93 GB
+    python bench/moe_engine.py --layers 48 --tensor-parallel-size 2    # nvidia-h200-x2; compare the digest with
+    python bench/moe_engine.py --layers 48 --tp-invariant              # TP 1's with the same numerics
     python bench/moe_engine.py --smoke                      # tiny shapes on the CPU, < 1 min
 
-The checkpoint has random bf16 weights at the real shape (hidden 2048, 48 layers, 128 experts, top 8 renormalised,
-expert width 768, 32 q / 4 kv heads of 128, vocab 151936), written layer by layer as safetensors shards in the
-released per-expert layout (``mlp.experts.{e}.gate_proj``...), with a word-level tokenizer; prompts are token ids.
-The full depth needs 61 GB of disk in ``--workdir`` (default: a temp dir, removed at the end) and of GPU memory.
+Qwen3-30B-A3B: hidden 2048, 48 layers, 128 experts, top 8 renormalised, expert width 768, 32 q / 4 kv heads of
+128, vocab 151936. Mixtral-8x7B: hidden 4096, 32 layers, 8 experts, top 2, expert width 14336, 32 q / 8 kv heads
+of 128, vocab 32000. Weights are random bf16, drawn by the engine (``--load-format dummy``, the default) or written
+layer by layer as safetensors shards in the released per-expert layout (``--load-format auto``: as much disk in
+``--workdir`` as the model has bytes), with a word-level tokenizer; prompts are token ids.
 
 For each kernel set (``--modes``, default ``invariant,default``):
 1. decode step: ``--decode-batches`` requests (default 1) of ``--decode-input`` random tokens prefilled, then the
@@ -23,6 +27,7 @@ JSON to ``--out`` (default $OUT or .), a table last. Exits 1 when the invariant 
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -74,6 +79,23 @@ QWEN3_MOE_TINY = dict(
     num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
     max_position_embeddings=1024, bos_token_id=0, eos_token_id=511,
 )  # fmt: skip
+# config.json values of mistralai/Mixtral-8x7B-v0.1.
+MIXTRAL_8X7B = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+    rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False, bos_token_id=1,
+    eos_token_id=2,
+)  # fmt: skip
+MIXTRAL_TINY = dict(
+    MIXTRAL_8X7B, vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_local_experts=4, max_position_embeddings=1024, bos_token_id=0,
+    eos_token_id=511,
+)  # fmt: skip
+# name -> (full shape, tiny shape, transformers config class name, architecture)
+MODELS = {
+    "qwen3-30b-a3b": (QWEN3_30B_A3B, QWEN3_MOE_TINY, "Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral-8x7b": (MIXTRAL_8X7B, MIXTRAL_TINY, "MixtralConfig", "MixtralForCausalLM"),
+}
 # The matrix: every target alone (the references), then these of bench/engine.py's cases; with --long also its
 # two long-prompt cases (a long prompt inside a batch, two long prompts chunked).
 CASES = ("rerun_alone", "batch_", "chunked_", "preemption")
@@ -85,8 +107,10 @@ LONG_CASES = ("long_in_batch_", "long_pair_chunked_")
 
 def layer_tensors(shape: dict, i: int, gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
     """Layer ``i``'s tensors by checkpoint name, random bf16 on the CPU: norms near 1, matrices scaled by fan-in
-    (logits of order 1, router probabilities spread over the experts)."""
-    h, hd, width = shape["hidden_size"], shape["head_dim"], shape["moe_intermediate_size"]
+    (logits of order 1, router probabilities spread over the experts). Mixtral's names when ``shape`` is its."""
+    mixtral = "num_local_experts" in shape
+    width = shape["intermediate_size"] if mixtral else shape["moe_intermediate_size"]
+    h, hd = shape["hidden_size"], shape["head_dim"]
     q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
     p = f"model.layers.{i}"
 
@@ -103,10 +127,17 @@ def layer_tensors(shape: dict, i: int, gen: torch.Generator, device: torch.devic
         f"{p}.self_attn.k_proj.weight": rand(kv, h),
         f"{p}.self_attn.v_proj.weight": rand(kv, h),
         f"{p}.self_attn.o_proj.weight": rand(h, q),
-        f"{p}.self_attn.q_norm.weight": norm(hd),
-        f"{p}.self_attn.k_norm.weight": norm(hd),
-        f"{p}.mlp.gate.weight": rand(shape["num_experts"], h),
     }
+    if mixtral:  # no q/k norms; router and experts under block_sparse_moe, w1 (gate), w3 (up), w2 (down)
+        out[f"{p}.block_sparse_moe.gate.weight"] = rand(shape["num_local_experts"], h)
+        for e in range(shape["num_local_experts"]):
+            out[f"{p}.block_sparse_moe.experts.{e}.w1.weight"] = rand(width, h)
+            out[f"{p}.block_sparse_moe.experts.{e}.w3.weight"] = rand(width, h)
+            out[f"{p}.block_sparse_moe.experts.{e}.w2.weight"] = rand(h, width)
+        return out
+    out[f"{p}.self_attn.q_norm.weight"] = norm(hd)
+    out[f"{p}.self_attn.k_norm.weight"] = norm(hd)
+    out[f"{p}.mlp.gate.weight"] = rand(shape["num_experts"], h)
     for e in range(shape["num_experts"]):
         out[f"{p}.mlp.experts.{e}.gate_proj.weight"] = rand(width, h)
         out[f"{p}.mlp.experts.{e}.up_proj.weight"] = rand(width, h)
@@ -115,9 +146,15 @@ def layer_tensors(shape: dict, i: int, gen: torch.Generator, device: torch.devic
 
 
 def build_checkpoint(
-    folder: Path, shape: dict, layers: int, device: torch.device, seed: int = 0, weights: bool = True
+    folder: Path,
+    shape: dict,
+    layers: int,
+    device: torch.device,
+    seed: int = 0,
+    weights: bool = True,
+    model: str = "qwen3-30b-a3b",
 ) -> dict:
-    """Write a random-weight Qwen3-MoE checkpoint of ``shape`` cut to ``layers`` layers: config.json, one
+    """Write a random-weight checkpoint of ``model``'s family at ``shape`` cut to ``layers`` layers: config.json, one
     safetensors shard per layer (plus one for the embeddings and head) with an index, and a tokenizer. Only one
     layer is ever in memory. Without ``weights``, config.json and the tokenizer only (``load_format="dummy"``)."""
     import transformers
@@ -125,14 +162,15 @@ def build_checkpoint(
 
     folder.mkdir(parents=True, exist_ok=True)
     kwargs = {**shape, "num_hidden_layers": layers}
-    config = transformers.Qwen3MoeConfig(**kwargs)
-    config.architectures = ["Qwen3MoeForCausalLM"]
+    _, _, config_class, arch = MODELS[model]
+    config = getattr(transformers, config_class)(**kwargs)
+    config.architectures = [arch]
     config.dtype = torch.bfloat16
     config.save_pretrained(folder)
     if not weights:
         save_tokenizer(folder, shape["vocab_size"], shape["eos_token_id"])
         with torch.device("meta"):
-            params = sum(p.numel() for p in transformers.Qwen3MoeForCausalLM(config).parameters())
+            params = sum(p.numel() for p in getattr(transformers, arch)(config).parameters())
         return {"params": params, "bytes": 2 * params, "num_hidden_layers": layers, "load_format": "dummy"}
     gen = torch.Generator(device=device).manual_seed(seed)
     h, vocab = shape["hidden_size"], shape["vocab_size"]
@@ -222,7 +260,11 @@ def short_matrix(llm: LLM, plan: Plan, vocab: int, deadline: float, long: bool =
         rows.append(row)
         print(f"    {name:24s} {cell(row):>14s}  {row['seconds']:6.2f} s", flush=True)
     distinct = len({tuple(r[0]) for r in refs})
-    return {"cases": rows, "distinct_target_outputs": distinct}
+    # The references' bits in one line: equal digests from two runs (TP 1 with --tp-invariant and TP 2, say) mean
+    # the targets got the same token ids and logprob bits in both.
+    digest = hashlib.sha256(repr(refs).encode()).hexdigest()[:16]
+    print(f"    references digest {digest}", flush=True)
+    return {"cases": rows, "distinct_target_outputs": distinct, "references_digest": digest}
 
 
 # -- main --------------------------------------------------------------------------------------------------------
@@ -248,7 +290,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
-    ap.add_argument("--layers", type=int, default=8, help="depth (full: 48; default 8)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b", help="the random model's shape")
+    ap.add_argument("--layers", type=int, default=8, help="depth (full: 48 for Qwen3, 32 for Mixtral; default 8)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to shard the model over")
+    ap.add_argument(
+        "--tp-invariant", action="store_true", help="the chunk tree at TP 1 too: the bits every TP size gives"
+    )
     ap.add_argument("--modes", default="invariant,default", help="kernel sets, comma separated")
     ap.add_argument("--decode-batches", default="1", help="decode-step batch sizes, comma separated")
     ap.add_argument("--decode-input", type=int, default=128, help="prompt tokens before the decode steps")
@@ -269,7 +316,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
-    shape = QWEN3_MOE_TINY if args.smoke else QWEN3_30B_A3B
+    full, tiny, _, _ = MODELS[args.model]
+    shape = tiny if args.smoke else full
     layers = shape["num_hidden_layers"] if args.smoke else args.layers
     if not 1 <= layers <= shape["num_hidden_layers"]:
         ap.error(f"--layers must be in [1, {shape['num_hidden_layers']}], got {layers}")
@@ -287,13 +335,17 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "plan": vars(plan),
+        "tensor_parallel_size": args.tensor_parallel_size,
         "modes": {},
     }
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="lockstep-moe-"))
-    folder = workdir / "qwen3-30b-a3b-shape"
+    folder = workdir / f"{args.model}-shape"
     try:
         t0 = time.perf_counter()
-        report["model"] = build_checkpoint(folder, shape, layers, device, weights=args.load_format != "dummy")
+        report["model"] = build_checkpoint(
+            folder, shape, layers, device, weights=args.load_format != "dummy", model=args.model
+        )
+        report["model"]["name"] = args.model
         report["model"]["build_s"] = round(time.perf_counter() - t0, 1)
         print(f"built {folder}: {layers} layers, {report['model']['bytes'] / 1e9:.1f} GB, "
               f"{report['model']['build_s']} s", flush=True)  # fmt: skip
@@ -321,7 +373,8 @@ def run_mode(mode, folder, args, plan, shape, device, blocks, max_model_len, bud
     llm = LLM(
         model=str(folder), kernels=mode, device=str(device), dtype="bfloat16", block_size=BLOCK,
         num_kv_blocks=blocks, max_model_len=max_model_len, max_num_batched_tokens=max(plan.large_budget, 8192),
-        seed=0, load_format=args.load_format,
+        seed=0, load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
+        tp_invariant=True if args.tp_invariant else None,
     )  # fmt: skip
     res: dict = {"load_s": round(time.perf_counter() - t0, 1), "kv_blocks": blocks, "decode": []}
     print(f"[{mode}] loaded in {res['load_s']} s, {blocks} KV blocks", flush=True)
@@ -367,8 +420,10 @@ def failures(report: dict) -> list[str]:
 
 def print_table(report: dict) -> None:
     modes = list(report["modes"])
+    tp = report["tensor_parallel_size"]
     print(
-        f"\nQwen3-30B-A3B shape, {report['model']['num_hidden_layers']} layers, on {report['gpu'] or report['device']}"
+        f"\n{report['model']['name']} shape, {report['model']['num_hidden_layers']} layers, TP {tp}, on "
+        f"{report['gpu'] or report['device']}"
     )
     print("| | " + " | ".join(modes) + " |\n|---|" + "---|" * len(modes))
     decode_batches = [r["batch"] for r in report["modes"][modes[0]]["decode"]] if modes else []
@@ -381,6 +436,9 @@ def print_table(report: dict) -> None:
     if modes and "throughput" in report["modes"][modes[0]]:
         cells = [f"{report['modes'][m]['throughput'].get('output_tok_s', 0):.0f}" for m in modes]
         print("| throughput (output tok/s) | " + " | ".join(cells) + " |")
+    if modes and "matrix" in report["modes"][modes[0]]:
+        cells = [report["modes"][m]["matrix"]["references_digest"] for m in modes]
+        print("| references digest | " + " | ".join(cells) + " |")
     print("FAILED: " + "; ".join(report["failures"]) if report["failures"] else "invariant set: no difference")
 
 

@@ -40,3 +40,19 @@ def test_smoke_run(moe_engine, tmp_path, load_format):
     for res in (inv, default):
         tp = res["throughput"]
         assert not tp["partial"] and tp["full"]["output_tokens"] == 6 * 8
+
+
+def test_mixtral_shape_and_the_tp_digest(moe_engine, tmp_path):
+    # Mixtral's layout written shard by shard; the references' digest is the same at TP 1 with the tree and at TP 2
+    # (gloo processes). The negative controls of TP are tests/test_llm_moe_tp.py's.
+    def digest(*extra: str) -> str:  # each run writes the same seeded checkpoint
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        args = ["--smoke", "--model", "mixtral-8x7b", "--modes", "invariant", "--no-throughput", "--out", str(out)]
+        report = moe_engine.main([*args, "--load-format", "auto", "--workdir", str(out / "ckpt"), *extra])
+        assert report["failures"] == []
+        index = json.loads((out / "ckpt" / "mixtral-8x7b-shape" / "model.safetensors.index.json").read_text())
+        assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in index["weight_map"]
+        return report["modes"]["invariant"]["matrix"]["references_digest"]
+
+    tree = digest("--tp-invariant")
+    assert digest("--tensor-parallel-size", "2") == tree
