@@ -42,7 +42,11 @@ class ControlChannel:
     def _grow(self, length: int) -> None:
         while self.capacity < length + 1:
             self.capacity *= 2
-        self._buffer = torch.zeros(self.capacity, dtype=torch.int64)
+        # Never an inference tensor: rank 0 sends steps inside the runner's inference mode, and a buffer made there
+        # could not be written outside it (the STOP message of close() failed so after steps had grown it, and the
+        # workers, never told to stop, were killed: 20-s closes on the H200s).
+        with torch.inference_mode(False):
+            self._buffer = torch.zeros(self.capacity, dtype=torch.int64)
 
     def send(self, message: torch.Tensor) -> None:
         """Rank 0: broadcast ``message`` (1-D int64) to every other rank."""

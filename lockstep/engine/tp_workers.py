@@ -237,7 +237,7 @@ class WorkerPool:
             try:
                 self._stop()
             except Exception as e:  # a worker already gone, say: every worker is killed below
-                # Said aloud: on two H200s a worker still waited for this message 4 s into close() (2026-12-01).
+                # Said aloud: a stop message that failed in silence once cost every close 20 s (docs/design.md).
                 warnings.warn(f"stopping the tensor-parallel workers failed: {e!r}", RuntimeWarning, stacklevel=2)
             for w in self.workers:
                 w.process.join(STOP_TIMEOUT)
@@ -301,10 +301,9 @@ def _worker_main(
         finally:
             os._exit(1)  # without tearing down a group whose peers may be gone (that can hang)
     if device.type == "cuda":
-        # Freeing graphs that captured collectives, or leaving an NCCL group, has hung after full engine runs
-        # (docs/design.md, "Tensor parallelism"; on two H200s closes took 20 s: the workers killed after
-        # STOP_TIMEOUT, the driver's leaving given up after LEAVE_TIMEOUT), and this process ends here anyway:
-        # exit at once, graphs and group as they are.
+        # This process ends here anyway: exit at once, graphs and group as they are, rather than free graphs that
+        # captured collectives and leave an NCCL group (slow, and seen to hang: docs/design.md, "Tensor
+        # parallelism").
         os._exit(0)
     destroy_tp_group()  # rank 0 stopped us: nothing is pending
 

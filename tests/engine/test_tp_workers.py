@@ -8,10 +8,12 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
+from lockstep.distributed.channel import INITIAL_CAPACITY
 from lockstep.engine.tp_workers import WorkerError
 from lockstep.llm import LLM
 from lockstep.sampling_params import SamplingParams
@@ -100,10 +102,22 @@ def test_an_interrupted_step_stops_the_workers(tiny_model_dir: Path, monkeypatch
     llm.close()
 
 
-def test_close_stops_the_workers_cleanly(tiny_model_dir: Path) -> None:
-    with make_llm(tiny_model_dir, 2) as llm:
-        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        workers = llm.engine.workers.workers
+@pytest.mark.parametrize("big_steps", [False, True])
+def test_close_stops_the_workers_cleanly(tiny_model_dir: Path, big_steps: bool) -> None:
+    # big_steps: step messages past the control channel's first buffer, which then grows inside the runner's
+    # inference mode; the stop message written into it afterwards once failed, and the workers were killed.
+    prompts = PROMPTS
+    if big_steps:
+        llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, max_num_batched_tokens=2048, num_kv_blocks=1024)
+        prompts = [[(7 * i + j) % 90 for j in range(200)] for i in range(8)]
+    else:
+        llm = make_llm(tiny_model_dir, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed stop message is a RuntimeWarning
+        with llm:
+            llm.generate(prompts, PARAMS, use_tqdm=False)
+            assert llm.engine.workers.channel.capacity > INITIAL_CAPACITY or not big_steps
+            workers = llm.engine.workers.workers
     assert [w.process.exitcode for w in workers] == [0]  # left the group and returned, not killed
     with pytest.raises(RuntimeError, match="stopped \\(close\\(\\)\\)"):
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
