@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lockstep import ops
-from lockstep.ops.gumbel import _GOLDEN, _M1, _M2, gumbel_argmax  # splitmix64's constants: one definition
+from lockstep.ops.gumbel import _GOLDEN, _M1, _M2, greedy_argmax, gumbel_argmax  # the constants: splitmix64's
 from lockstep.ops.top_p import top_p_mask
 from lockstep.sampling_params import SamplingParams
 
@@ -159,6 +159,14 @@ def _argmax_lowest(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.arange(x.shape[-1], device=x.device).expand_as(x)
     best = x.max(dim=-1, keepdim=True).values
     return torch.where(x == best, ids, x.shape[-1]).min(dim=-1).values, best[..., 0]
+
+
+def _greedy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_argmax_lowest`` of ``[rows, V]`` scores: on a device whose rows share calls, one Triton pass
+    (``ops.gumbel.greedy_argmax``, the same exact maximum and lowest id), else torch's four."""
+    if scores.device.type in BATCHED_DEVICES:
+        return greedy_argmax(scores.float())
+    return _argmax_lowest(scores)
 
 
 def _top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
@@ -363,13 +371,13 @@ class Sampler:
         # best: the winning score, per row (-inf: nothing could be sampled).
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy_rows) == num_rows:  # the usual greedy step: one call, nothing to scatter
-            tokens, best = _argmax_lowest(scores)
+            tokens, best = _greedy(scores)
         else:
             tokens = torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
             best = torch.zeros(num_rows, dtype=torch.float64, device=logits.device)
             if greedy_rows:
                 rows = device_tensor(greedy_rows, torch.int64, logits.device)
-                greedy_tokens, greedy_best = _argmax_lowest(scores[rows])
+                greedy_tokens, greedy_best = _greedy(scores[rows])
                 tokens[rows], best[rows] = greedy_tokens, greedy_best.double()
         batched = logits.device.type in BATCHED_DEVICES
         together: list[int] = []

@@ -1,4 +1,5 @@
-"""Gumbel-max over many rows in one pass: the sampler's choice at temperature > 0 on CUDA.
+"""Gumbel-max over many rows in one pass: the sampler's choice at temperature > 0 on CUDA (and, without the noise,
+its greedy choice).
 
 ``gumbel_argmax(x, keys)`` returns, for each row of scaled and filtered logits ``x: [rows, V]`` fp32, the token
 ``argmax_t(x[t] + g[t])`` (ties to the lowest id; NaN counts as -inf; a row with nothing above -inf gives token
@@ -27,10 +28,12 @@ _M2 = 0x94D049BB133111EB
 
 
 @triton.jit
-def _gumbel_argmax_kernel(x_ptr, keys_ptr, token_ptr, best_ptr, vocab, stride, golden, m1, m2, BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(
+    x_ptr, keys_ptr, token_ptr, best_ptr, vocab, stride, golden, m1, m2, NOISE: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride
-    key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
+    key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True) if NOISE else 0
     best = tl.full([], float("-inf"), tl.float64)
     best_id = vocab
     for start in range(0, vocab, BLOCK):
@@ -39,13 +42,15 @@ def _gumbel_argmax_kernel(x_ptr, keys_ptr, token_ptr, best_ptr, vocab, stride, g
         x = tl.load(base + offs, mask=ok, other=float("-inf"))
         x = tl.where(x == x, x, float("-inf"))  # NaN -> -inf
         if tl.max(x, 0) > float("-inf"):
-            # splitmix64's finaliser of (id * golden) ^ key, modulo 2**64 (unsigned: >> is a logical shift)
-            h = (offs.to(tl.uint64) * golden) ^ key
-            h = (h ^ (h >> 30)) * m1
-            h = (h ^ (h >> 27)) * m2
-            h = h ^ (h >> 31)
-            u = ((h >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53: u in (0, 1), never 0 or 1
-            score = x.to(tl.float64) + -tl.log(-tl.log(u))
+            score = x.to(tl.float64)
+            if NOISE:
+                # splitmix64's finaliser of (id * golden) ^ key, modulo 2**64 (unsigned: >> is a logical shift)
+                h = (offs.to(tl.uint64) * golden) ^ key
+                h = (h ^ (h >> 30)) * m1
+                h = (h ^ (h >> 27)) * m2
+                h = h ^ (h >> 31)
+                u = ((h >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53: u in (0, 1), never 0 or 1
+                score = score + -tl.log(-tl.log(u))
             score = tl.where(ok, score, float("-inf"))
             top = tl.max(score, 0)
             top_id = tl.min(tl.where(score == top, offs, vocab), 0)
@@ -56,17 +61,29 @@ def _gumbel_argmax_kernel(x_ptr, keys_ptr, token_ptr, best_ptr, vocab, stride, g
     tl.store(best_ptr + row, best)
 
 
-def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x: [rows, V]`` fp32, ``keys: [rows]`` int64 (the sampler's signed row keys) -> ``(tokens [rows] int64,
-    best [rows] fp64)``, on x's device. Triton (the CPU runs it through the interpreter)."""
-    if x.dim() != 2 or x.dtype != torch.float32 or keys.shape != (x.shape[0],) or keys.dtype != torch.int64:
-        raise ValueError(f"gumbel_argmax takes [rows, V] fp32 and [rows] int64, got {x.shape} {x.dtype}, {keys.shape}")
+    best [rows] fp64)``, on x's device. ``keys=None``: no noise, the greedy choice (``greedy_argmax``). Triton (the
+    CPU runs it through the interpreter)."""
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"gumbel_argmax takes [rows, V] fp32 scores, got {tuple(x.shape)} {x.dtype}")
+    noise = keys is not None
+    if noise and (keys.shape != x.shape[:1] or keys.dtype != torch.int64):
+        raise ValueError(f"gumbel_argmax takes [rows] int64 keys for {x.shape[0]} rows, got {keys.shape} {keys.dtype}")
     rows, vocab = x.shape
     x = x.contiguous()
     tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
     best = torch.empty(rows, dtype=torch.float64, device=x.device)
     if rows:
+        keys = keys.contiguous() if noise else tokens  # not read without noise
         _gumbel_argmax_kernel[(rows,)](
-            x, keys.contiguous(), tokens, best, vocab, x.stride(0), _GOLDEN, _M1, _M2, BLOCK=BLOCK
+            x, keys, tokens, best, vocab, x.stride(0), _GOLDEN, _M1, _M2, NOISE=noise, BLOCK=BLOCK
         )
     return tokens, best
+
+
+def greedy_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest score of each row of ``x: [rows, V]`` fp32 (ties to the lowest id, NaN as -inf, token 0 for a
+    row with nothing above -inf) and that score in fp64: ``sampler._argmax_lowest`` in one pass over the row
+    (torch's takes four: the NaN guard, the max, the comparison, the minimum id)."""
+    return gumbel_argmax(x, None)

@@ -9,7 +9,7 @@ import torch
 from invariance import MOVES, randn
 
 from lockstep.layers import sampler
-from lockstep.ops.gumbel import gumbel_argmax
+from lockstep.ops.gumbel import greedy_argmax, gumbel_argmax
 
 INF = float("inf")
 
@@ -49,6 +49,21 @@ def test_same_choice_and_score_as_the_torch_path(vocab):
     if vocab > 3:
         assert tokens[4] == vocab - 1 and best[4] == INF
         assert tokens[3] != vocab // 3
+
+
+@pytest.mark.parametrize("vocab", [1, 3, 2047, 2049, 5000])
+def test_greedy_is_the_torch_argmax(vocab):
+    # Without the noise: the sampler's argmax_lowest, ties (a flat row, a repeated maximum) to the lowest id.
+    x = _edge_rows(vocab)
+    if vocab > 3:
+        x[0, [5, vocab - 2]] = x[0].max() + 1.0  # a tie at the top, across blocks for the larger vocabularies
+    tokens, best = greedy_argmax(x)
+    want_tokens, want_best = sampler._argmax_lowest(x)
+    assert torch.equal(tokens, want_tokens) and torch.equal(best, want_best.double())
+    if vocab > 3:
+        assert tokens[0] == 5 and tokens[7] == 0  # the lowest of the tied ids; a flat row: id 0
+    t, b = greedy_argmax(x[3:5])  # rows alone give the same
+    assert torch.equal(t, tokens[3:5]) and torch.equal(b, best[3:5])
 
 
 def test_python_float_reference():
