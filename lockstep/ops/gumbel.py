@@ -33,7 +33,7 @@ def _gumbel_argmax_kernel(
 ):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride
-    key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True) if NOISE else 0
+    key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)  # read, and unused, without NOISE
     best = tl.full([], float("-inf"), tl.float64)
     best_id = vocab
     for start in range(0, vocab, BLOCK):
@@ -75,7 +75,7 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Ten
     tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
     best = torch.empty(rows, dtype=torch.float64, device=x.device)
     if rows:
-        keys = keys.contiguous() if noise else tokens  # not read without noise
+        keys = keys.contiguous() if noise else tokens  # any [rows] int64 without noise: its values go unused
         _gumbel_argmax_kernel[(rows,)](
             x, keys, tokens, best, vocab, x.stride(0), _GOLDEN, _M1, _M2, NOISE=noise, BLOCK=BLOCK
         )
