@@ -123,8 +123,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {mem!r}")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enforce_eager", self.enforce_eager)
-        if self.async_scheduling is not None:
-            _check_bool("async_scheduling", self.async_scheduling)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if self.load_format not in LOAD_FORMATS:
@@ -136,6 +134,7 @@ class EngineConfig:
 
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
             self.async_scheduling = device.startswith("cuda")
+        _check_bool("async_scheduling", self.async_scheduling)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_model_len is not None and self.num_kv_blocks is not None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lockstep import ops
-from lockstep.ops.gumbel import _GOLDEN, _M1, _M2, greedy_argmax, gumbel_argmax  # the constants: splitmix64's
+from lockstep.ops.gumbel import _GOLDEN, _M1, _M2, greedy_argmax, gumbel_argmax  # _GOLDEN...: splitmix64's
 from lockstep.ops.top_p import top_p_mask
 from lockstep.sampling_params import SamplingParams
 
