@@ -249,9 +249,9 @@ class LlamaAttention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            # Qwen3: RMSNorm over each head's vector, before the rotation.
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
+            # Qwen3: RMSNorm over each head's vector, before the rotation. The [n, heads, head_dim] views into the
+            # QKV output go in as they are: on CUDA the kernel reads the strided heads, with no copy first.
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.kernels.rotary(q, k, *rope)
         out = self.attn(q, k, v, attn)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))

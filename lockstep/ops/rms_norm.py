@@ -43,7 +43,7 @@ def _normalize(h, rstd, w_ptr, cols, col_mask, HAS_WEIGHT: tl.constexpr, DTYPE: 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, rstd_ptr,
-    M, N, stride_xm, stride_rm, stride_om, stride_hm,
+    M, N, heads, stride_xt, stride_xm, stride_rm, stride_om, stride_hm,
     n_float, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, SINGLE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -52,7 +52,9 @@ def _rms_norm_kernel(
     row_ok = (rows < M)[:, None]
     # Rows past M re-read row M - 1 (no empty rows to special-case); their results are never stored.
     safe_rows = tl.minimum(rows, M - 1).to(tl.int64)[:, None]
-    x_rows = x_ptr + safe_rows * stride_xm
+    # x: [M // heads, heads, N] with strides (stride_xt, stride_xm, 1): row r is (r // heads, r % heads), so the
+    # heads of a strided [tokens, heads, N] view (q and k inside the fused QKV output) need no copy. 2-D: heads 1.
+    x_rows = x_ptr + (safe_rows // heads) * stride_xt + (safe_rows % heads) * stride_xm
     r_rows = r_ptr + safe_rows * stride_rm
     o_rows = out_ptr + safe_rows * stride_om
     h_rows = h_ptr + safe_rows * stride_hm
@@ -93,8 +95,14 @@ def _rms_norm_triton(
     residual: torch.Tensor | None = None,
     config: RowConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # x, residual: [M, N] with unit column stride; weight: [N] contiguous -> out [M, N], h [M, N], rstd [M] fp32
-    m, n = x.shape
+    # x, residual: [M, N] with unit column stride, or x: [T, H, N] (unit last stride, any other strides) without
+    # residual; weight: [N] contiguous -> out like x but contiguous, h: x or [M, N], rstd [M] fp32
+    if x.dim() == 3 and residual is not None:
+        raise ValueError("a [tokens, heads, N] input takes no residual")
+    heads, n = (x.shape[1], x.shape[2]) if x.dim() == 3 else (1, x.shape[1])
+    m = x.shape[0] * heads
+    stride_xt = x.stride(0)
+    stride_xm = x.stride(1) if x.dim() == 3 else x.stride(0)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     h = x if residual is None else torch.empty_like(out)
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
@@ -104,7 +112,7 @@ def _rms_norm_triton(
     r = residual if residual is not None else x
     _rms_norm_kernel[(triton.cdiv(m, cfg.rows),)](
         x, r, weight if weight is not None else x, out, h, rstd,
-        m, n, x.stride(0), r.stride(0), out.stride(0), h.stride(0),
+        m, n, heads, stride_xt, stride_xm, r.stride(-2), n, h.stride(-2),
         float(n), float(eps),
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, SINGLE=n <= cfg.block,
         ROWS=cfg.rows, BLOCK=cfg.block, num_warps=cfg.num_warps,
@@ -147,6 +155,11 @@ def _rms_norm_rows(
     lead = x.shape[:-1]
     if n == 0:
         return x.clone(), x.clone(), torch.full((*lead, 1), torch.nan, device=x.device)
+    if x.is_cuda and x.dim() == 3 and residual is None and x.stride(2) == 1:
+        # [tokens, heads, N], however strided (q or k inside the fused QKV output): no copy first.
+        weight = weight if weight is None or weight.is_contiguous() else weight.contiguous()
+        out, h, rstd = _rms_norm_triton(x, weight, eps)
+        return out, h, rstd.reshape(*lead, 1)
     # x: [*lead, N] -> [num_rows, N] with unit column stride
     x2 = x if x.dim() == 2 else x.reshape(math.prod(lead), n)
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()

@@ -1,8 +1,8 @@
-"""The sampler's Triton kernels compile for Hopper (sm_90) on this CPU machine. The other tests run kernels
-through the interpreter, which compiles nothing, so a kernel that only a GPU build rejects would first fail on a
-GPU, on every sampled request. The compile runs in a process of its own without ``TRITON_INTERPRET`` (the
-interpreter patches ``triton.language``); Triton's wheel brings ptxas, and without a CUDA toolchain the test
-skips."""
+"""Triton kernels compile for Hopper (sm_90) on this CPU machine: the sampler's and RMSNorm's (every layer's).
+The other tests run kernels through the interpreter, which compiles nothing, so a kernel that only a GPU build
+rejects would first fail on a GPU, on every request. The compile runs in a process of its own without
+``TRITON_INTERPRET`` (the interpreter patches ``triton.language``); Triton's wheel brings ptxas, and without a
+CUDA toolchain the test skips."""
 
 import os
 import subprocess
@@ -18,6 +18,7 @@ SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
 
     from lockstep.ops import gumbel, top_p
+    from lockstep.ops.rms_norm import _rms_norm_kernel
 
     def compile_(fn, signature, constexprs):
         signature = {**signature, **{name: "constexpr" for name in constexprs}}
@@ -34,12 +35,18 @@ SCRIPT = textwrap.dedent(
         compile_(gumbel._gumbel_argmax_kernel, sig, {"NOISE": noise, "BLOCK": gumbel.BLOCK})
     sig = {"sorted_ptr": "*fp32", "top_p_ptr": "*fp32", "cut_ptr": "*fp32", "vocab": "i32", "stride": "i32"}
     compile_(top_p._top_p_cut_kernel, sig, {"BLOCK": top_p.BLOCK})
+    sig = {**{p: "*bf16" for p in ("x_ptr", "r_ptr", "w_ptr", "out_ptr", "h_ptr")}, "rstd_ptr": "*fp32",
+           **{p: "i32" for p in ("M", "N", "heads", "stride_xt", "stride_xm", "stride_rm", "stride_om", "stride_hm")},
+           "n_float": "fp32", "eps": "fp32"}
+    for residual, single, rows, block in ((False, True, 16, 128), (True, False, 1, 1024)):
+        flags = {"HAS_RESIDUAL": residual, "HAS_WEIGHT": True, "SINGLE": single, "ROWS": rows, "BLOCK": block}
+        compile_(_rms_norm_kernel, sig, flags)
     print("COMPILED")
     """
 )
 
 
-def test_sampler_kernels_compile_for_sm90() -> None:
+def test_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     if done.stdout.startswith("SKIP") or done.stderr.startswith("SKIP"):

@@ -135,6 +135,26 @@ def test_triton_rows_are_batch_invariant(cfg):
     check_moved_row(op, x, [(2, 1), (9, 6), (17, 16)])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [None, 2])
+def test_triton_heads_of_a_strided_view_need_no_copy(dtype, config):
+    # q and k inside a fused QKV output: [tokens, heads, N] views whose rows cannot be flattened without a copy.
+    # Each head's row gets the bits of the same row made contiguous and normalized as 2-D, the k heads too.
+    tokens, q_heads, k_heads, n = 5, 4, 2, 128
+    cfg = TRITON_CONFIGS[config] if config is not None else None
+    qkv = randn(tokens, (q_heads + 2 * k_heads) * n, dtype=dtype, seed=4)
+    w = randn(n, dtype=dtype, seed=5)
+    for lo, heads in ((0, q_heads), (q_heads * n, k_heads)):
+        view = qkv[:, lo : lo + heads * n].view(tokens, heads, n)
+        assert view.stride() == (qkv.shape[1], n, 1)
+        out, h, rstd = _rms_norm_triton(view, w, EPS, config=cfg)
+        flat, _, flat_rstd = _rms_norm_triton(view.reshape(-1, n), w, EPS, config=cfg)
+        assert out.shape == view.shape and out.is_contiguous() and h is view
+        assert same_bits(out.reshape(-1, n), flat) and torch.equal(rstd, flat_rstd)
+    with pytest.raises(ValueError, match="no residual"):
+        _rms_norm_triton(view, w, EPS, residual=view)
+
+
 # Negative control: an RMSNorm whose sum of squares is chunked by M, like a kernel that picks its split from the
 # batch. The same harness that passes above must fail on it.
 def test_negative_control_batch_dependent_rms_norm_is_caught():
