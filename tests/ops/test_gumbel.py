@@ -37,7 +37,7 @@ def _edge_rows(vocab: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("vocab", [1, 3, 17, 2047, 2048, 2049, 5000])  # around the 2048-token block
+@pytest.mark.parametrize("vocab", [1, 3, 17, 2047, 2048, 2049, 5000, 17000])  # blocks of 2048, chunks of 8192
 def test_same_choice_and_score_as_the_torch_path(vocab):
     x = _edge_rows(vocab)
     keys = _keys(x.shape[0])
@@ -51,12 +51,12 @@ def test_same_choice_and_score_as_the_torch_path(vocab):
         assert tokens[3] != vocab // 3
 
 
-@pytest.mark.parametrize("vocab", [1, 3, 2047, 2049, 5000])
+@pytest.mark.parametrize("vocab", [1, 3, 2047, 2049, 17000])
 def test_greedy_is_the_torch_argmax(vocab):
     # Without the noise: the sampler's argmax_lowest, ties (a flat row, a repeated maximum) to the lowest id.
     x = _edge_rows(vocab)
     if vocab > 3:
-        x[0, [5, vocab - 2]] = x[0].max() + 1.0  # a tie at the top, across blocks for the larger vocabularies
+        x[0, [5, vocab - 2]] = x[0].max() + 1.0  # a tie at the top, across blocks (and chunks) when large
     tokens, best = greedy_argmax(x)
     want_tokens, want_best = sampler._argmax_lowest(x)
     assert torch.equal(tokens, want_tokens) and torch.equal(best, want_best.double())
@@ -85,7 +85,7 @@ def test_python_float_reference():
 
 
 def test_rows_are_batch_invariant():
-    x = randn(40, 3000, seed=6, scale=2.0)
+    x = randn(40, 9000, seed=6, scale=2.0)  # two chunks
     x[5, 100:] = -INF
     keys = _keys(40)
     tokens, best = gumbel_argmax(x, keys)

@@ -29,10 +29,14 @@ SCRIPT = textwrap.dedent(
             raise SystemExit(f"SKIP {e}")
         assert "cubin" in kernel.asm, fn
 
-    sig = {"x_ptr": "*fp32", "keys_ptr": "*i64", "token_ptr": "*i64", "best_ptr": "*fp64", "vocab": "i32",
-           "stride": "i32", "golden": "u64", "m1": "u64", "m2": "u64"}
+    sig = {"x_ptr": "*fp32", "keys_ptr": "*i64", "part_best_ptr": "*fp64", "part_id_ptr": "*i32", "vocab": "i32",
+           "stride": "i32", "num_chunks": "i32", "golden": "u64", "m1": "u64", "m2": "u64"}
     for noise in (True, False):
-        compile_(gumbel._gumbel_argmax_kernel, sig, {"NOISE": noise, "BLOCK": gumbel.BLOCK})
+        flags = {"NOISE": noise, "CHUNK": gumbel.CHUNK, "BLOCK": gumbel.BLOCK}
+        compile_(gumbel._gumbel_argmax_kernel, sig, flags)
+    sig = {"part_best_ptr": "*fp64", "part_id_ptr": "*i32", "token_ptr": "*i64", "best_ptr": "*fp64", "vocab": "i32",
+           "num_chunks": "i32"}
+    compile_(gumbel._combine_kernel, sig, {"BLOCK_C": 32})
     sig = {"sorted_ptr": "*fp32", "top_p_ptr": "*fp32", "cut_ptr": "*fp32", "vocab": "i32", "stride": "i32"}
     compile_(top_p._top_p_cut_kernel, sig, {"BLOCK": top_p.BLOCK})
     sig = {**{p: "*bf16" for p in ("x_ptr", "r_ptr", "w_ptr", "out_ptr", "h_ptr")}, "rstd_ptr": "*fp32",
