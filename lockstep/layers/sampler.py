@@ -16,11 +16,10 @@ How rows are grouped: penalties and biases go one row per call. For the temperat
 through together: each op is elementwise (the division, min-p's threshold: one device function per element
 wherever the element sits), an exact selection (top-k's k-th value, the row max), top-p's cut, computed per row
 by ``ops.top_p`` (a row-invariant softmax, an exact sort, one scan program per row), or the noise and the
-argmax, one program per row in ``ops.gumbel`` (the torch path's arithmetic, fused), so a row's bits cannot
-depend on its neighbours. Every temperature row on the CPU goes one
-``[1, vocab]`` row per call (its top-p by ``_top_p``: torch's sort and cumsum over the one row): a CPU
-elementwise kernel computes its vector-width tail with scalar code, and which elements fall in the tail moves
-with the batch.
+argmax in ``ops.gumbel`` (the torch path's arithmetic, fused; each program reads one row), so a row's bits
+cannot depend on its neighbours. Every temperature row on the CPU goes one ``[1, vocab]`` row per call (its
+top-p by ``_top_p``: torch's sort and cumsum over the one row): a CPU elementwise kernel computes its
+vector-width tail with scalar code, and which elements fall in the tail moves with the batch.
 
 Faults stay in their row: NaN scores count as -inf, so a token id is always in ``[0, vocab)``; a row with no
 score above -inf, or whose own adjustment or sampling raises, is reported in ``Sampled.errors`` (a group of rows
