@@ -1,7 +1,7 @@
 """Tensor parallelism through ``LLM``: a request's token ids, logprobs and prompt logprobs are the same bits at TP 1
 (``tp_invariant=True``), 2 and 4 (gloo worker processes), and at each TP size under the invariance matrix (alone,
-in a batch, chunked prefill, prefix-cache hit, preemption); at TP 8 alone and in a batch. The RL trainer at TP 1
-with the tree numerics reproduces a TP 2, 4 and 8 sampler's logprobs, and ``LLM.load_weights`` reaches every
+in a batch, chunked prefill, prefix-cache hit, preemption; TP 8: tests/test_llm_tp8.py). The RL trainer at TP 1
+with the tree numerics reproduces a TP 2 and TP 4 sampler's logprobs, and ``LLM.load_weights`` reaches every
 rank. Negative controls: one process without the tree, and a trainer without it, differ from the tensor-parallel
 engine."""
 
@@ -178,21 +178,3 @@ def test_a_one_process_trainer_reproduces_the_tp_sampler(tp: tuple[int, dict], t
             torch.allclose(lp.detach(), torch.tensor(s), atol=1e-4) for lp, (_, s) in zip(lps, samples, strict=True)
         ]
         assert all(close)
-
-
-def test_tp8_on_gloo_gives_tp1s_bits_and_a_one_process_trainer_reproduces_it(tmp_path: Path) -> None:
-    # The largest TP size the chunk tree supports, as eight gloo processes (a model with 8 heads; 2 KV heads, so
-    # each is replicated over 4 ranks): the targets alone and in a batch of 34, and sampled completions, have TP 1's
-    # bits with the tree, and a one-process trainer with the tree reproduces the TP 8 sampler's logprobs.
-    folder = save_tiny_llama(tmp_path / "eight-heads", num_attention_heads=8, head_dim=8)
-    reference = make_llm(folder, tp_invariant=True)
-    want = {"alone": alone(reference), "batch": [bits(o) for o in run_mixed(reference, 31, 1)]}
-    with make_llm(folder, tensor_parallel_size=8) as llm:
-        assert len(llm.engine.workers.pids) == 7
-        got = {"alone": alone(llm), "batch": [bits(o) for o in run_mixed(llm, 31, 1)]}
-        samples = rl_samples(llm)
-    assert got == want
-    assert samples == rl_samples(reference)
-    policy = load_policy(folder, tp_invariant=True)
-    lps = token_logprobs(policy, RL_PROMPTS, [tokens for tokens, _ in samples], micro_batch_size=2)
-    assert [as_float_bits(lp.tolist()) for lp in lps] == [as_float_bits(lp) for _, lp in samples]
