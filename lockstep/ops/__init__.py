@@ -1,5 +1,13 @@
 """Batch-invariant ops: each output row's bits depend only on that row's inputs, never on the batch around it."""
 
+import os
+
+# Whether Triton contracts a product and a sum into one fused multiply-add decides some kernels' bits (the rotary's
+# fma.rn.bf16, docs/design.md). Triton fuses by default, and every figure and the sampler = trainer equality were
+# measured so; Triton 3.9 announces that 3.10 will stop fusing by default. Pinned here (before any kernel
+# compiles), so a Triton upgrade does not move the bits; a value set in the environment is kept.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
 from lockstep.ops.attention import paged_attention, write_kv
 from lockstep.ops.matmul import addmm, bmm, linear, mm
 from lockstep.ops.moe import experts as moe_experts
