@@ -353,7 +353,10 @@ def main(argv: list[str] | None = None) -> dict:
         longest = plan.long_len + plan.long_out if args.long else 0
         max_model_len = max(plan.tp_in + plan.tp_out, max(plan.target_lens) + 2 * plan.target_out, 512, longest) + BLOCK
         max_model_len = min(max_model_len, shape["max_position_embeddings"])
-        blocks = kv_blocks(report["model"]["bytes"], cfg, plan, plan.long_len, max_model_len, device)
+        # What one rank holds: its share of the weights and of the KV heads (at least one: replicated past their count).
+        tp = args.tensor_parallel_size
+        rank_cfg = {**cfg, "num_key_value_heads": max(1, cfg["num_key_value_heads"] // tp)}
+        blocks = kv_blocks(report["model"]["bytes"] // tp, rank_cfg, plan, plan.long_len, max_model_len, device)
         for mode in modes:
             report["modes"][mode] = run_mode(mode, folder, args, plan, shape, device, blocks, max_model_len, budget)
             out_path.write_text(json.dumps(report, indent=1, default=str))
