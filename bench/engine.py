@@ -82,6 +82,8 @@ QWEN3_8B = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
     tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
 )  # fmt: skip
+# Qwen3's generation_config.json sampling defaults (what a chat server applies): --tp-chat-sampling.
+CHAT_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 # Qwen3-32B: a model that needs several GPUs at long context (65.5 GB of bf16 weights).
 QWEN3_32B = dict(QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                  num_key_value_heads=8)  # fmt: skip
@@ -495,12 +497,11 @@ def run_throughput(
     llm: LLM,
     plan: Plan,
     vocab: int,
-    temperature: float,
+    sampling: dict,
     deadline: float,
     async_scheduling: bool | None = None,
-    top_p: float = 1.0,
-    top_k: int = 0,
 ) -> dict:
+    """The throughput workload; ``sampling``: the requests' SamplingParams settings (temperature, top_p, ...)."""
     fresh_scheduler(
         llm,
         max_num_seqs=max(plan.tp_requests, 1),
@@ -510,9 +511,7 @@ def run_throughput(
     )
     rng = random.Random(7)
     fresh = lambda: [[rng.randrange(vocab) for _ in range(plan.tp_in)] for _ in range(plan.tp_requests)]
-    sp = lambda n: SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=0, max_tokens=n, ignore_eos=True
-    )
+    sp = lambda n: SamplingParams(**sampling, seed=0, max_tokens=n, ignore_eos=True)
     warm = timed_run(llm, fresh(), sp(min(4, plan.tp_out)), deadline, "warm")
     prefill = timed_run(llm, fresh(), sp(1), deadline, "prefill")
     full = timed_run(llm, fresh(), sp(plan.tp_out), deadline, "full")
@@ -857,17 +856,8 @@ def main() -> None:
                 save()
             if with_tp:
                 if time.perf_counter() < section_end:
-                    chat = dict(temperature=0.6, top_p=0.95, top_k=20) if args.tp_chat_sampling else {}
-                    tp = run_throughput(
-                        llm,
-                        plan,
-                        shape["vocab_size"],
-                        chat.get("temperature", args.tp_temperature),
-                        section_end,
-                        args.async_scheduling,
-                        chat.get("top_p", 1.0),
-                        chat.get("top_k", 0),
-                    )
+                    sampling = CHAT_SAMPLING if args.tp_chat_sampling else {"temperature": args.tp_temperature}
+                    tp = run_throughput(llm, plan, shape["vocab_size"], sampling, section_end, args.async_scheduling)
                     print(
                         f"    throughput: {fmt_rate(tp.get('total_tok_s'))} tok/s total, "
                         f"{fmt_rate(tp.get('output_tok_s'))} out" + (" (partial)" if tp["partial"] else ""),

@@ -64,6 +64,7 @@ from engine import (  # noqa: E402
 )
 
 from lockstep import LLM, SamplingParams  # noqa: E402
+from lockstep.layers.moe import MIXTRAL_NAMES, QWEN3_MOE_NAMES  # noqa: E402
 from lockstep.outputs import OutputKind  # noqa: E402
 
 # config.json values of Qwen/Qwen3-30B-A3B.
@@ -128,20 +129,16 @@ def layer_tensors(shape: dict, i: int, gen: torch.Generator, device: torch.devic
         f"{p}.self_attn.v_proj.weight": rand(kv, h),
         f"{p}.self_attn.o_proj.weight": rand(h, q),
     }
-    if mixtral:  # no q/k norms; router and experts under block_sparse_moe, w1 (gate), w3 (up), w2 (down)
-        out[f"{p}.block_sparse_moe.gate.weight"] = rand(shape["num_local_experts"], h)
-        for e in range(shape["num_local_experts"]):
-            out[f"{p}.block_sparse_moe.experts.{e}.w1.weight"] = rand(width, h)
-            out[f"{p}.block_sparse_moe.experts.{e}.w3.weight"] = rand(width, h)
-            out[f"{p}.block_sparse_moe.experts.{e}.w2.weight"] = rand(h, width)
-        return out
-    out[f"{p}.self_attn.q_norm.weight"] = norm(hd)
-    out[f"{p}.self_attn.k_norm.weight"] = norm(hd)
-    out[f"{p}.mlp.gate.weight"] = rand(shape["num_experts"], h)
-    for e in range(shape["num_experts"]):
-        out[f"{p}.mlp.experts.{e}.gate_proj.weight"] = rand(width, h)
-        out[f"{p}.mlp.experts.{e}.up_proj.weight"] = rand(width, h)
-        out[f"{p}.mlp.experts.{e}.down_proj.weight"] = rand(h, width)
+    if not mixtral:  # Qwen3's q/k norms; the MoE block's names are each family's (layers/moe.py)
+        out[f"{p}.self_attn.q_norm.weight"] = norm(hd)
+        out[f"{p}.self_attn.k_norm.weight"] = norm(hd)
+    names = MIXTRAL_NAMES if mixtral else QWEN3_MOE_NAMES
+    block, experts = f"{p}.{names.block}", shape["num_local_experts" if mixtral else "num_experts"]
+    out[f"{block}.gate.weight"] = rand(experts, h)
+    for e in range(experts):
+        out[f"{block}.experts.{e}.{names.gate}.weight"] = rand(width, h)
+        out[f"{block}.experts.{e}.{names.up}.weight"] = rand(width, h)
+        out[f"{block}.experts.{e}.{names.down}.weight"] = rand(h, width)
     return out
 
 
@@ -397,7 +394,7 @@ def run_mode(mode, folder, args, plan, shape, device, blocks, max_model_len, bud
         matrix_deadline = deadline if args.no_throughput else time.perf_counter() + budget / 2
         res["matrix"] = short_matrix(llm, plan, vocab, matrix_deadline, long=bool(args.long))
     if not args.no_throughput:
-        tp = run_throughput(llm, plan, vocab, 0.0, deadline)
+        tp = run_throughput(llm, plan, vocab, {"temperature": 0.0}, deadline)
         res["throughput"] = tp
         partial = " (partial)" if tp["partial"] else ""
         print(f"    throughput {plan.tp_requests} x {plan.tp_in}/{plan.tp_out}: {tp['full']['seconds']} s, "

@@ -20,6 +20,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # set before lockstep is imported
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import CHAT_SAMPLING  # noqa: E402
+
 from lockstep.layers import sampler  # noqa: E402
 from lockstep.layers.sampler import Sampler  # noqa: E402
 from lockstep.ops.gumbel import gumbel_argmax  # noqa: E402
@@ -28,7 +31,7 @@ from lockstep.sampling_params import SamplingParams  # noqa: E402
 SETTINGS = {
     "greedy": dict(temperature=0.0),
     "T=1": dict(temperature=1.0),
-    "chat": dict(temperature=0.6, top_p=0.95, top_k=20),  # Qwen3's generation_config
+    "chat": CHAT_SAMPLING,
 }
 
 

@@ -155,14 +155,11 @@ def _rms_norm_rows(
     lead = x.shape[:-1]
     if n == 0:
         return x.clone(), x.clone(), torch.full((*lead, 1), torch.nan, device=x.device)
-    if x.is_cuda and x.dim() == 3 and residual is None and x.stride(2) == 1:
-        # [tokens, heads, N], however strided (q or k inside the fused QKV output): no copy first.
-        weight = weight if weight is None or weight.is_contiguous() else weight.contiguous()
-        out, h, rstd = _rms_norm_triton(x, weight, eps)
-        return out, h, rstd.reshape(*lead, 1)
-    # x: [*lead, N] -> [num_rows, N] with unit column stride
-    x2 = x if x.dim() == 2 else x.reshape(math.prod(lead), n)
-    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    # x: [*lead, N] -> [num_rows, N] with unit column stride. On CUDA a [tokens, heads, N] view without a residual
+    # goes in as it is, however strided (q or k inside the fused QKV output): the kernel reads its heads, no copy.
+    heads_view = x.is_cuda and x.dim() == 3 and residual is None and x.stride(2) == 1
+    x2 = x if x.dim() == 2 or heads_view else x.reshape(math.prod(lead), n)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     r2 = residual if residual is None or residual.dim() == 2 else residual.reshape(x2.shape)
     r2 = r2 if r2 is None or r2.stride(1) == 1 else r2.contiguous()
     weight = weight if weight is None or weight.is_contiguous() else weight.contiguous()

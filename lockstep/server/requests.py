@@ -80,7 +80,8 @@ def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceS
     else:  # the model's generation config's max_new_tokens, as far as the context allows
         max_tokens = [_default_max_tokens(state, len(p), "prompt") for p in prompts]
     if req.echo:  # the echo decodes the prompts here, before the engine checks their ids
-        _check_token_ids(state, prompts)
+        for ids in prompts:
+            check_token_ids(state, ids, "prompt", "prompt token")
     texts = _echo_texts(state, req, prompts) if req.echo else [None] * len(prompts)
     wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
     prompt_logprobs = max(wanted) if wanted else None
@@ -99,13 +100,13 @@ def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceS
     ]
 
 
-def _check_token_ids(state: ServerState, prompts: list[list[int]]) -> None:
-    """A 400 for a prompt token outside the vocabulary (the engine's own check, before the tokenizer sees it)."""
+def check_token_ids(state: ServerState, ids: list[int], param: str, what: str = "token") -> None:
+    """A 400 for a token id outside the vocabulary, before the tokenizer sees it (the engine checks prompts too,
+    but echo and /detokenize decode first)."""
     vocab = state.engine.engine.vocab_size
-    for ids in prompts:
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"prompt token {bad} is not a token id in [0, {vocab})", param="prompt")
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab:
+            raise APIError(400, f"{what} {t} at index {i} is not a token id in [0, {vocab})", param=param)
 
 
 def _echo_texts(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:

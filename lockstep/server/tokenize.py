@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, Field, model_validator
 
 from lockstep.server.protocol import STRICT, APIError, ChatMessage, Tool
-from lockstep.server.requests import _check_chars, parse_body, template_message
+from lockstep.server.requests import _check_chars, check_token_ids, parse_body, template_message
 from lockstep.server.state import ServerState
 
 _UNSUPPORTED = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
@@ -112,8 +112,5 @@ def detokenize(state: ServerState, body: bytes) -> dict:
     """A /detokenize body's answer: the text of its token ids, special tokens kept (vLLM's)."""
     req = parse_body(body, DetokenizeRequest)
     req.check(state)
-    vocab = state.engine.engine.vocab_size
-    for i, t in enumerate(req.tokens):
-        if not 0 <= t < vocab:
-            raise APIError(400, f"token {t} at index {i} is not a token id in [0, {vocab})", param="tokens")
+    check_token_ids(state, req.tokens, "tokens")
     return {"prompt": state.tokenizer.decode(req.tokens)}

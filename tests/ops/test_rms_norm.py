@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 from invariance import INVARIANCE_MS, MOVES, SIZES, check_moved_row, check_prefixes, randn, same_bits
@@ -153,6 +155,22 @@ def test_triton_heads_of_a_strided_view_need_no_copy(dtype, config):
         assert same_bits(out.reshape(-1, n), flat) and torch.equal(rstd, flat_rstd)
     with pytest.raises(ValueError, match="no residual"):
         _rms_norm_triton(view, w, EPS, residual=view)
+
+
+def test_cuda_dispatch_hands_the_strided_heads_over_uncopied(monkeypatch):
+    # ops.rms_norm on CUDA gives the kernel the [tokens, heads, N] view itself (is_cuda faked; the kernel stubbed).
+    module = importlib.import_module("lockstep.ops.rms_norm")  # the attribute lockstep.ops.rms_norm is the function
+    view = randn(5, 96, seed=6)[:, :64].view(5, 4, 16)
+    seen = []
+
+    def kernel(x, weight, eps, residual=None, config=None):
+        seen.append(x)
+        return torch.zeros(x.shape), x, torch.zeros(x.shape[0] * x.shape[1])
+
+    monkeypatch.setattr(module, "_rms_norm_triton", kernel)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert ops.rms_norm(view, randn(16, seed=7), EPS).shape == view.shape
+    assert seen[0] is view
 
 
 # Negative control: an RMSNorm whose sum of squares is chunked by M, like a kernel that picks its split from the
