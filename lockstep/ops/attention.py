@@ -216,11 +216,11 @@ def _finalize(den, acc):
     return tl.where(out == 0.0, 0.0, out)  # -0.0 -> +0.0 (see the module docstring)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["inline_splits"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, part_ml_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, search_steps, page_size, qk_scale,
+    num_seqs, search_steps, page_size, qk_scale, inline_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_mh,
@@ -261,10 +261,11 @@ def _paged_attention_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
-    if SPLIT_PROGRAMS:
+    num_splits = last_tile // TILES_PER_SPLIT + 1
+    if SPLIT_PROGRAMS and num_splits > inline_splits:
         # Splits p, p + P, p + 2P, ... of these rows, P the grid's third dimension: each split's partial is
         # computed from scratch, so which program computes it cannot change it.
-        for split in range(tl.program_id(2), last_tile // TILES_PER_SPLIT + 1, tl.num_programs(2)):
+        for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
             m, den, acc = _attend_split(
                 q, pos, split, last_tile, qk_scale,
                 k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
@@ -275,11 +276,13 @@ def _paged_attention_kernel(
             tl.store(part_ml_ptr + ml + 1, den, mask=row_ok)
             part = tok.to(tl.int64)[:, None] * stride_pt + split * stride_ps + head[:, None] * stride_ph
             tl.store(part_ptr + part + dims[None, :], acc, mask=io_mask)
-    else:
+    elif tl.program_id(2) == 0:
+        # The in-register walk: every split in order, merged as it comes, the output stored here. Split programs
+        # take it too for rows with at most ``inline_splits`` splits (the merge kernel then skips them).
         m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
         den_run = tl.zeros([BLOCK_M], tl.float32)
         acc_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        for split in range(0, last_tile // TILES_PER_SPLIT + 1):
+        for split in range(0, num_splits):
             m, den, acc = _attend_split(
                 q, pos, split, last_tile, qk_scale,
                 k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
@@ -291,21 +294,24 @@ def _paged_attention_kernel(
         tl.store(o, out.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["inline_splits"])
 def _merge_splits_kernel(
     part_ptr, part_ml_ptr, o_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, search_steps,
+    num_seqs, search_steps, inline_splits,
     stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_mh, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     SPLIT_SIZE: tl.constexpr, ONE_PER_SEQ: tl.constexpr,
 ):  # fmt: skip
-    # Program per token, all its query heads: merge splits 0 .. pos // SPLIT_SIZE in order.
+    # Program per token, all its query heads: merge splits 0 .. pos // SPLIT_SIZE in order. A row with at most
+    # ``inline_splits`` splits was finished by the attention kernel's in-register walk (decode steps only).
     tok = tl.program_id(0)
     if ONE_PER_SEQ:
         seq = tok
     else:
         seq = _find_seq(query_start_loc_ptr, num_seqs, search_steps, tok, 0)
     pos = tl.load(seq_lens_ptr + seq) - tl.load(query_start_loc_ptr + seq + 1) + tok
+    if pos // SPLIT_SIZE < inline_splits:
+        return
     heads = tl.arange(0, H_PAD)
     dims = tl.arange(0, D_PAD)
     head_ok = heads < NUM_HEADS
@@ -326,8 +332,9 @@ def _merge_splits_kernel(
 
 
 # Memory for the split-program path's partials, fp32 (acc, m, den) per (token, split, query head); above it the
-# in-register path runs (a long prefill's partials would take gigabytes).
-_PART_CAP_BYTES = 1 << 28
+# in-register path runs (a long prefill's partials would take gigabytes). A decode graph at batch 256 under
+# Qwen3's 40,960-token max_model_len needs 340 MB.
+_PART_CAP_BYTES = 1 << 29
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -345,7 +352,8 @@ def _use_split_programs(decode: bool, max_splits: int, programs: int, part_bytes
     the merge kernel) were never slower than the in-register walk in decode, and 1.25x faster at batch 64,
     4k context, where the in-register grid already had 640 programs: 8 splits of 8 tiles each balance better
     than one walk of 64, and the partials add ~2% to the K/V traffic. So decode takes them whenever the
-    partials fit; prefill (partials per query token) only when its grid cannot fill the GPU."""
+    partials fit (its short rows still walk in registers: ``_inline_splits``); prefill (partials per query token)
+    only when its grid cannot fill the GPU."""
     if max_splits <= 1 or part_bytes > _PART_CAP_BYTES:
         return False
     return decode or programs < 2 * num_sms
@@ -363,6 +371,19 @@ def _split_grid(max_splits: int, programs: int, num_sms: int) -> int:
     return grid
 
 
+def _inline_splits(programs: int, num_sms: int) -> int:
+    """Decode rows with at most this many splits skip the split programs' partials: the tile's first program walks
+    them in registers and stores the output, the merge kernel passes them by (the same bits either way).
+
+    Measured on the H200 (scratch-level sweep recorded in docs/perf.md, a 40,960-position table, 32/8 heads): with
+    at least ~1.5 programs per SM, up to 4 splits in registers beat the split path by 3-10% on uniform contexts
+    (batch 256 at 1k / 2k: 301 / 579 us vs 316 / 609) and keep a long row's splits spread out: batch 256 of 1k
+    contexts with one of 32k took 665 us against 1298 for the all-in-register walk. With fewer programs the walk
+    starves the GPU of parallelism (batch 8 at 2k: 64 us vs 33), so only rows of one split, which have nothing to
+    merge, take it."""
+    return 4 if 2 * programs >= 3 * num_sms else 1
+
+
 def _paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -376,6 +397,7 @@ def _paged_attention_triton(
     block_m: int | None = None,
     split_programs: bool | None = None,
     split_grid: int | None = None,
+    inline_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -419,10 +441,14 @@ def _paged_attention_triton(
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if split_programs and split_grid is None:
         split_grid = _split_grid(max_splits, num_tiles * num_kv_heads, _num_sms(q.device))
+    if not (split_programs and one_per_seq):
+        inline_splits = 0  # the merge kernel can only skip a row whose tile is that one row
+    elif inline_splits is None:
+        inline_splits = _inline_splits(num_tiles * num_kv_heads, _num_sms(q.device))
     _paged_attention_kernel[(num_tiles, num_kv_heads, split_grid if split_programs else 1)](
         q, k_cache, v_cache, out, part, part_ml,
         block_tables, seq_lens, query_start_loc,
-        num_seqs, search_steps, page_size, scale * math.log2(math.e),
+        num_seqs, search_steps, page_size, scale * math.log2(math.e), inline_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -437,7 +463,7 @@ def _paged_attention_triton(
     if split_programs:
         _merge_splits_kernel[(num_tokens,)](
             part, part_ml, out, seq_lens, query_start_loc,
-            num_seqs, search_steps,
+            num_seqs, search_steps, inline_splits,
             part.stride(0), part.stride(1), part.stride(2),
             part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
             out.stride(0), out.stride(1),

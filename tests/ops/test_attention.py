@@ -15,6 +15,7 @@ from lockstep.ops.attention import (
     _bmm,
     _paged_attention_cpu,
     _paged_attention_triton,
+    _inline_splits,
     _split_grid,
     _use_split_programs,
     _write_kv_triton,
@@ -257,6 +258,10 @@ def test_split_programs_per_row_do_not_change_bits():
     reference = _paged_attention_triton(*args, split=split, split_programs=False)
     for grid in (1, 2, 3, 12, 16):
         assert_bitwise(_paged_attention_triton(*args, split=split, split_programs=True, split_grid=grid), reference)
+    # Rows of at most ``inline_splits`` splits (these have 1, 3, 2 and 6) walked in registers by split programs.
+    for inline in (1, 2, 6, 100):
+        out = _paged_attention_triton(*args, split=split, split_programs=True, split_grid=2, inline_splits=inline)
+        assert_bitwise(out, reference)
     # A decode step maps tile s to sequence s directly; with a two-token sequence added, the tiles are found by the
     # search instead: the decode rows keep their bits.
     q5 = torch.cat([q, torch.randn(2, hq, d, generator=g)])
@@ -398,11 +403,14 @@ def test_default_launch_path():
 
     for batch, context in [(1, 4096), (8, 4096), (64, 4096), (64, 32768), (200, 32768)]:
         assert choose(batch, context, True, programs=(batch // 4 + batch) * 8), (batch, context)
-    assert not choose(256, 32768, True, programs=320 * 8)  # 272 MB of partials
-    assert 256 * 64 * 32 * 130 * 4 > _PART_CAP_BYTES
+    assert choose(256, 40960, True, programs=256 * 8)  # 340 MB of partials: a graph under Qwen3's max_model_len
+    assert not choose(256, 65536, True, programs=320 * 8)  # 545 MB
+    assert 256 * 128 * 32 * 130 * 4 > _PART_CAP_BYTES
     assert not choose(1, 512, True, programs=8)  # one split: nothing to merge
     assert not choose(4096, 4096, False, programs=257 * 8)  # a long prefill fills the GPU by itself
     assert choose(100, 4096, False, programs=8 * 8)  # a short chunk after a long context does not
+    # Decode rows of up to 4 splits walk in registers once the grid has ~1.5 programs per SM; below, only rows of 1.
+    assert [_inline_splits(batch * 8, num_sms=132) for batch in (1, 8, 16, 32, 256)] == [1, 1, 1, 4, 4]
 
 
 def test_split_must_be_tile_times_a_power_of_two():

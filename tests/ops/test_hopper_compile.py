@@ -1,4 +1,4 @@
-"""Triton kernels compile for Hopper (sm_90) on this CPU machine: the sampler's and RMSNorm's (every layer's).
+"""Triton kernels compile for Hopper (sm_90) on this CPU machine: the sampler's, RMSNorm's and attention's.
 The other tests run kernels through the interpreter, which compiles nothing, so a kernel that only a GPU build
 rejects would first fail on a GPU, on every request. The compile runs in a process of its own without
 ``TRITON_INTERPRET`` (the interpreter patches ``triton.language``); Triton's wheel brings ptxas, and without a
@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from lockstep.ops import gumbel, top_p
+    from lockstep.ops import attention, gumbel, top_p
     from lockstep.ops.rms_norm import _rms_norm_kernel
 
     def compile_(fn, signature, constexprs):
@@ -45,6 +45,21 @@ SCRIPT = textwrap.dedent(
     for residual, single, rows, block in ((False, True, 16, 128), (True, False, 1, 1024)):
         flags = {"HAS_RESIDUAL": residual, "HAS_WEIGHT": True, "SINGLE": single, "ROWS": rows, "BLOCK": block}
         compile_(_rms_norm_kernel, sig, flags)
+    strides = ("qt", "qh", "ot", "oh", "kb", "ks", "kh", "vb", "vs", "vh", "bt", "pt", "ps", "ph", "mt", "ms", "mh")
+    sig = {**{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}, "part_ptr": "*fp32", "part_ml_ptr": "*fp32",
+           **{p: "*i32" for p in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")},
+           **{p: "i32" for p in ("num_seqs", "search_steps", "page_size")}, "qk_scale": "fp32", "inline_splits": "i32",
+           **{"stride_" + p: "i32" for p in strides}}
+    for split_programs, one_per_seq in ((True, True), (False, True), (True, False), (False, False)):
+        flags = {"GROUP": 4, "BLOCK_M": 16, "BLOCK_Q": 4, "HEAD_DIM": 128, "D_PAD": 128, "TILE": 64,
+                 "TILES_PER_SPLIT": 8, "SPLIT_PROGRAMS": split_programs, "UPCAST": False, "PRECISION": "tf32",
+                 "ONE_PER_SEQ": one_per_seq}
+        compile_(attention._paged_attention_kernel, sig, flags)
+    sig = {"part_ptr": "*fp32", "part_ml_ptr": "*fp32", "o_ptr": "*bf16", "seq_lens_ptr": "*i32",
+           "query_start_loc_ptr": "*i32", **{p: "i32" for p in ("num_seqs", "search_steps", "inline_splits")},
+           **{"stride_" + p: "i32" for p in ("pt", "ps", "ph", "mt", "ms", "mh", "ot", "oh")}}
+    flags = {"NUM_HEADS": 32, "H_PAD": 32, "HEAD_DIM": 128, "D_PAD": 128, "SPLIT_SIZE": 512, "ONE_PER_SEQ": True}
+    compile_(attention._merge_splits_kernel, sig, flags)
     print("COMPILED")
     """
 )
