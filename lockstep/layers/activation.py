@@ -6,12 +6,13 @@ two differ in the last bit of fp32 ``silu`` for some inputs. Chunk boundaries fo
 thread split, so an element's bits would follow the batch. ``silu_and_mul`` therefore only ever calls ATen on
 contiguous tiles of at most ``rows`` rows whose width is padded to a SIMD multiple and whose size stays under the
 threading grain, so that every element takes the SIMD path (see ``_cpu_tile``). On CUDA each element runs the
-same instruction sequence wherever it sits, so one call is safe.
+same instruction sequence wherever it sits: one Triton pass (``ops.gated``) with torch's bits.
 """
 
 import torch
 import torch.nn.functional as F
 
+from lockstep.ops import gated
 from lockstep.ops._common import ATEN_GRAIN
 
 # A multiple of every SIMD step (2 vectors of up to 16 fp32 lanes), so a whole row never leaves a scalar tail.
@@ -32,9 +33,9 @@ def _cpu_tile(width: int) -> tuple[int, int]:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Batch-invariant ``silu(gate) * up``: ``gate_up: [num_tokens, 2 * I]`` -> ``[num_tokens, I]``."""
-    gate, up = gate_up.chunk(2, dim=-1)
     if gate_up.is_cuda:
-        return F.silu(gate) * up
+        return gated.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
     # gate: [num_tokens, I] -> [n <= rows, padded] tiles, zero-padded columns; silu(0) = 0 is harmless and cut off.
     num_tokens, width = gate.shape
     rows, padded = _cpu_tile(width)

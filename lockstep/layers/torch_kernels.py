@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.layers.attention import AttentionMetadata
-from lockstep.ops import moe
+from lockstep.ops import gated, moe
 from lockstep.ops.attention import TILE, _num_sms, _paged_attention_triton
 
 
@@ -40,7 +40,10 @@ def torch_rms_norm(
 
 
 def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate) * up`` in one call: torch's default, batch-dependent on the CPU."""
+    """``F.silu(gate) * up``: torch's own call on the CPU (batch-dependent there); on CUDA the one-pass kernel with
+    torch's bits (``ops.gated``), the fusion the invariant set has too."""
+    if gate_up.is_cuda:
+        return gated.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -1,4 +1,4 @@
-"""Triton kernels compile for Hopper (sm_90) on this CPU machine: the sampler's, RMSNorm's and attention's.
+"""Triton kernels compile for Hopper (sm_90) on this CPU machine: the sampler's, RMSNorm's, attention's, SiLU-and-mul's.
 The other tests run kernels through the interpreter, which compiles nothing, so a kernel that only a GPU build
 rejects would first fail on a GPU, on every request. The compile runs in a process of its own without
 ``TRITON_INTERPRET`` (the interpreter patches ``triton.language``); Triton's wheel brings ptxas, and without a
@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from lockstep.ops import attention, gumbel, top_p
+    from lockstep.ops import attention, gated, gumbel, top_p
     from lockstep.ops.rms_norm import _rms_norm_kernel
 
     def compile_(fn, signature, constexprs):
@@ -60,6 +60,8 @@ SCRIPT = textwrap.dedent(
            **{"stride_" + p: "i32" for p in ("pt", "ps", "ph", "mt", "ms", "mh", "ot", "oh")}}
     flags = {"NUM_HEADS": 32, "H_PAD": 32, "HEAD_DIM": 128, "D_PAD": 128, "SPLIT_SIZE": 512, "ONE_PER_SEQ": True}
     compile_(attention._merge_splits_kernel, sig, flags)
+    sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "width": "i32", "stride_x": "i32", "stride_o": "i32"}
+    compile_(gated._silu_and_mul_kernel, sig, {"BLOCK": gated.BLOCK, "LIBDEVICE": True})
     print("COMPILED")
     """
 )
