@@ -244,30 +244,44 @@ def bench_speed(cfg, device):
             del k_cache, v_cache, kc, vc, args
 
     # What a CUDA-graph decode step sees: a block table as wide as max_model_len (here 40,960 positions, Qwen3's),
-    # whatever the context. The default split grid against one program per split (the launch before
-    # _split_grid), and the same rows over a table cut to their context.
-    print("\ndecode over a 40,960-position block table: us per call (TB/s reading K+V)")
-    print(f"  {'B':>3} {'ctx':>6} | {'default':>16} {'program/split':>16} {'fitted table':>16}")
+    # whatever the context. The default launch against split programs with S = 0 / 1 / 4 / all rows walked in
+    # registers by their first program (``inline_splits``), and the in-register path; uniform contexts, then one
+    # long row among short ones (where walking every row in registers leaves one program with all of its work).
+    # Every launch must give the default's bits ("!" marks one that does not, and fails the run).
     wide = 40960
-    for b in cfg["speed_batches"] + [128, 256]:
-        for ctx in (128, 1024, 2048):
-            nblk = b * ctx // page
-            k_cache = torch.randn(nblk, page, hkv, d, device=device, dtype=dtype)
-            v_cache = torch.randn_like(k_cache)
-            fitted = torch.randperm(nblk, device=device).view(b, ctx // page).int()
-            tables = torch.zeros(b, wide // page, device=device, dtype=torch.int32)
-            tables[:, : ctx // page] = fitted
-            args = dict(q=torch.randn(b, hq, d, device=device, dtype=dtype), k_cache=k_cache, v_cache=v_cache,
-                        seq_lens=torch.full((b,), ctx, device=device, dtype=torch.int32),
-                        query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=scale)  # fmt: skip
-            gbytes = 2 * b * ctx * hkv * d * k_cache.element_size() / 1e9
-            times = [
-                us(lambda: _paged_attention_triton(**args, block_tables=tables)),
-                us(lambda: _paged_attention_triton(**args, block_tables=tables, split_grid=wide // cfg["split"])),
-                us(lambda: _paged_attention_triton(**args, block_tables=fitted)),
-            ]
-            print(f"  {b:3d} {ctx:6d} | " + " ".join(f"{t:8.1f} ({gbytes / t * 1e3:4.2f})" for t in times))
-            del k_cache, v_cache, args
+    launches = {"default": {}, "in-register": dict(split_programs=False)}
+    for label, inline in (("S0", 0), ("S1", 1), ("S4", 4), ("S all", 1 << 20)):
+        launches[label] = dict(split_programs=True, inline_splits=inline)
+    print(f"\ndecode over a {wide:,}-position block table: us per call (the default's TB/s reading K+V)")
+    print(f"  {'B':>3} {'contexts':>12} | " + " ".join(f"{n:>11}" for n in launches))
+    cases = [(b, [ctx] * b) for b in cfg["speed_batches"] + [128, 256] for ctx in (128, 1024, 2048, 4096)]
+    cases += [(b, [long] + [short] * (b - 1)) for b in (8, 64, 256) for long, short in ((32768, 1024), (4096, 512))]
+    for b, lens in cases:
+        nblk = sum(-(-n // page) for n in lens)
+        k_cache = torch.randn(nblk, page, hkv, d, device=device, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        blocks = torch.randperm(nblk, device=device).int()
+        tables = torch.zeros(b, wide // page, device=device, dtype=torch.int32)
+        used = 0
+        for row, n in enumerate(lens):
+            tables[row, : -(-n // page)] = blocks[used : used + -(-n // page)]
+            used += -(-n // page)
+        args = dict(q=torch.randn(b, hq, d, device=device, dtype=dtype), k_cache=k_cache, v_cache=v_cache,
+                    block_tables=tables, seq_lens=torch.tensor(lens, device=device, dtype=torch.int32),
+                    query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=scale)  # fmt: skip
+        reference = _paged_attention_triton(**args)
+        cells = []
+        for launch in launches.values():
+            same = torch.equal(_paged_attention_triton(**args, **launch), reference)
+            if not same:
+                FAILURES.append(f"decode launch {launch} at batch {b} changed bits")
+            t = us(lambda la=launch: _paged_attention_triton(**args, **la))
+            cells.append((t, same))
+        gbytes = 2 * sum(lens) * hkv * d * k_cache.element_size() / 1e9
+        label = f"{lens[0]}" if len(set(lens)) == 1 else f"{lens[0]}+{lens[1]}s"
+        row = " ".join(f"{t:10.1f}{' ' if same else '!'}" for t, same in cells)
+        print(f"  {b:3d} {label:>12} | {row}  ({gbytes / cells[0][0] * 1e3:.2f} TB/s)")
+        del k_cache, v_cache, args
 
     print("\ncausal prefill, one sequence: us (TFLOP/s)")
     for n in cfg["speed_prefill"]:
