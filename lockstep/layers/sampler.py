@@ -168,17 +168,18 @@ def _greedy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _argmax_lowest(scores)
 
 
-def _top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+def _top_k(x: torch.Tensor, top_ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x: [rows, V]`` -> the same with each row's tokens below its k-th largest value set to -inf (ties at the
-    cut kept); rows with ``k <= 0`` or ``k >= V`` untouched. The k-th value is a selection: exact."""
+    cut kept); rows with ``k <= 0`` or ``k >= V`` untouched. The k-th value is a selection: exact. Also the
+    indices of each row's largest ``max(k)`` tokens in descending order, when every row had a k (else None)."""
     vocab = x.shape[-1]
     ks = [k if 0 < k < vocab else 0 for k in top_ks]
     if not any(ks):
-        return x
-    top = torch.topk(x, max(ks), dim=-1).values  # [rows, max k], descending
-    kth = top.gather(1, device_tensor([max(k, 1) - 1 for k in ks], torch.int64, x.device)[:, None])
+        return x, None
+    top = torch.topk(x, max(ks), dim=-1)  # [rows, max k], descending
+    kth = top.values.gather(1, device_tensor([max(k, 1) - 1 for k in ks], torch.int64, x.device)[:, None])
     active = device_tensor(ks, torch.int64, x.device)[:, None] > 0
-    return x.masked_fill(active & (x < kth), float("-inf"))
+    return x.masked_fill(active & (x < kth), float("-inf")), top.indices if all(ks) else None
 
 
 def _min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
@@ -211,16 +212,14 @@ def _gumbel_max(
     if any(s is None for s in seeds):
         raise ValueError("sampling with temperature > 0 needs a seed (the engine draws one per request)")
     temps = device_tensor([p.temperature for p in params], logits.dtype, logits.device)
-    x = _top_k(logits / temps[:, None], [p.top_k for p in params])
-    x = _min_p(x, [p.min_p for p in params])
+    x, head = _top_k(logits / temps[:, None], [p.top_k for p in params])
+    x = _min_p(x, [p.min_p for p in params])  # only lowers tokens at the head's end to -inf
     # Rows that share calls (the module docstring) go through Triton kernels whose rows are independent programs:
     # top-p with no host sync (ops/top_p.py), the noise and the argmax in one pass (ops/gumbel.py, the same
     # arithmetic as below). A one-row CPU call stays on torch.
     batched = x.device.type in BATCHED_DEVICES
     if any(p.top_p < 1.0 for p in params):
         if batched:
-            ks = [p.top_k for p in params]
-            head = max(ks) if all(0 < k for k in ks) else None  # top-k left at most that many tokens a row
             x = top_p_mask(x, device_tensor([p.top_p for p in params], torch.float32, x.device), head)
         else:
             for i, p in enumerate(params):
@@ -416,8 +415,12 @@ class Sampler:
         tokens: torch.Tensor,
         best: torch.Tensor,
     ) -> None:
+        row_params, row_positions = [params[i] for i in rows], [positions[i] for i in rows]
+        if len(rows) == scores.shape[0]:  # every row, in order (rows are sorted): no gather and scatter
+            tokens[:], best[:] = _gumbel_max(scores, row_params, row_positions)
+            return
         index = device_tensor(rows, torch.int64, scores.device)
-        tokens[index], best[index] = _gumbel_max(scores[index], [params[i] for i in rows], [positions[i] for i in rows])
+        tokens[index], best[index] = _gumbel_max(scores[index], row_params, row_positions)
 
 
 def _describe(e: Exception) -> str:

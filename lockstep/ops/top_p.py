@@ -53,14 +53,15 @@ def top_p_cuts(sorted_probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor
     return cuts
 
 
-def top_p_mask(x: torch.Tensor, top_ps: torch.Tensor, head: int | None = None) -> torch.Tensor:
+def top_p_mask(x: torch.Tensor, top_ps: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
     """``x: [rows, V]`` fp32 scaled logits, ``top_ps: [rows]`` fp32 (a row at 1 or above is left as it is) -> ``x``
-    with each row's tokens outside its top-p head set to -inf. ``head``: no row has more than ``head`` tokens
-    above -inf (top-k ran first), so only the ``head`` largest need sorting (an exact selection); the others'
-    probabilities are 0 and cannot move a cut."""
+    with each row's tokens outside its top-p head set to -inf. ``head: [rows, k]`` int64: each row's k largest
+    tokens of ``x`` (what top-k found), every token above -inf among them but ties at the cut; then only their k
+    probabilities need sorting (the values a vocab-wide ``topk(probs, k)`` gives, found without one). The others'
+    probabilities are 0, or equal to the k-th, and cannot move a cut."""
     probs = softmax(x)
-    if head is not None and head < x.shape[-1]:
-        sorted_probs = torch.topk(probs, head, dim=-1).values
+    if head is not None:
+        sorted_probs = probs.gather(1, head).sort(dim=-1, descending=True).values
     else:
         sorted_probs = probs.sort(dim=-1, descending=True, stable=True).values
     limits = torch.where(top_ps < 1.0, top_ps, torch.full_like(top_ps, float("inf")))

@@ -87,9 +87,11 @@ def test_same_cut_as_the_one_row_path():
 
 
 def test_after_top_k_the_head_alone_gives_the_same_cut():
-    # The sampler passes top-k's largest k: sorting only that head (torch.topk) must give the full sort's cut.
+    # The sampler passes top-k's indices: sorting only their probabilities must give the full sort's cut, ties at
+    # the k-th value included (row 4: 30 tokens share it).
     x = randn(5, 3000, seed=6, scale=2.0)
-    kth = x.topk(20, dim=-1).values[:, -1:]
-    x = x.masked_fill(x < kth, float("-inf"))  # what top-k left
-    top_ps = torch.tensor([0.3, 0.6, 0.9, 0.99, 1.0])
-    assert torch.equal(top_p_mask(x, top_ps, head=20), top_p_mask(x, top_ps))
+    x[4, :30] = x[4].max() + 1.0
+    top = x.topk(20, dim=-1)
+    x = x.masked_fill(x < top.values[:, -1:], float("-inf"))  # what top-k left
+    for top_ps in (torch.tensor([0.3, 0.6, 0.9, 0.99, 1.0]), torch.tensor([0.1, 0.2, 0.5, 0.7, 0.95])):
+        assert torch.equal(top_p_mask(x, top_ps, head=top.indices), top_p_mask(x, top_ps))
