@@ -220,9 +220,9 @@ def split_for_batch(num_seqs: int, num_kv_heads: int, max_positions: int, num_sm
 def fast_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """The ``default`` set's attention: on CUDA lockstep's paged kernel straight over the cache, its split size
-    chosen from the batch (``split_for_batch``; decided from shapes alone, so CUDA graphs can capture it); on the
-    CPU ``torch_paged_attention``."""
+    """The ``default`` set's attention: on CUDA lockstep's paged kernel straight over the cache, a decode step's
+    split size chosen from the batch (``split_for_batch``; decided from shapes alone, so CUDA graphs can capture it);
+    on the CPU ``torch_paged_attention``."""
     if not q.is_cuda:
         return torch_paged_attention(q, k_cache, v_cache, attn, scale)
     return batch_split_attention(q, k_cache, v_cache, attn, scale, _num_sms(q.device))
@@ -231,6 +231,14 @@ def fast_paged_attention(
 def batch_split_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, num_sms: int
 ) -> torch.Tensor:
+    # Steps with a prefill keep the kernel's own split, as FlashAttention does not split a prefill's keys: a split
+    # that followed their sequence count compiled a kernel variant (its split is a constexpr) for each new count
+    # in the middle of serving (5 in a 256 x 1k/1k run on the H200), which the decode graphs' warm-up cannot
+    # foresee.
+    if q.shape[0] != attn.num_seqs:
+        return _paged_attention_triton(
+            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale
+        )
     max_positions = attn.block_tables.shape[1] * k_cache.shape[1]
     split = split_for_batch(attn.num_seqs, k_cache.shape[2], max_positions, num_sms)
     return _paged_attention_triton(

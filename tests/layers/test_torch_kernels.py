@@ -8,7 +8,7 @@ import torch
 from lockstep.layers import torch_kernels
 from lockstep.layers.attention import AttentionMetadata
 from lockstep.layers.torch_kernels import batch_split_attention, sdpa_groups, split_for_batch, torch_paged_attention
-from lockstep.ops.attention import TILE
+from lockstep.ops.attention import TILE, _paged_attention_triton
 
 SCALE = 0.17
 
@@ -146,6 +146,16 @@ def test_batch_split_attention_matches_fp64_reference(num_sms):
     out = batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms)
     for got, (qi, ki, vi) in zip(out.split([n for _, n in MIXED]), seqs, strict=True):
         torch.testing.assert_close(got.double(), reference(qi, ki, vi), atol=2e-6, rtol=0)
+
+
+def test_batch_split_attention_leaves_prefill_steps_the_default_split():
+    # Only decode steps take a split from the batch: a step with a prefill launches the kernel as the invariant
+    # set does (no kernel variant per sequence count to compile while serving).
+    q, k_cache, v_cache, attn, _ = make_batch(MIXED, 4, 2, 32, 4, torch.float32)
+    default = _paged_attention_triton(
+        q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, SCALE
+    )
+    assert torch.equal(batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms=132), default)
 
 
 def test_split_size_follows_the_batch():
