@@ -375,12 +375,11 @@ def _inline_splits(programs: int, num_sms: int) -> int:
     """Decode rows with at most this many splits skip the split programs' partials: the tile's first program walks
     them in registers and stores the output, the merge kernel passes them by (the same bits either way).
 
-    Measured on the H200 (scratch-level sweep recorded in docs/perf.md, a 40,960-position table, 32/8 heads): with
-    at least ~1.5 programs per SM, up to 4 splits in registers beat the split path by 3-10% on uniform contexts
-    (batch 256 at 1k / 2k: 301 / 579 us vs 316 / 609) and keep a long row's splits spread out: batch 256 of 1k
-    contexts with one of 32k took 665 us against 1298 for the all-in-register walk. With fewer programs the walk
-    starves the GPU of parallelism (batch 8 at 2k: 64 us vs 33), so only rows of one split, which have nothing to
-    merge, take it."""
+    Measured on the H200 (bench/attention_check.py, a 40,960-position table, 32/8 heads): with at least ~1.5
+    programs per SM, up to 4 splits in registers beat the split path by 4-6% on uniform contexts (batch 256 at 1k /
+    2k: 297 / 567 us vs 311 / 596) and keep a long row's splits spread out: batch 256 of 1k contexts with one of 32k
+    took 660 us against 1296 for the all-in-register walk. With fewer programs the walk starves the GPU of
+    parallelism (batch 8 at 2k: 64 us vs 33), so only rows of one split, which have nothing to merge, take it."""
     return 4 if 2 * programs >= 3 * num_sms else 1
 
 
