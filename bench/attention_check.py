@@ -215,6 +215,7 @@ def bench_speed(cfg, device):
         "(split, st 4)": {"split_programs": True, "num_stages": 4},
         "(split 256)": {"split": 256},
         "(split 128)": {"split": 128},
+        "(heads inner)": {"heads_inner": True},
     }
     print("\ndecode: us per call (TB/s reading K+V)")
     print(f"  {'B':>3} {'ctx':>6} | " + " ".join(f"{n:>16}" for n in decode_launches) + f" | {'SDPA':>16}")
@@ -252,6 +253,7 @@ def bench_speed(cfg, device):
     launches = {"default": {}, "in-register": dict(split_programs=False)}
     for label, inline in (("S0", 0), ("S1", 1), ("S4", 4), ("S all", 1 << 20)):
         launches[label] = dict(split_programs=True, inline_splits=inline)
+    launches["heads inner"] = dict(heads_inner=True)
     print(f"\ndecode over a {wide:,}-position block table: us per call (the default's TB/s reading K+V)")
     print(f"  {'B':>3} {'contexts':>12} | " + " ".join(f"{n:>11}" for n in launches))
     cases = [(b, [ctx] * b) for b in cfg["speed_batches"] + [128, 256] for ctx in (128, 1024, 2048, 4096)]
@@ -294,11 +296,18 @@ def bench_speed(cfg, device):
                     query_start_loc=torch.tensor([0, n], device=device, dtype=torch.int32))  # fmt: skip
         flops = 4 * n * n * hq * d / 2
         row = []
-        for block_m, stages in ((64, 2), (64, 3), (128, 2), (128, 3)):
-            t = us(
-                lambda bm=block_m, st=stages: _paged_attention_triton(**args, scale=scale, block_m=bm, num_stages=st)
+        for block_m, stages, inner in (
+            (64, 2, False),
+            (64, 3, False),
+            (128, 2, False),
+            (128, 3, False),
+            (128, 3, True),
+        ):
+            launch = dict(block_m=block_m, num_stages=stages, heads_inner=inner)
+            t = us(lambda la=launch: _paged_attention_triton(**args, scale=scale, **la))
+            row.append(
+                f"BLOCK_M {block_m} st {stages}{' heads inner' if inner else ''}: {t:9.1f} ({flops / t / 1e6:5.1f})"
             )
-            row.append(f"BLOCK_M {block_m} st {stages}: {t:9.1f} ({flops / t / 1e6:5.1f})")
         qs = q.transpose(0, 1)[None]
         kc = k_cache.view(n, hkv, d).transpose(0, 1)[None]
         vc = v_cache.view(n, hkv, d).transpose(0, 1)[None]
@@ -317,6 +326,7 @@ def main():
                 for sp in (False, True) for bm, nw in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))]  # fmt: skip
     launches += [dict(split_programs=sp, block_m=bm, num_stages=st) for sp, bm, st in
                  ((True, 16, 2), (True, 16, 4), (False, 16, 3), (False, 64, 3), (False, 128, 3))]  # fmt: skip
+    launches += [dict(split_programs=sp, heads_inner=True) for sp in (False, True)]
     if args.smoke:
         cfg = dict(hq=4, hkv=2, d=32, dtype=torch.bfloat16, page=16, scale=32**-0.5, split=128,
                    value_lengths=[1, 17, 150], value_qlens=[1, 5, 150], atol=3e-2,

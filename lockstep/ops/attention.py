@@ -38,6 +38,11 @@ TILE = 64
 # 64 programs at 512, 8 at 4096); each split costs one merge step, and the split-parallel path stores one fp32
 # partial per (token, split, head). 512 keeps both cheap.
 SPLIT = 512
+# The attention grid's order (launch order only; the bits are the same): a tile's KV heads as neighbours
+# (``heads_inner``), so that programs running side by side read whole [kv_heads, head_dim] rows of a page, or one
+# head's tiles as neighbours, each reading 1/kv_heads of every row. Not yet timed: bench/attention_check.py
+# compares the two.
+HEADS_INNER = False
 # Query tokens per CPU work entry. Entries of several sequences are batched into one bmm of fixed per-entry
 # shape [ROWS * group, head_dim] x [head_dim, TILE]; small enough that a decode row wastes little.
 _CPU_ROWS = 4
@@ -227,12 +232,19 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ONE_PER_SEQ: tl.constexpr,
+    HEADS_INNER: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):  # fmt: skip
     # Program (query tile, kv head[, split]). Rows are (token, head of the group) pairs, token-major:
     # row r is token r // GROUP of the tile and query head kv_head * GROUP + r % GROUP. ONE_PER_SEQ (a decode
-    # step: one token per sequence): tile s is sequence s, found without the search.
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # step: one token per sequence): tile s is sequence s, found without the search. HEADS_INNER: the grid's first
+    # dimension numbers (tile, kv head) with the head fastest, so a tile's KV heads run side by side and read the
+    # cache's [page, kv_heads, head_dim] rows together; else it numbers tiles and the second one heads.
+    if HEADS_INNER:
+        tile = tl.program_id(0) // NUM_KV_HEADS
+        kv_head = tl.program_id(0) % NUM_KV_HEADS
+    else:
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
     if ONE_PER_SEQ:
         seq = tile
     else:
@@ -397,6 +409,7 @@ def _paged_attention_triton(
     split_programs: bool | None = None,
     split_grid: int | None = None,
     inline_splits: int | None = None,
+    heads_inner: bool | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -444,7 +457,10 @@ def _paged_attention_triton(
         inline_splits = 0  # the merge kernel can only skip a row whose tile is that one row
     elif inline_splits is None:
         inline_splits = _inline_splits(num_tiles * num_kv_heads, _num_sms(q.device))
-    _paged_attention_kernel[(num_tiles, num_kv_heads, split_grid if split_programs else 1)](
+    if heads_inner is None:
+        heads_inner = HEADS_INNER
+    grid = (num_tiles * num_kv_heads, 1) if heads_inner else (num_tiles, num_kv_heads)
+    _paged_attention_kernel[(*grid, split_grid if split_programs else 1)](
         q, k_cache, v_cache, out, part, part_ml,
         block_tables, seq_lens, query_start_loc,
         num_seqs, search_steps, page_size, scale * math.log2(math.e), inline_splits,
@@ -457,6 +473,7 @@ def _paged_attention_triton(
         TILE=TILE, TILES_PER_SPLIT=split // TILE, SPLIT_PROGRAMS=split_programs,
         UPCAST=interpreting() and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_PER_SEQ=one_per_seq,
+        HEADS_INNER=heads_inner, NUM_KV_HEADS=num_kv_heads,
         num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages,
     )  # fmt: skip
     if split_programs:

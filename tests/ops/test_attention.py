@@ -236,6 +236,7 @@ def test_triton_invariance():
     seq = Seq(150, 3, 1, 32, torch.float32, seed=1)
     target.write("t", seq, 0, 150)
     launches = [dict(split_programs=True, block_m=16, num_stages=4), dict(split_programs=False, block_m=32)]
+    launches += [dict(split_programs=sp, heads_inner=True) for sp in (False, True)]
     for launch in launches:
         results[str(launch)] = target.attend(triton_(split=128, **launch), [("t", seq, 0, 150)])[0]
     _assert_all_equal(results)
@@ -261,6 +262,10 @@ def test_split_programs_per_row_do_not_change_bits():
     # Rows of at most ``inline_splits`` splits (these have 1, 3, 2 and 6) walked in registers by split programs.
     for inline in (1, 2, 6, 100):
         out = _paged_attention_triton(*args, split=split, split_programs=True, split_grid=2, inline_splits=inline)
+        assert_bitwise(out, reference)
+    # The grid numbered with a tile's KV heads side by side: launch order only.
+    for split_programs in (False, True):
+        out = _paged_attention_triton(*args, split=split, split_programs=split_programs, heads_inner=True)
         assert_bitwise(out, reference)
     # A decode step maps tile s to sequence s directly; with a two-token sequence added, the tiles are found by the
     # search instead: the decode rows keep their bits.
