@@ -1,4 +1,4 @@
-"""Helpers shared by the op files: the CPU row-tiling scheme and Triton interpreter detection.
+"""Helpers shared by the op files: the CPU row-tiling scheme, Triton interpreter detection, dependent launches.
 
 CPU libraries (MKL, oneDNN, torch's own reductions) pick their algorithm from the problem shape, so a row's
 bits change with the number of rows. Calling them only on fixed-shape tiles of ``ROW_TILE`` rows, zero-padding
@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 # ATen splits an elementwise op or a lone row's reduction across threads only at this many elements
 # (at::internal::GRAIN_SIZE); some transcendental ops (exp) split earlier.
@@ -29,6 +31,39 @@ ROW_TILE = 4
 def interpreting() -> bool:
     """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Programmatic dependent launch (Hopper and newer): a kernel launched with ``launch_pdl=True`` may start while the
+# kernel before it in the stream finishes, and waits (``griddepcontrol.wait``) for it to complete and its writes to
+# be visible before touching memory: the launch latency and the new grid's set-up overlap the old grid's tail. Launch
+# order only, so the bits cannot change. Every kernel that takes part waits first thing, so a kernel also sees the
+# writes of every kernel before its predecessor. Off unless LOCKSTEP_PDL=1 (read at each launch, so at a CUDA
+# graph's capture) until bench/decode_step.py has timed it on the H200.
+PDL_ENV = "LOCKSTEP_PDL"
+_SM_MAJOR: dict[int, int] = {}
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether kernels working on ``t`` launch as programmatic dependents (see ``PDL_ENV``)."""
+    if not t.is_cuda or interpreting() or os.environ.get(PDL_ENV, "0") != "1":
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _SM_MAJOR:
+        _SM_MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return _SM_MAJOR[index] >= 9
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """The launch arguments of a kernel that starts with ``pdl_wait(USE_PDL)``, for work on ``t``."""
+    return {"USE_PDL": True, "launch_pdl": True} if use_pdl(t) else {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """A kernel's first step under ``use_pdl``: wait for the previous grid, then let the next one launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @contextmanager

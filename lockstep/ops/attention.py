@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops._common import FLOATS, interpreting, intra_op_threads
+from lockstep.ops._common import FLOATS, interpreting, intra_op_threads, pdl_launch, pdl_wait
 
 # KV positions per reduction tile. 64 is FlashAttention's usual BLOCK_N for head_dim 64-128 on Hopper, and
 # on the CPU it keeps the per-step matmuls big enough to amortise the Python loop.
@@ -57,8 +57,9 @@ def _write_kv_kernel(
     page_size, num_heads,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
-    HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -85,6 +86,7 @@ def _write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(num_heads), D_PAD=triton.next_power_of_2(head_dim),
+        **pdl_launch(k),
     )  # fmt: skip
 
 
@@ -232,8 +234,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ONE_PER_SEQ: tl.constexpr,
-    HEADS_INNER: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEADS_INNER: tl.constexpr, NUM_KV_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     # Program (query tile, kv head[, split]). Rows are (token, head of the group) pairs, token-major:
     # row r is token r // GROUP of the tile and query head kv_head * GROUP + r % GROUP. ONE_PER_SEQ (a decode
     # step: one token per sequence): tile s is sequence s, found without the search. HEADS_INNER: the grid's first
@@ -312,8 +315,9 @@ def _merge_splits_kernel(
     num_seqs, search_steps, inline_splits,
     stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_mh, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    SPLIT_SIZE: tl.constexpr, ONE_PER_SEQ: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr, ONE_PER_SEQ: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     # Program per token, all its query heads: merge splits 0 .. pos // SPLIT_SIZE in order. A row with at most
     # ``inline_splits`` splits was finished by the attention kernel's in-register walk (decode steps only).
     tok = tl.program_id(0)
@@ -474,7 +478,7 @@ def _paged_attention_triton(
         UPCAST=interpreting() and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_PER_SEQ=one_per_seq,
         HEADS_INNER=heads_inner, NUM_KV_HEADS=num_kv_heads,
-        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages,
+        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages, **pdl_launch(q),
     )  # fmt: skip
     if split_programs:
         _merge_splits_kernel[(num_tokens,)](
@@ -484,7 +488,7 @@ def _paged_attention_triton(
             part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
             out.stride(0), out.stride(1),
             NUM_HEADS=num_q_heads, H_PAD=triton.next_power_of_2(num_q_heads), HEAD_DIM=head_dim,
-            D_PAD=d_pad, SPLIT_SIZE=split, ONE_PER_SEQ=one_per_seq,
+            D_PAD=d_pad, SPLIT_SIZE=split, ONE_PER_SEQ=one_per_seq, **pdl_launch(q),
         )  # fmt: skip
     return out
 

@@ -12,13 +12,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from lockstep.ops._common import interpreting
+from lockstep.ops._common import interpreting, pdl_launch, pdl_wait
 
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
@@ -44,6 +47,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         grid = (num_tokens, triton.cdiv(width, BLOCK))
         _silu_and_mul_kernel[grid](
-            gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=BLOCK, LIBDEVICE=not interpreting()
+            gate_up,
+            out,
+            width,
+            gate_up.stride(0),
+            out.stride(0),
+            BLOCK=BLOCK,
+            LIBDEVICE=not interpreting(),
+            **pdl_launch(gate_up),
         )
     return out

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lockstep.ops._common import FLOATS, ROW_TILE, interpreting, intra_op_threads, map_row_tiles
+from lockstep.ops._common import FLOATS, ROW_TILE, interpreting, intra_op_threads, map_row_tiles, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -40,10 +40,11 @@ def _mm_kernel(
     alpha, beta, num_programs,
     HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Persistent: program p computes tiles p, p + num_programs, ... of batch entry program_id(1). Which program
     # owns a tile never changes how the tile is computed.
+    pdl_wait(USE_PDL)
     batch = tl.program_id(1)
     a_ptr += batch * stride_ab
     b_ptr += batch * stride_bb
@@ -91,10 +92,11 @@ def _mm_tma_kernel(
     M, N, K, alpha, beta, num_programs,
     HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, B_IS_NK: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # The same tiles and the same k = 0 upward loop as _mm_kernel, with operands brought in by the tensor
     # memory accelerator (Hopper): out-of-bounds rows and the K tail arrive as zeros.
+    pdl_wait(USE_PDL)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     for tile in range(tl.program_id(0), num_m * num_n, num_programs):
@@ -224,7 +226,7 @@ def _bmm_triton(
         UPCAST=interpreting() and a.dtype != torch.float32,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
     )  # fmt: skip
     descriptors = _tma_descriptors(a, b, c, cfg) if cfg.tma and batch == 1 else None
     if descriptors is not None:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops._common import FLOATS
+from lockstep.ops._common import FLOATS, pdl_launch, pdl_wait
 from lockstep.ops.reduce import RowConfig, row_config, row_sums
 
 
@@ -46,8 +46,9 @@ def _rms_norm_kernel(
     M, N, heads, stride_xt, stride_xm, stride_rm, stride_om, stride_hm,
     n_float, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, SINGLE: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = (rows < M)[:, None]
     # Rows past M re-read row M - 1 (no empty rows to special-case); their results are never stored.
@@ -115,7 +116,7 @@ def _rms_norm_triton(
         m, n, heads, stride_xt, stride_xm, r.stride(-2), n, h.stride(-2),
         float(n), float(eps),
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, SINGLE=n <= cfg.block,
-        ROWS=cfg.rows, BLOCK=cfg.block, num_warps=cfg.num_warps,
+        ROWS=cfg.rows, BLOCK=cfg.block, num_warps=cfg.num_warps, **pdl_launch(x),
     )  # fmt: skip
     return out, h, rstd
 

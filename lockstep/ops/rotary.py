@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops._common import pdl_launch, pdl_wait
+
 
 @triton.jit
 def _rotate(x_ptr, o_ptr, stride_h, num_heads, c, s, HALF: tl.constexpr, H_PAD: tl.constexpr):
@@ -39,8 +41,9 @@ def _rotate(x_ptr, o_ptr, stride_h, num_heads, c, s, HALF: tl.constexpr, H_PAD: 
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
     num_q_heads, num_kv_heads, stride_qt, stride_kt, stride_qot, stride_kot, stride_h, stride_ct,
-    HALF: tl.constexpr, QH_PAD: tl.constexpr, KH_PAD: tl.constexpr,
+    HALF: tl.constexpr, QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, HALF)[None, :]
     c = tl.load(cos_ptr + token * stride_ct + dims).to(tl.float32)  # the first half of cat(c, c)
@@ -66,7 +69,7 @@ def _rotary_triton(
             q, k, q_out, k_out, cos, sin,
             num_q_heads, num_kv_heads, q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0), head_dim,
             cos.stride(0), HALF=head_dim // 2, QH_PAD=triton.next_power_of_2(num_q_heads),
-            KH_PAD=triton.next_power_of_2(num_kv_heads),
+            KH_PAD=triton.next_power_of_2(num_kv_heads), **pdl_launch(q),
         )  # fmt: skip
     return q_out, k_out
 
