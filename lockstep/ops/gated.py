@@ -47,13 +47,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         grid = (num_tokens, triton.cdiv(width, BLOCK))
         _silu_and_mul_kernel[grid](
-            gate_up,
-            out,
-            width,
-            gate_up.stride(0),
-            out.stride(0),
-            BLOCK=BLOCK,
-            LIBDEVICE=not interpreting(),
-            **pdl_launch(gate_up),
-        )
+            gate_up, out, width, gate_up.stride(0), out.stride(0),
+            BLOCK=BLOCK, LIBDEVICE=not interpreting(), **pdl_launch(gate_up),
+        )  # fmt: skip
     return out
