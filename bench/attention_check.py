@@ -216,6 +216,8 @@ def bench_speed(cfg, device):
         "(split 256)": {"split": 256},
         "(split 128)": {"split": 128},
         "(heads inner)": {"heads_inner": True},
+        "(2 col groups)": {"col_groups": 2},
+        "(4 col groups)": {"col_groups": 4},
     }
     print("\ndecode: us per call (TB/s reading K+V)")
     print(f"  {'B':>3} {'ctx':>6} | " + " ".join(f"{n:>16}" for n in decode_launches) + f" | {'SDPA':>16}")
@@ -254,6 +256,7 @@ def bench_speed(cfg, device):
     for label, inline in (("S0", 0), ("S1", 1), ("S4", 4), ("S all", 1 << 20)):
         launches[label] = dict(split_programs=True, inline_splits=inline)
     launches["heads inner"] = dict(heads_inner=True)
+    launches["4 col groups"] = dict(col_groups=4)
     print(f"\ndecode over a {wide:,}-position block table: us per call (the default's TB/s reading K+V)")
     print(f"  {'B':>3} {'contexts':>12} | " + " ".join(f"{n:>11}" for n in launches))
     cases = [(b, [ctx] * b) for b in cfg["speed_batches"] + [128, 256] for ctx in (128, 1024, 2048, 4096)]
@@ -327,6 +330,7 @@ def main():
     launches += [dict(split_programs=sp, block_m=bm, num_stages=st) for sp, bm, st in
                  ((True, 16, 2), (True, 16, 4), (False, 16, 3), (False, 64, 3), (False, 128, 3))]  # fmt: skip
     launches += [dict(split_programs=sp, heads_inner=True) for sp in (False, True)]
+    launches += [dict(split_programs=sp, col_groups=g) for sp in (False, True) for g in (2, 8)]
     if args.smoke:
         cfg = dict(hq=4, hkv=2, d=32, dtype=torch.bfloat16, page=16, scale=32**-0.5, split=128,
                    value_lengths=[1, 17, 150], value_qlens=[1, 5, 150], atol=3e-2,

@@ -147,18 +147,21 @@ def _find_seq(query_start_loc_ptr, num_seqs, search_steps, target, BLOCK_Q: tl.c
 
 @triton.jit
 def _attend_split(
-    q, pos, split, last_tile, qk_scale,
+    q, pos, split, last_tile, qk_scale, col0,
     k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, COLS: tl.constexpr, TILE: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # One split's online softmax for BLOCK_M query rows: q [BLOCK_M, D_PAD], pos [BLOCK_M] (-1: padding).
-    # Returns m [BLOCK_M] (log2 units), den [BLOCK_M], acc [BLOCK_M, D_PAD], all fp32 and from scratch.
+    # One split's online softmax for BLOCK_M query rows: q [BLOCK_M, D_PAD], pos [BLOCK_M] (-1: padding), over
+    # V's columns col0 .. col0 + COLS (all of them when COLS = D_PAD: the scores always use all of K).
+    # Returns m [BLOCK_M] (log2 units), den [BLOCK_M], acc [BLOCK_M, COLS], all fp32 and from scratch.
     dims = tl.arange(0, D_PAD)
     dim_ok = dims < HEAD_DIM
+    cols = col0 + tl.arange(0, COLS)
+    col_ok = cols < HEAD_DIM
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M, 16], tl.float32)  # 16 equal columns: the denominator accumulates via tl.dot
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, COLS], tl.float32)
     first = split * TILES_PER_SPLIT
     # The split's block ids, loaded once: [TILES_PER_SPLIT, TILE], row i = tile first + i. With the K/V
     # addresses depending on a block-table load inside the tile loop, Triton's pipeliner kept one K/V buffer
@@ -180,10 +183,10 @@ def _attend_split(
             other=0.0,
         )  # [D_PAD, TILE]
         v = tl.load(
-            v_base + (block * stride_vb + slot * stride_vs)[:, None] + dims[None, :],
-            mask=kv_ok[:, None] & dim_ok[None, :],
+            v_base + (block * stride_vb + slot * stride_vs)[:, None] + cols[None, :],
+            mask=kv_ok[:, None] & col_ok[None, :],
             other=0.0,
-        )  # [TILE, D_PAD]
+        )  # [TILE, COLS]
         if UPCAST:  # the interpreter's bf16/fp16 dot is wrong; run it in fp32 there
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
@@ -234,7 +237,8 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ONE_PER_SEQ: tl.constexpr,
-    HEADS_INNER: tl.constexpr, NUM_KV_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
+    HEADS_INNER: tl.constexpr, NUM_KV_HEADS: tl.constexpr, COL_GROUPS: tl.constexpr, COLS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
     # Program (query tile, kv head[, split]). Rows are (token, head of the group) pairs, token-major:
@@ -242,12 +246,16 @@ def _paged_attention_kernel(
     # step: one token per sequence): tile s is sequence s, found without the search. HEADS_INNER: the grid's first
     # dimension numbers (tile, kv head) with the head fastest, so a tile's KV heads run side by side and read the
     # cache's [page, kv_heads, head_dim] rows together; else it numbers tiles and the second one heads.
+    # COL_GROUPS > 1: each KV head's output columns are cut into that many groups, a program each (all of them
+    # compute the same scores; a column's sum over positions is the same whoever computes it).
     if HEADS_INNER:
-        tile = tl.program_id(0) // NUM_KV_HEADS
-        kv_head = tl.program_id(0) % NUM_KV_HEADS
+        tile = tl.program_id(0) // (NUM_KV_HEADS * COL_GROUPS)
+        unit = tl.program_id(0) % (NUM_KV_HEADS * COL_GROUPS)
     else:
         tile = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        unit = tl.program_id(1)
+    kv_head = unit // COL_GROUPS
+    col0 = (unit % COL_GROUPS) * COLS  # COLS = D_PAD // COL_GROUPS
     if ONE_PER_SEQ:
         seq = tile
     else:
@@ -265,12 +273,13 @@ def _paged_attention_kernel(
     pos = tl.where(row_ok, seq_len - q_end + tok, -1)  # the j-th new token sits at seq_len - q_len + j
     last_tile = (seq_len - q_end + tl.minimum(tok0 + BLOCK_Q, q_end) - 1) // TILE
     dims = tl.arange(0, D_PAD)
-    io_mask = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
     q = tl.load(
         q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=io_mask,
+        mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
+    cols = col0 + tl.arange(0, COLS)  # this program's output columns
+    io_mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
     if UPCAST:
         q = q.to(tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -282,30 +291,33 @@ def _paged_attention_kernel(
         # computed from scratch, so which program computes it cannot change it.
         for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
             m, den, acc = _attend_split(
-                q, pos, split, last_tile, qk_scale,
+                q, pos, split, last_tile, qk_scale, col0,
                 k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_M, HEAD_DIM, D_PAD, TILE, TILES_PER_SPLIT, UPCAST, PRECISION,
+                BLOCK_M, HEAD_DIM, D_PAD, COLS, TILE, TILES_PER_SPLIT, UPCAST, PRECISION,
             )  # fmt: skip
             ml = tok.to(tl.int64) * stride_mt + split * stride_ms + head * stride_mh
-            tl.store(part_ml_ptr + ml, m, mask=row_ok)
-            tl.store(part_ml_ptr + ml + 1, den, mask=row_ok)
+            # Every column group has the same (m, den); the first stores them (a full block: the interpreter takes
+            # no scalar in a store's mask).
+            ml_ok = row_ok & ((rows * 0 + col0) == 0)
+            tl.store(part_ml_ptr + ml, m, mask=ml_ok)
+            tl.store(part_ml_ptr + ml + 1, den, mask=ml_ok)
             part = tok.to(tl.int64)[:, None] * stride_pt + split * stride_ps + head[:, None] * stride_ph
-            tl.store(part_ptr + part + dims[None, :], acc, mask=io_mask)
+            tl.store(part_ptr + part + cols[None, :], acc, mask=io_mask)
     elif tl.program_id(2) == 0:
         # The in-register walk: every split in order, merged as it comes, the output stored here. Split programs
         # take it too for rows with at most ``inline_splits`` splits (the merge kernel then skips them).
         m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
         den_run = tl.zeros([BLOCK_M], tl.float32)
-        acc_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        acc_run = tl.zeros([BLOCK_M, COLS], tl.float32)
         for split in range(0, num_splits):
             m, den, acc = _attend_split(
-                q, pos, split, last_tile, qk_scale,
+                q, pos, split, last_tile, qk_scale, col0,
                 k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_M, HEAD_DIM, D_PAD, TILE, TILES_PER_SPLIT, UPCAST, PRECISION,
+                BLOCK_M, HEAD_DIM, D_PAD, COLS, TILE, TILES_PER_SPLIT, UPCAST, PRECISION,
             )  # fmt: skip
             m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m, den, acc)
         out = _finalize(den_run, acc_run)
-        o = o_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        o = o_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
         tl.store(o, out.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
@@ -414,6 +426,7 @@ def _paged_attention_triton(
     split_grid: int | None = None,
     inline_splits: int | None = None,
     heads_inner: bool | None = None,
+    col_groups: int = 1,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -463,7 +476,10 @@ def _paged_attention_triton(
         inline_splits = _inline_splits(num_tiles * num_kv_heads, _num_sms(q.device))
     if heads_inner is None:
         heads_inner = HEADS_INNER
-    grid = (num_tiles * num_kv_heads, 1) if heads_inner else (num_tiles, num_kv_heads)
+    if d_pad % col_groups or d_pad // col_groups < 16:
+        raise ValueError(f"col_groups must cut {d_pad} columns into groups of at least 16, got {col_groups}")
+    units = num_kv_heads * col_groups
+    grid = (num_tiles * units, 1) if heads_inner else (num_tiles, units)
     _paged_attention_kernel[(*grid, split_grid if split_programs else 1)](
         q, k_cache, v_cache, out, part, part_ml,
         block_tables, seq_lens, query_start_loc,
@@ -477,7 +493,8 @@ def _paged_attention_triton(
         TILE=TILE, TILES_PER_SPLIT=split // TILE, SPLIT_PROGRAMS=split_programs,
         UPCAST=interpreting() and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_PER_SEQ=one_per_seq,
-        HEADS_INNER=heads_inner, NUM_KV_HEADS=num_kv_heads,
+        HEADS_INNER=heads_inner, NUM_KV_HEADS=num_kv_heads, COL_GROUPS=col_groups,
+        COLS=d_pad // col_groups,
         num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages, **pdl_launch(q),
     )  # fmt: skip
     if split_programs:

@@ -263,10 +263,14 @@ def test_split_programs_per_row_do_not_change_bits():
     for inline in (1, 2, 6, 100):
         out = _paged_attention_triton(*args, split=split, split_programs=True, split_grid=2, inline_splits=inline)
         assert_bitwise(out, reference)
-    # The grid numbered with a tile's KV heads side by side: launch order only.
+    # The grid numbered with a tile's KV heads side by side: launch order only. Output columns cut into groups of
+    # 16 (2 here) or 8 x 4 across programs: a column's sum is the same whoever computes it.
     for split_programs in (False, True):
-        out = _paged_attention_triton(*args, split=split, split_programs=split_programs, heads_inner=True)
-        assert_bitwise(out, reference)
+        for launch in (dict(heads_inner=True), dict(col_groups=2), dict(col_groups=2, heads_inner=True)):
+            out = _paged_attention_triton(*args, split=split, split_programs=split_programs, **launch)
+            assert_bitwise(out, reference)
+    with pytest.raises(ValueError, match="col_groups"):
+        _paged_attention_triton(*args, split=split, col_groups=4)  # 8 columns: too few for a dot
     # A decode step maps tile s to sequence s directly; with a two-token sequence added, the tiles are found by the
     # search instead: the decode rows keep their bits.
     q5 = torch.cat([q, torch.randn(2, hq, d, generator=g)])
