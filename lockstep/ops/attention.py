@@ -38,11 +38,6 @@ TILE = 64
 # 64 programs at 512, 8 at 4096); each split costs one merge step, and the split-parallel path stores one fp32
 # partial per (token, split, head). 512 keeps both cheap.
 SPLIT = 512
-# The attention grid's order (launch order only; the bits are the same): a tile's KV heads as neighbours
-# (``heads_inner``), so that programs running side by side read whole [kv_heads, head_dim] rows of a page, or one
-# head's tiles as neighbours, each reading 1/kv_heads of every row. Not yet timed: bench/attention_check.py
-# compares the two.
-HEADS_INNER = False
 # Query tokens per CPU work entry. Entries of several sequences are batched into one bmm of fixed per-entry
 # shape [ROWS * group, head_dim] x [head_dim, TILE]; small enough that a decode row wastes little.
 _CPU_ROWS = 4
@@ -425,7 +420,7 @@ def _paged_attention_triton(
     split_programs: bool | None = None,
     split_grid: int | None = None,
     inline_splits: int | None = None,
-    heads_inner: bool | None = None,
+    heads_inner: bool = False,
     col_groups: int = 1,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -474,8 +469,7 @@ def _paged_attention_triton(
         inline_splits = 0  # the merge kernel can only skip a row whose tile is that one row
     elif inline_splits is None:
         inline_splits = _inline_splits(num_tiles * num_kv_heads, _num_sms(q.device))
-    if heads_inner is None:
-        heads_inner = HEADS_INNER
+    # heads_inner and col_groups (the kernel says what they do) are off until bench/attention_check.py has timed them.
     if d_pad % col_groups or d_pad // col_groups < 16:
         raise ValueError(f"col_groups must cut {d_pad} columns into groups of at least 16, got {col_groups}")
     units = num_kv_heads * col_groups
