@@ -27,6 +27,9 @@ from lockstep.ops.matmul import MatmulConfig, _bmm_triton, matmul_config
 
 # (K, N) of every linear the Qwen3-8B shape runs: o_proj, fused qkv_proj, fused gate_up_proj, down_proj, lm_head.
 SHAPES = [(4096, 4096), (4096, 6144), (4096, 24576), (12288, 4096), (4096, 151936)]
+# The other dense linears of the supported MoE shapes (their experts run the grouped matmul, bench/moe.py):
+# Qwen3-30B-A3B's fused qkv_proj, o_proj, router and lm_head; Mixtral-8x7B's lm_head (its attention is Qwen3-8B's).
+MOE_SHAPES = [(2048, 5120), (4096, 2048), (2048, 128), (2048, 151936), (4096, 32000)]
 CHECK_MS = list(range(1, 513)) + [1000, 2048, 4096, 8192]
 TIME_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2048, 4096, 8192]
 L2_BYTES = 60 * 2**20
@@ -186,12 +189,13 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time candidate tile configs")
     parser.add_argument("--sweep-only", action="store_true", help="only the config sweep")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    parser.add_argument("--moe-shapes", action="store_true", help="also the MoE models' dense shapes")
     parser.add_argument("--rows-only", action="store_true", help="only rms_norm/softmax")
     parser.add_argument("--rotary", action="store_true", help="also check and time the fused rotary kernel")
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = torch.bfloat16
-    shapes = SHAPES[:2] if args.quick else SHAPES
+    shapes = SHAPES[:2] if args.quick else SHAPES + (MOE_SHAPES if args.moe_shapes else [])
     meta = {"date": str(date.today()), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "python": platform.python_version()}  # fmt: skip
     print(meta)
