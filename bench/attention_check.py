@@ -12,15 +12,10 @@ does not change a row's bits gets checked. Exits 1 if anything fails.
 Speed: decode (one query per sequence) against F.scaled_dot_product_attention on contiguous K/V, and a causal
 prefill, timed in CUDA graphs.
 
-Measure next (decode was 0.7 TB/s at batch 1 / 4k context against SDPA's 1.8, 2.9 against 4.5 at batch 64):
-- the num_stages columns: 3 (the new decode default) and 4 against 2, now that the split's block ids are loaded
-  before the tile loop and K/V get num_stages - 1 buffers (before, one buffer at any num_stages);
-- batch 1 / 4k runs 64 programs (8 splits x 8 KV heads) on 132 SMs: SPLIT 256 would fill the GPU, at twice
-  the partials and merge steps (a numerics constant: it changes the bits, not the invariance);
-- the merge kernel alone (one program per token walks all its splits: 64 at 32k), e.g. with nsys;
-- the in-register path at BLOCK_M 16 (decode past the partial cap): ptxas gives it ~200 registers now (was 157),
-  2 programs per SM instead of 3, but 2 K/V buffers each;
-- SDPA runs contiguous K/V; at page 16 a K/V tile gathers 4 pages: try page 64/128 to price the paging.
+Launch options timed side by side (every one must give the default's bits): split programs with 0 / 1 / 4 / all
+rows walked in registers (``inline_splits``), the in-register path, stages 2-4, a tile's KV heads side by side
+(``heads_inner``) and each head's output columns cut across programs (``col_groups``), both off by default until
+timed here. Still to price: page 64/128 against 16 (a K/V tile gathers 4 pages at 16; SDPA reads contiguous K/V).
 """
 
 import argparse

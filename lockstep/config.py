@@ -130,10 +130,9 @@ class EngineConfig:
         self._resolve_kernels()
         self._resolve_tp()
         if self.async_scheduling is None:
-            import torch
+            from lockstep.engine.model_runner import resolve_device  # torch and the engine: only when a config is made
 
-            device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self.async_scheduling = device.startswith("cuda")
+            self.async_scheduling = resolve_device(self.device).type == "cuda"
         _check_bool("async_scheduling", self.async_scheduling)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")

@@ -473,6 +473,7 @@ def _paged_attention_triton(
     if d_pad % col_groups or d_pad // col_groups < 16:
         raise ValueError(f"col_groups must cut {d_pad} columns into groups of at least 16, got {col_groups}")
     units = num_kv_heads * col_groups
+    pdl = pdl_launch(q)  # both kernels' launch
     grid = (num_tiles * units, 1) if heads_inner else (num_tiles, units)
     _paged_attention_kernel[(*grid, split_grid if split_programs else 1)](
         q, k_cache, v_cache, out, part, part_ml,
@@ -489,7 +490,7 @@ def _paged_attention_triton(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_PER_SEQ=one_per_seq,
         HEADS_INNER=heads_inner, NUM_KV_HEADS=num_kv_heads, COL_GROUPS=col_groups,
         COLS=d_pad // col_groups,
-        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages, **pdl_launch(q),
+        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages, **pdl,
     )  # fmt: skip
     if split_programs:
         _merge_splits_kernel[(num_tokens,)](
@@ -499,7 +500,7 @@ def _paged_attention_triton(
             part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
             out.stride(0), out.stride(1),
             NUM_HEADS=num_q_heads, H_PAD=triton.next_power_of_2(num_q_heads), HEAD_DIM=head_dim,
-            D_PAD=d_pad, SPLIT_SIZE=split, ONE_PER_SEQ=one_per_seq, **pdl_launch(q),
+            D_PAD=d_pad, SPLIT_SIZE=split, ONE_PER_SEQ=one_per_seq, **pdl,
         )  # fmt: skip
     return out
 

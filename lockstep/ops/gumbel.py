@@ -7,14 +7,14 @@ its greedy choice).
 counter-based hash of the row's 64-bit key and ``t`` (``layers/sampler.py``: ``_uniform``, ``_gumbel``). It is
 the same arithmetic as the sampler's torch path (integer hashing modulo 2**64, exact conversions, fp64 logs and
 one fp64 add a token, then an exact maximum and an integer minimum), with no ``[rows, V]`` temporaries: torch
-spends about 25 passes over fp64 and int64 arrays of that size, 4.4 ms at 256 rows of Qwen3's vocabulary on an
-H200 against this kernel's 0.57 ms, with the same tokens and scores bit for bit (bench/sampler.py).
+spends about 25 passes over fp64 and int64 arrays of that size, 4.40 / 1.22 / 0.41 ms at 256 / 64 / 1 rows of
+Qwen3's vocabulary on an H200 against this kernel's 0.38 / 0.12 / 0.08 ms, with the same tokens and scores bit for
+bit (bench/sampler.py, 2026-12-01).
 
 A row's result depends on that row alone: its programs read only its scores, and the per-block and per-chunk
 maxima and minimum ids are combined exactly (a maximum and an integer minimum do not depend on their order). A
 block whose tokens are all -inf (most of them after top-k) skips the hash: its scores are -inf, which only an all
--inf row could pick, and that row's answer (token 0) does not need them. (The 0.57 ms above was measured with one
-program per row; rows are now cut into chunks, ``CHUNK``, not yet timed.)
+-inf row could pick, and that row's answer (token 0) does not need them.
 """
 
 import torch
@@ -24,7 +24,8 @@ import triton.language as tl
 BLOCK = 2048
 # Tokens per program: a row is cut into chunks of this many, each one program, so one row alone still spreads over
 # the GPU (the noise costs two fp64 logs a token: one program per row took 0.46 ms for Qwen3's 151,936 tokens on the
-# H200). The chunks' best scores and ids are combined exactly, so CHUNK is a speed setting, never a numerics one.
+# H200, 19 chunks 0.08 ms). The chunks' best scores and ids are combined exactly, so CHUNK is a speed setting, never
+# a numerics one.
 CHUNK = 8192
 # splitmix64's constants, shared with the sampler's torch path and its scalar reference (layers/sampler.py).
 _GOLDEN = 0x9E3779B97F4A7C15
