@@ -14,8 +14,9 @@ prefill, timed in CUDA graphs.
 
 Launch options timed side by side (every one must give the default's bits): split programs with 0 / 1 / 4 / all
 rows walked in registers (``inline_splits``), the in-register path, stages 2-4, a tile's KV heads side by side
-(``heads_inner``) and each head's output columns cut across programs (``col_groups``), both off by default until
-timed here. Still to price: page 64/128 against 16 (a K/V tile gathers 4 pages at 16; SDPA reads contiguous K/V).
+(``heads_inner``, on by default since timed here) and each head's output columns cut across programs
+(``col_groups``, 2 by default for grids of at most one program per 8 SMs). Still to price: page 64/128 against
+16 (a K/V tile gathers 4 pages at 16; SDPA reads contiguous K/V).
 """
 
 import argparse
@@ -210,7 +211,8 @@ def bench_speed(cfg, device):
         "(split, st 4)": {"split_programs": True, "num_stages": 4},
         "(split 256)": {"split": 256},
         "(split 128)": {"split": 128},
-        "(heads inner)": {"heads_inner": True},
+        "(heads outer)": {"heads_inner": False},
+        "(1 col group)": {"col_groups": 1},
         "(2 col groups)": {"col_groups": 2},
         "(4 col groups)": {"col_groups": 4},
     }
@@ -250,11 +252,13 @@ def bench_speed(cfg, device):
     launches = {"default": {}, "in-register": dict(split_programs=False)}
     for label, inline in (("S0", 0), ("S1", 1), ("S4", 4), ("S all", 1 << 20)):
         launches[label] = dict(split_programs=True, inline_splits=inline)
-    launches["heads inner"] = dict(heads_inner=True)
-    launches["4 col groups"] = dict(col_groups=4)
+    launches["heads outer"] = dict(heads_inner=False)
+    for groups in (1, 2, 4):
+        launches[f"{groups} col groups"] = dict(col_groups=groups)
     print(f"\ndecode over a {wide:,}-position block table: us per call (the default's TB/s reading K+V)")
     print(f"  {'B':>3} {'contexts':>12} | " + " ".join(f"{n:>11}" for n in launches))
-    cases = [(b, [ctx] * b) for b in cfg["speed_batches"] + [128, 256] for ctx in (128, 1024, 2048, 4096)]
+    batches = [1, 2, 4] + cfg["speed_batches"][1:] + [128, 256]
+    cases = [(b, [ctx] * b) for b in batches for ctx in (128, 1024, 2048, 4096)]
     cases += [(b, [long] + [short] * (b - 1)) for b in (8, 64, 256) for long, short in ((32768, 1024), (4096, 512))]
     for b, lens in cases:
         nblk = sum(-(-n // page) for n in lens)
@@ -283,34 +287,31 @@ def bench_speed(cfg, device):
         print(f"  {b:3d} {label:>12} | {row}  ({gbytes / cells[0][0] * 1e3:.2f} TB/s)")
         del k_cache, v_cache, args
 
-    print("\ncausal prefill, one sequence: us (TFLOP/s)")
-    for n in cfg["speed_prefill"]:
-        k_cache = torch.randn(n // page, page, hkv, d, device=device, dtype=dtype)
+    print("\ncausal prefill, S sequences of n tokens: us (TFLOP/s)")
+    for seqs, n in cfg["speed_prefill"]:
+        k_cache = torch.randn(seqs * n // page, page, hkv, d, device=device, dtype=dtype)
         v_cache = torch.randn_like(k_cache)
-        q = torch.randn(n, hq, d, device=device, dtype=dtype)
+        q = torch.randn(seqs * n, hq, d, device=device, dtype=dtype)
         args = dict(q=q, k_cache=k_cache, v_cache=v_cache,
-                    block_tables=torch.arange(n // page, device=device, dtype=torch.int32)[None],
-                    seq_lens=torch.tensor([n], device=device, dtype=torch.int32),
-                    query_start_loc=torch.tensor([0, n], device=device, dtype=torch.int32))  # fmt: skip
-        flops = 4 * n * n * hq * d / 2
+                    block_tables=torch.arange(seqs * n // page, device=device, dtype=torch.int32).view(seqs, -1),
+                    seq_lens=torch.full((seqs,), n, device=device, dtype=torch.int32),
+                    query_start_loc=torch.arange(0, seqs * n + 1, n, device=device, dtype=torch.int32))  # fmt: skip
+        flops = seqs * 4 * n * n * hq * d / 2
+        reference = _paged_attention_triton(**args, scale=scale)
         row = []
-        for block_m, stages, inner in (
-            (64, 2, False),
-            (64, 3, False),
-            (128, 2, False),
-            (128, 3, False),
-            (128, 3, True),
-        ):
+        for block_m, stages, inner in ((64, 2, True), (64, 3, True), (128, 2, True), (128, 3, True), (64, 2, False)):
             launch = dict(block_m=block_m, num_stages=stages, heads_inner=inner)
+            if not torch.equal(_paged_attention_triton(**args, scale=scale, **launch), reference):
+                FAILURES.append(f"prefill launch {launch} at {seqs} x {n} changed bits")
             t = us(lambda la=launch: _paged_attention_triton(**args, scale=scale, **la))
             row.append(
-                f"BLOCK_M {block_m} st {stages}{' heads inner' if inner else ''}: {t:9.1f} ({flops / t / 1e6:5.1f})"
+                f"BLOCK_M {block_m} st {stages}{'' if inner else ' heads outer'}: {t:9.1f} ({flops / t / 1e6:5.1f})"
             )
-        qs = q.transpose(0, 1)[None]
-        kc = k_cache.view(n, hkv, d).transpose(0, 1)[None]
-        vc = v_cache.view(n, hkv, d).transpose(0, 1)[None]
+        qs = q.view(seqs, n, hq, d).transpose(1, 2)
+        kc = k_cache.view(seqs, n, hkv, d).transpose(1, 2)
+        vc = v_cache.view(seqs, n, hkv, d).transpose(1, 2)
         t = us(lambda: F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, scale=scale, enable_gqa=True))
-        print(f"  n={n:6d}  lockstep " + "  ".join(row) + f"  | SDPA {t:9.1f} ({flops / t / 1e6:5.1f})")
+        print(f"  {seqs} x {n:6d}  lockstep " + "  ".join(row) + f"  | SDPA {t:9.1f} ({flops / t / 1e6:5.1f})")
 
 
 def main():
@@ -324,7 +325,7 @@ def main():
                 for sp in (False, True) for bm, nw in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))]  # fmt: skip
     launches += [dict(split_programs=sp, block_m=bm, num_stages=st) for sp, bm, st in
                  ((True, 16, 2), (True, 16, 4), (False, 16, 3), (False, 64, 3), (False, 128, 3))]  # fmt: skip
-    launches += [dict(split_programs=sp, heads_inner=True) for sp in (False, True)]
+    launches += [dict(split_programs=sp, heads_inner=False) for sp in (False, True)]
     launches += [dict(split_programs=sp, col_groups=g) for sp in (False, True) for g in (2, 8)]
     if args.smoke:
         cfg = dict(hq=4, hkv=2, d=32, dtype=torch.bfloat16, page=16, scale=32**-0.5, split=128,
@@ -340,7 +341,7 @@ def main():
                                     dict(split_programs=True, num_stages=2), dict(split_programs=True, num_stages=4),
                                     dict(split_programs=False, num_stages=2)],
                    decode_samples=40, speed_ctx=[4096, 32768], speed_batches=[1, 8, 64],
-                   speed_prefill=[4096, 16384])  # fmt: skip
+                   speed_prefill=[(1, 4096), (1, 16384), (8, 1024)])  # fmt: skip
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)'}, "
           f"torch {torch.__version__}, heads {cfg['hq']}/{cfg['hkv']}, head_dim {cfg['d']}, {cfg['dtype']}, "
           f"TILE {TILE}, split {cfg['split']}")  # fmt: skip

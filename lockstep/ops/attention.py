@@ -406,6 +406,16 @@ def _inline_splits(programs: int, num_sms: int) -> int:
     return 4 if 2 * programs >= 3 * num_sms else 1
 
 
+def _col_groups(decode: bool, programs: int, num_sms: int) -> int:
+    """How many programs share each (query tile, KV head)'s output columns (the same bits for any count).
+
+    Measured on the H200 (bench/attention_check.py, 32/8 heads, head_dim 128): batch-1 decode runs 8 programs per
+    split on 132 SMs; two column groups took 19.4 us at 4k context against 25.3 and 128.9 against 126.5 at 32k
+    (each group reads all of K, mostly from L2), while at batch 8 (64 programs a split) they were already 3-5%
+    slower. So decode grids of at most one program per 8 SMs take two."""
+    return 2 if decode and 8 * programs <= num_sms else 1
+
+
 def _paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -420,8 +430,8 @@ def _paged_attention_triton(
     split_programs: bool | None = None,
     split_grid: int | None = None,
     inline_splits: int | None = None,
-    heads_inner: bool = False,
-    col_groups: int = 1,
+    heads_inner: bool = True,
+    col_groups: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -469,7 +479,10 @@ def _paged_attention_triton(
         inline_splits = 0  # the merge kernel can only skip a row whose tile is that one row
     elif inline_splits is None:
         inline_splits = _inline_splits(num_tiles * num_kv_heads, _num_sms(q.device))
-    # heads_inner and col_groups (the kernel says what they do) are off until bench/attention_check.py has timed them.
+    # heads_inner (the kernel says what it does) was 0-4% faster on the H200 in decode and 3% in causal prefill
+    # (bench/attention_check.py), never slower by more than noise.
+    if col_groups is None:
+        col_groups = _col_groups(decode, num_tiles * num_kv_heads, _num_sms(q.device))
     if d_pad % col_groups or d_pad // col_groups < 16:
         raise ValueError(f"col_groups must cut {d_pad} columns into groups of at least 16, got {col_groups}")
     units = num_kv_heads * col_groups
