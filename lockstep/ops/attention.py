@@ -409,11 +409,12 @@ def _inline_splits(programs: int, num_sms: int) -> int:
 def _col_groups(decode: bool, programs: int, num_sms: int) -> int:
     """How many programs share each (query tile, KV head)'s output columns (the same bits for any count).
 
-    Measured on the H200 (bench/attention_check.py, 32/8 heads, head_dim 128): batch-1 decode runs 8 programs per
-    split on 132 SMs; two column groups took 19.4 us at 4k context against 25.3 and 128.9 against 126.5 at 32k
-    (each group reads all of K, mostly from L2), while at batch 8 (64 programs a split) they were already 3-5%
-    slower. So decode grids of at most one program per 8 SMs take two."""
-    return 2 if decode and 8 * programs <= num_sms else 1
+    Measured on the H200 (bench/attention_check.py, 32/8 heads, head_dim 128, a 40,960-position block table):
+    batch-1 decode runs 8 programs per split on 132 SMs; two column groups took 13.1 us at 1k context against 18.5
+    and 21.0 against 23.9 at 4k (each group reads all of K, mostly from L2), batch 4 17.1 against 19.2 at 1k and
+    33.5 against 32.2 at 4k; at batch 8 (64 programs a split) they lose as often as they win, four groups lose
+    everywhere past batch 1. So decode grids of at most one program per 4 SMs take two."""
+    return 2 if decode and 4 * programs <= num_sms else 1
 
 
 def _paged_attention_triton(
@@ -448,7 +449,7 @@ def _paged_attention_triton(
         return out
     decode = num_tokens <= num_seqs  # one query per sequence (or fewer): short tiles
     if block_m is None:
-        block_m = 16 if decode else 64
+        block_m = 16 if decode else 128
     block_m = max(block_m, triton.next_power_of_2(group), 16)
     block_q = block_m // group
     # A decode step (a token per sequence; the engine never schedules a sequence without tokens) needs one tile
@@ -464,8 +465,9 @@ def _paged_attention_triton(
     if num_stages is None:
         # Decode streams K/V: 3 stages = 2 K/V buffers in flight (72 KB of shared memory at head_dim 128),
         # and still 3 programs per SM, the cap that registers (~150 a thread, ptxas sm_90) set at 2 stages.
-        # Not yet timed; prefill keeps 2. bench/attention_check.py sweeps both.
-        num_stages = 3 if decode else 2
+        # Prefill: BLOCK_M 128 with 3 stages beat 64 with 2 by 8-14% on the H200 (bench/attention_check.py, causal,
+        # 1 x 4096: 539 vs 592 us, 1 x 16384: 7622 vs 8891, 8 x 1024: 324 vs 351).
+        num_stages = 3
     if split_programs:
         part = torch.empty((num_tokens, max_splits, num_q_heads, head_dim), device=q.device, dtype=torch.float32)
         part_ml = torch.empty((num_tokens, max_splits, num_q_heads, 2), device=q.device, dtype=torch.float32)
@@ -479,8 +481,8 @@ def _paged_attention_triton(
         inline_splits = 0  # the merge kernel can only skip a row whose tile is that one row
     elif inline_splits is None:
         inline_splits = _inline_splits(num_tiles * num_kv_heads, _num_sms(q.device))
-    # heads_inner (the kernel says what it does) was 0-4% faster on the H200 in decode and 3% in causal prefill
-    # (bench/attention_check.py), never slower by more than noise.
+    # heads_inner (the kernel says what it does) was up to 4% faster on the H200 in decode, a few per cent either
+    # way in causal prefill (bench/attention_check.py: 1 x 4096 592 vs 620 us, 1 x 16384 8891 vs 8586 at BLOCK_M 64).
     if col_groups is None:
         col_groups = _col_groups(decode, num_tiles * num_kv_heads, _num_sms(q.device))
     if d_pad % col_groups or d_pad // col_groups < 16:
