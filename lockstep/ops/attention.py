@@ -449,7 +449,9 @@ def _paged_attention_triton(
         return out
     decode = num_tokens <= num_seqs  # one query per sequence (or fewer): short tiles
     if block_m is None:
-        block_m = 16 if decode else 128
+        # A step whose sequences average fewer than 64 new tokens is mostly decode rows next to a few prefills
+        # (a tile per row either way): BLOCK_M 64 wastes half as much of each MMA on them as 128.
+        block_m = 16 if decode else 128 if num_tokens >= 64 * num_seqs else 64
     block_m = max(block_m, triton.next_power_of_2(group), 16)
     block_q = block_m // group
     # A decode step (a token per sequence; the engine never schedules a sequence without tokens) needs one tile
@@ -466,8 +468,8 @@ def _paged_attention_triton(
         # Decode streams K/V: 3 stages = 2 K/V buffers in flight (72 KB of shared memory at head_dim 128),
         # and still 3 programs per SM, the cap that registers (~150 a thread, ptxas sm_90) set at 2 stages.
         # Prefill: BLOCK_M 128 with 3 stages beat 64 with 2 by 8-14% on the H200 (bench/attention_check.py, causal,
-        # 1 x 4096: 539 vs 592 us, 1 x 16384: 7622 vs 8891, 8 x 1024: 324 vs 351).
-        num_stages = 3
+        # 1 x 4096: 539 vs 592 us, 1 x 16384: 7622 vs 8891, 8 x 1024: 324 vs 351); 64 with 3 stages took 867 us.
+        num_stages = 3 if decode or block_m >= 128 else 2
     if split_programs:
         part = torch.empty((num_tokens, max_splits, num_q_heads, head_dim), device=q.device, dtype=torch.float32)
         part_ml = torch.empty((num_tokens, max_splits, num_q_heads, 2), device=q.device, dtype=torch.float32)
