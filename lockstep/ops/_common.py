@@ -34,15 +34,12 @@ def interpreting() -> bool:
 
 
 # Programmatic dependent launch (Hopper and newer): a kernel launched with ``launch_pdl=True`` may start while the
-# kernel before it in the stream runs, and waits (``griddepcontrol.wait``) for it to complete and its writes to be
-# visible before touching memory that kernel may write: the launch latency and the new grid's set-up overlap the old
-# grid. Launch order only, so the bits cannot change. Every kernel that takes part lets its successor launch and then
-# waits, first thing: a grid launches once every program of its predecessor is resident, and a kernel still sees the
-# writes of every kernel before its predecessor (that one completed only after they did). The matmul reads its weights,
-# which no kernel writes, before it waits (``prefetch_l2``). On where the GPU has it; LOCKSTEP_PDL=0 turns it off (read
-# at each launch, so at a CUDA graph's capture). Measured on the H200 (bench/decode_step.py, Qwen3-8B shape, async):
-# batch-1 decode step 5.05 -> 4.77 ms, batch 128 8.07 -> 7.83, batch 256 12.20 -> 12.01, the same tokens and logprob
-# bits.
+# kernel before it in the stream finishes, and waits (``griddepcontrol.wait``) for it to complete and its writes to
+# be visible before touching memory: the launch latency and the new grid's set-up overlap the old grid's tail. Launch
+# order only, so the bits cannot change. Every kernel that takes part waits first thing, so a kernel also sees the
+# writes of every kernel before its predecessor. On where the GPU has it; LOCKSTEP_PDL=0 turns it off (read at each
+# launch, so at a CUDA graph's capture). Measured on the H200 (bench/decode_step.py, Qwen3-8B shape, async): batch-1
+# decode step 5.05 -> 4.77 ms, batch 128 8.07 -> 7.83, batch 256 12.20 -> 12.01, the same tokens and logprob bits.
 PDL_ENV = "LOCKSTEP_PDL"
 _SM_MAJOR: dict[int, int] = {}
 
@@ -64,18 +61,10 @@ def pdl_launch(t: torch.Tensor) -> dict:
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """A kernel's first step under ``use_pdl``: let the next grid launch, then wait for the previous one."""
+    """A kernel's first step under ``use_pdl``: wait for the previous grid, then let the next one launch."""
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask for the 128-byte lines at ``ptrs`` to be brought into L2 (a hint: no value, no fault, no bits)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @contextmanager

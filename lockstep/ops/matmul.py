@@ -18,17 +18,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lockstep.ops._common import (
-    FLOATS,
-    ROW_TILE,
-    interpreting,
-    intra_op_threads,
-    map_row_tiles,
-    pdl_launch,
-    pdl_wait,
-    prefetch_l2,
-    use_pdl,
-)
+from lockstep.ops._common import FLOATS, ROW_TILE, interpreting, intra_op_threads, map_row_tiles, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -51,24 +41,16 @@ def _mm_kernel(
     HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH_K: tl.constexpr, LINE: tl.constexpr,
 ):  # fmt: skip
     # Persistent: program p computes tiles p, p + num_programs, ... of batch entry program_id(1). Which program
     # owns a tile never changes how the tile is computed.
+    pdl_wait(USE_PDL)
     batch = tl.program_id(1)
     a_ptr += batch * stride_ab
     b_ptr += batch * stride_bb
     c_ptr += batch * stride_cb
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    if PREFETCH_K > 0:
-        # B (a weight) does not depend on the kernel before: while that one finishes, pull the first PREFETCH_K
-        # values of K of this program's first tile's columns into L2, a LINE-element line at a time.
-        _, pid_n = _tile_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        cols = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
-        ks = tl.minimum(tl.arange(0, PREFETCH_K // LINE) * LINE, K - 1)
-        prefetch_l2(b_ptr + cols[:, None] * stride_bn + ks[None, :] * stride_bk)
-    pdl_wait(USE_PDL)
     for tile in range(tl.program_id(0), num_m * num_n, num_programs):
         pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -247,10 +229,6 @@ def _bmm_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
     )  # fmt: skip
     descriptors = _tma_descriptors(a, b, c, cfg) if cfg.tma and batch == 1 else None
-    # Decode-sized products stream their weight once: under PDL they start it before waiting (see the kernel).
-    # A weight's K runs along its rows (F.linear's transposed view), so 2 KB of each of a tile's rows.
-    line = 128 // b.element_size()
-    prefetch = 2048 // b.element_size() if m <= 16 and b.stride(1) == 1 and use_pdl(a) else 0
     if descriptors is not None:
         a_desc, b_desc, c_desc, b_is_nk = descriptors
         _mm_tma_kernel[(programs,)](
@@ -264,7 +242,7 @@ def _bmm_triton(
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
-        alpha, beta, programs, EVEN_K=k % cfg.bk == 0, PREFETCH_K=prefetch, LINE=line, **common,
+        alpha, beta, programs, EVEN_K=k % cfg.bk == 0, **common,
     )  # fmt: skip
     return c
 

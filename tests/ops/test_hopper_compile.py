@@ -1,5 +1,5 @@
 """Triton kernels compile for Hopper (sm_90) on this CPU machine: the sampler's and every layer kernel of a decode step,
-with and without programmatic dependent launch (``LOCKSTEP_PDL``) and the matmul's weight prefetch.
+with and without programmatic dependent launch (``LOCKSTEP_PDL``).
 The other tests run kernels through the interpreter, which compiles nothing, so a kernel that only a GPU build
 rejects would first fail on a GPU, on every request. The compile runs in a process of its own without
 ``TRITON_INTERPRET`` (the interpreter patches ``triton.language``); Triton's wheel brings ptxas, and without a
@@ -32,7 +32,6 @@ SCRIPT = textwrap.dedent(
             raise SystemExit(f"SKIP {e}")
         assert "cubin" in kernel.asm, fn
         assert ("griddepcontrol.wait" in kernel.asm["ptx"]) == bool(constexprs.get("USE_PDL")), fn
-        assert ("prefetch.global.L2" in kernel.asm["ptx"]) == bool(constexprs.get("PREFETCH_K")), fn
 
     sig = {"x_ptr": "*fp32", "keys_ptr": "*i64", "part_best_ptr": "*fp64", "part_id_ptr": "*i32", "vocab": "i32",
            "stride": "i32", "num_chunks": "i32", "golden": "u64", "m1": "u64", "m2": "u64"}
@@ -87,7 +86,7 @@ SCRIPT = textwrap.dedent(
            "alpha": "fp32", "beta": "fp32", "num_programs": "i32"}
     for pdl in (False, True):
         flags = {"HAS_BIAS": False, "SCALED": False, "EVEN_K": True, "UPCAST": False, "PRECISION": "tf32", "BM": 16,
-                 "BN": 64, "BK": 256, "GROUP_M": 8, "USE_PDL": pdl, "PREFETCH_K": 1024 if pdl else 0, "LINE": 64}
+                 "BN": 64, "BK": 256, "GROUP_M": 8, "USE_PDL": pdl}
         compile_(matmul._mm_kernel, sig, flags)
     print("COMPILED")
     """
