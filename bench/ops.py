@@ -75,16 +75,20 @@ def time_matmul(k: int, n: int, dtype) -> list[dict]:
     return rows
 
 
-def sweep_candidates(m: int) -> list[MatmulConfig]:
+def sweep_candidates(m: int, n: int) -> list[MatmulConfig]:
     C = MatmulConfig
     if m <= 16:
         return [C(16, bn, bk, num_warps=w, num_stages=s) for bn in (16, 32, 64) for bk, s in ((256, 5), (512, 4))
                 for w in (4, 8)] + [C(16, 128, 256, num_stages=3)]  # fmt: skip
     if m <= 64:
-        return [C(min(m, 64), bn, bk, num_stages=4) for bn, bk in ((32, 256), (64, 128), (128, 64))]
+        tiles = ((16, 256), (32, 256), (64, 256), (32, 512), (64, 128), (128, 64))
+        return [C(min(m, 64), bn, bk, num_stages=4) for bn, bk in tiles]
     big = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
+    small = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
     if m <= 256:
-        big = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)] + big[:2]
+        big = small + big[:2]
+    elif n <= 2048:  # a narrow product (a router, a TP shard): the large tiles leave most SMs idle
+        big = small + [(32, 64, 128, 4, 4)] + big[:1]
     return [C(bm, bn, bk, 8, w, s, tma) for bm, bn, bk, w, s in big for tma in (False, True)]
 
 
@@ -95,7 +99,7 @@ def sweep_matmul(k: int, n: int, dtype) -> list[dict]:
     rows = []
     for m in SWEEP_MS or ([128, 256, 512, 2048, 8192] if TMA_ONLY else [1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192]):
         x = x_all[:m]
-        for cfg in sweep_candidates(m):
+        for cfg in sweep_candidates(m, n):
             try:
                 same = torch.equal(_bmm_triton(x[None], ws[0].t()[None], config=cfg)[0], ref[:m])
                 t = bench(lambda: [_bmm_triton(x[None], w.t()[None], config=cfg) for w in ws]) / len(ws)
@@ -103,9 +107,12 @@ def sweep_matmul(k: int, n: int, dtype) -> list[dict]:
                 rows.append({"K": k, "N": n, "M": m, "config": str(cfg), "error": str(exc)[:200]})
                 continue
             rows.append({"K": k, "N": n, "M": m, "config": str(cfg), "us": t, "same_bits": same})
+        cublas = bench(lambda: [F.linear(x, w) for w in ws]) / len(ws)
+        table = bench(lambda: [ops.linear(x, w) for w in ws]) / len(ws)
         best = min((r for r in rows if r["M"] == m and "us" in r), key=lambda r: r["us"], default=None)
         if best:
-            print(f"  sweep K={k} N={n} M={m}: best {best['us']:.1f} us {best['config']} same_bits={best['same_bits']}")
+            print(f"  sweep K={k} N={n} M={m}: best {best['us']:.1f} us {best['config']} same_bits={best['same_bits']}"
+                  f" | table {table:.1f} us | cuBLAS {cublas:.1f} us")  # fmt: skip
     return rows
 
 
