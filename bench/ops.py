@@ -77,12 +77,16 @@ def time_matmul(k: int, n: int, dtype) -> list[dict]:
 
 def sweep_candidates(m: int, n: int) -> list[MatmulConfig]:
     C = MatmulConfig
+    # flat: one pipelined loop over a program's (tile, k step) pairs, for programs that own several tiles.
     if m <= 16:
-        return [C(16, bn, bk, num_warps=w, num_stages=s) for bn in (16, 32, 64) for bk, s in ((256, 5), (512, 4))
-                for w in (4, 8)] + [C(16, 128, 256, num_stages=3)]  # fmt: skip
+        loops = [C(16, bn, bk, num_warps=w, num_stages=s) for bn in (16, 32, 64) for bk, s in ((256, 5), (512, 4))
+                 for w in (4, 8)] + [C(16, 128, 256, num_stages=3)]  # fmt: skip
+        flat = [C(16, bn, bk, num_stages=s, flat=True) for bn, bk, s in
+                ((16, 512, 5), (16, 1024, 4), (32, 256, 5), (32, 512, 4), (64, 256, 5))]  # fmt: skip
+        return loops + flat
     if m <= 64:
         tiles = ((16, 256), (32, 256), (64, 256), (32, 512), (64, 128), (128, 64))
-        return [C(min(m, 64), bn, bk, num_stages=4) for bn, bk in tiles]
+        return [C(min(m, 64), bn, bk, num_stages=4, flat=flat) for bn, bk in tiles for flat in (False, True)]
     big = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
     small = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
     if m <= 256:

@@ -135,7 +135,12 @@ def test_negative_control_torch_cpu_mm_varies_with_m():
 
 # One BK: the interpreter's dot sums a whole BK slice at once (numpy), so BK changes its bits; on the H200 the
 # MMA accumulates in fixed k-steps and BK did not (docs/design.md, "Matmul"); bench/ops.py re-checks every M.
-TRITON_CONFIGS = [MatmulConfig(16, 32, 32), MatmulConfig(32, 64, 32, group_m=2), MatmulConfig(64, 16, 32)]
+TRITON_CONFIGS = [
+    MatmulConfig(16, 32, 32),
+    MatmulConfig(32, 64, 32, group_m=2),
+    MatmulConfig(64, 16, 32),
+    MatmulConfig(16, 16, 32, flat=True),
+]
 
 
 @pytest.mark.parametrize("m", [1, 3, 17, 70])
@@ -166,6 +171,20 @@ def test_triton_rows_are_invariant_across_m_and_tile_configs():
     batch = randn(1, 19, k, seed=5)
     batch[0, 11] = row
     assert torch.equal(_bmm_triton(batch, b, config=TRITON_CONFIGS[1])[0, 11], full[0, 7])
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_triton_flat_loop_gives_the_tile_loops_bits(m):
+    # One loop over a program's (tile, k step) pairs: programs here own several tiles (4 programs on the CPU), K
+    # has a tail, and bias, alpha and a batch of 3 go through the shared epilogue.
+    k, n = 75, 70
+    a, b, bias = randn(3, m, k, seed=1), randn(3, k, n, seed=2), randn(n, seed=3)
+    for bm, bn in ((16, 16), (32, 32)):
+        tiles = MatmulConfig(bm, bn, 32)
+        flat = MatmulConfig(bm, bn, 32, flat=True)
+        expected = _bmm_triton(a, b, bias, alpha=0.5, beta=2.0, config=tiles)
+        assert torch.equal(_bmm_triton(a, b, bias, alpha=0.5, beta=2.0, config=flat), expected), (bm, bn)
+    assert rel_err(expected, 0.5 * (a.double() @ b.double()) + 2.0 * bias.double()) < 1e-6
 
 
 def test_triton_handles_transposed_weight_strides():
