@@ -250,11 +250,12 @@ def bench_speed(cfg, device):
     # Every launch must give the default's bits ("!" marks one that does not, and fails the run).
     wide = 40960
     launches = {"default": {}, "in-register": dict(split_programs=False)}
-    for label, inline in (("S0", 0), ("S1", 1), ("S4", 4), ("S all", 1 << 20)):
+    for label, inline in (("S1", 1), ("S4", 4)):
         launches[label] = dict(split_programs=True, inline_splits=inline)
-    launches["heads outer"] = dict(heads_inner=False)
-    for groups in (1, 2, 4):
-        launches[f"{groups} col groups"] = dict(col_groups=groups)
+    launches["1 col group"] = dict(col_groups=1)
+    launches["8 warps"] = dict(num_warps=8)
+    launches["2 stages"] = dict(num_stages=2)
+    launches["4 stages"] = dict(num_stages=4)
     print(f"\ndecode over a {wide:,}-position block table: us per call (the default's TB/s reading K+V)")
     print(f"  {'B':>3} {'contexts':>12} | " + " ".join(f"{n:>11}" for n in launches))
     batches = [1, 2, 4] + cfg["speed_batches"][1:] + [128, 256]
@@ -286,6 +287,40 @@ def bench_speed(cfg, device):
         row = " ".join(f"{t:10.1f}{' ' if same else '!'}" for t, same in cells)
         print(f"  {b:3d} {label:>12} | {row}  ({gbytes / cells[0][0] * 1e3:.2f} TB/s)")
         del k_cache, v_cache, args
+
+    # The page size (the engine's block_size) only enters address arithmetic: the same K/V at pages of 16 to 128
+    # positions must give the same bits, and larger pages make a K/V tile fewer, longer runs of memory.
+    print(f"\ndecode by page size over a {wide:,}-position table: us per call (TB/s)")
+    pages = (16, 32, 64, 128)
+    print(f"  {'B':>3} {'ctx':>6} | " + " ".join(f"{f'page {p}':>14}" for p in pages))
+    for b, ctx in ((1, 1024), (64, 1024), (64, 4096), (256, 1024), (256, 2048)):
+        k_seq = torch.randn(b, ctx, hkv, d, device=device, dtype=dtype)
+        v_seq = torch.randn_like(k_seq)
+        q = torch.randn(b, hq, d, device=device, dtype=dtype)
+        gbytes = 2 * k_seq.numel() * k_seq.element_size() / 1e9
+        cells, first = [], None
+        for pg in pages:
+            per_seq = ctx // pg
+            order = torch.randperm(b * per_seq, device=device)  # page j of sequence s sits in block order[s, j]
+            k_cache = torch.empty(b * per_seq, pg, hkv, d, device=device, dtype=dtype)
+            v_cache = torch.empty_like(k_cache)
+            k_cache[order] = k_seq.reshape(b * per_seq, pg, hkv, d)
+            v_cache[order] = v_seq.reshape(b * per_seq, pg, hkv, d)
+            tables = torch.zeros(b, wide // pg, device=device, dtype=torch.int32)
+            tables[:, :per_seq] = order.view(b, per_seq).int()
+            args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                        seq_lens=torch.full((b,), ctx, device=device, dtype=torch.int32),
+                        query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=scale)  # fmt: skip
+            out = _paged_attention_triton(**args)
+            first = out if first is None else first
+            same = torch.equal(out, first)
+            if not same:
+                FAILURES.append(f"decode at page {pg}, batch {b}, context {ctx} changed bits")
+            t = us(lambda a=args: _paged_attention_triton(**a))
+            cells.append(f"{t:7.1f}{' ' if same else '!'}({gbytes / t * 1e3:4.2f})")
+            del k_cache, v_cache, args
+        print(f"  {b:3d} {ctx:6d} | " + " ".join(f"{c:>14}" for c in cells))
+        del k_seq, v_seq
 
     print("\ncausal prefill, S sequences of n tokens: us (TFLOP/s)")
     for seqs, n in cfg["speed_prefill"]:

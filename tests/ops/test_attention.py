@@ -242,6 +242,23 @@ def test_triton_invariance():
     _assert_all_equal(results)
 
 
+@pytest.mark.parametrize("fn", [cpu(128), triton_(split=128)], ids=["cpu", "triton"])
+def test_page_size_does_not_change_bits(fn):
+    # The engine's block_size only enters address arithmetic: the same K/V in pages of 16, 5 (not dividing the
+    # tile), 64 and 128 positions give the same bits, for decode rows and a chunk of a prefill.
+    seqs = [Seq(n, 4, 2, 32, torch.float32, seed=n) for n in (150, 70, 1)]
+    outputs = []
+    for page in (16, 5, 64, 128):
+        paged = Paged(2, 32, torch.float32, page=page, num_blocks=sum(-(-n // page) for n in (150, 70, 1)) + 2)
+        for i, seq in enumerate(seqs):
+            paged.write(f"s{i}", seq, 0, seq.q.shape[0])
+        decode = paged.attend(fn, [(f"s{i}", seq, seq.q.shape[0] - 1, seq.q.shape[0]) for i, seq in enumerate(seqs)])
+        chunk = paged.attend(fn, [("s0", seqs[0], 100, 150), ("s1", seqs[1], 69, 70)])
+        outputs.append(torch.cat(decode + chunk))
+    for out in outputs[1:]:
+        assert_bitwise(out, outputs[0])
+
+
 def test_split_programs_per_row_do_not_change_bits():
     # Decode rows over a block table far wider than their contexts (a CUDA graph's, max_model_len wide): however
     # many programs share a row's splits (the grid's third dimension, each taking every P-th split), the bits are
