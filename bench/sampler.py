@@ -3,6 +3,8 @@ for bit and in time, and the whole ``Sampler`` under greedy, plain temperature a
 
     python bench/sampler.py                 # CUDA: vocab 151936, rows 1, 64, 256
     python bench/sampler.py --smoke         # CPU, tiny (the interpreter)
+    python bench/sampler.py --profile       # also each setting's GPU kernels at the largest row count
+
 
 Prints a table; JSON goes to ``--out``.
 """
@@ -57,6 +59,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64,256")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="torch.profiler: GPU time per kernel, largest --rows")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -88,8 +91,32 @@ def main() -> None:
     for k in results[0]:
         cells = (str(round(r[k], 3) if isinstance(r[k], float) else r[k]) for r in results)
         print(f"{k:28s} " + " ".join(f"{c:>10s}" for c in cells))
+    if args.profile and device == "cuda":
+        profile(logits, args.reps)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "sampler_bench.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
+
+
+def profile(logits: torch.Tensor, reps: int) -> None:
+    """Where each setting's GPU time goes: the kernels of ``reps`` calls, by total device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    rows = logits.shape[0]
+    for name, kwargs in SETTINGS.items():
+        params = [SamplingParams(seed=i, **kwargs) for i in range(rows)]
+        s = Sampler()
+        s.sample(logits, params, [7] * rows)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                s.sample(logits, params, [7] * rows)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.self_device_time_total for e in events) / reps / 1e3
+        print(f"\n{name}, {rows} rows: {total:.3f} ms of GPU time a call")
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:10]:
+            print(f"  {e.self_device_time_total / reps / 1e3:8.3f} ms  {e.count // reps:3d}x  {e.key[:90]}")
 
 
 if __name__ == "__main__":
