@@ -162,13 +162,16 @@ def check_and_time_rows(dtype) -> list[dict]:
 
 
 def check_and_time_rotary() -> list[dict]:
-    """ops.rotary (one fused kernel) against torch's formula: the same bits, and the time of each."""
+    """ops.rotary (one fused kernel) against torch's formula: the same bits, and the time of each. Then
+    ops.rotary_write_kv (rotary and the cache write in one kernel) against ops.rotary + ops.write_kv: the same q
+    and cache bits (what the RL trainer, which runs the two, relies on), and the time of each."""
     from lockstep.ops.rotary import rotary_torch
 
     results = []
     for m in [1, 128, 8192]:
         qkv = torch.randn(m, 48 * 128, device="cuda", dtype=torch.bfloat16)  # Qwen3-8B: 32 q + 8 k + 8 v heads
         q, k = qkv[:, : 32 * 128].view(m, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(m, 8, 128)
+        v = qkv[:, 40 * 128 :].view(m, 8, 128)
         angles = torch.randn(m, 64, device="cuda") * 100
         cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None].to(torch.bfloat16)
         sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None].to(torch.bfloat16)
@@ -178,6 +181,25 @@ def check_and_time_rotary() -> list[dict]:
         t_torch = bench(lambda: rotary_torch(q, k, cos, sin))
         results.append({"op": "rotary", "M": m, "same_bits": same, "ours_us": t_ours, "torch_us": t_torch})
         print(f"  rotary M={m:5d} ours {t_ours:7.1f} us  torch {t_torch:7.1f} us  same bits {same}")
+        blocks = -(-m // 16) + 3
+        slots = torch.randperm(blocks * 16, device="cuda")[:m]
+        slots[::7] = -1  # graph padding rows
+        caches = [torch.zeros(blocks, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+
+        def two_kernels():
+            q_rot, k_rot = ops.rotary(q, k, cos, sin)
+            ops.write_kv(k_rot, v, caches[0], caches[1], slots)
+            return q_rot
+
+        q_two = two_kernels()
+        q_one = ops.rotary_write_kv(q, k, v, cos, sin, caches[2], caches[3], slots)
+        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                   for a, b in ((q_one, q_two), (caches[2], caches[0]), (caches[3], caches[1])))  # fmt: skip
+        t_one = bench(lambda: ops.rotary_write_kv(q, k, v, cos, sin, caches[2], caches[3], slots))
+        t_two = bench(two_kernels)
+        results.append({"op": "rotary_write_kv", "M": m, "same_bits": same, "ours_us": t_one, "two_kernels_us": t_two})
+        print(f"  rotary_write_kv M={m:5d} one kernel {t_one:7.1f} us  rotary + write_kv {t_two:7.1f} us  "
+              f"same bits {same}")  # fmt: skip
     return results
 
 

@@ -136,7 +136,8 @@ def flatten_batch(
 
 
 class Attention(nn.Module):
-    """Writes one layer's new K/V into its cache, then attends over the cache. No weights of its own."""
+    """Rotates q and k, writes one layer's new K/V into its cache, then attends over the cache. No weights of its
+    own."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, kernels: "Kernels"):
         super().__init__()
@@ -149,8 +150,19 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.kernels = kernels
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim]
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim], rope: (cos, sin)
         k_cache, v_cache = attn.kv_caches[self.layer_idx]
-        self.kernels.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        if self.kernels.rotary_write_kv is not None:
+            q = self.kernels.rotary_write_kv(q, k, v, *rope, k_cache, v_cache, attn.slot_mapping)
+        else:
+            q, k = self.kernels.rotary(q, k, *rope)
+            self.kernels.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         return self.kernels.attention(q, k_cache, v_cache, attn, self.scale)

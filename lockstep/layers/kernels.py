@@ -43,6 +43,9 @@ class Kernels:
     - ``attention(q, k_cache, v_cache, attn, scale)``: causal GQA over the cache,
       ``q: [num_tokens, num_heads, head_dim]`` -> same shape.
     - ``rotary(q, k, cos, sin)``: rotary embedding of ``q, k: [n, heads, head_dim]`` by ``cos, sin: [n, 1, head_dim]``.
+    - ``rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)``: ``rotary``, then ``write_kv`` of the
+      rotated k and v; returns the rotated q (``ops.rotary_write_kv``: one kernel on CUDA). None: the layer runs
+      ``rotary`` and ``write_kv`` (a set whose two ops differ from ``ops``', such as the RL trainer's).
     - ``log_softmax(logits)``: ``[n, vocab]`` -> fp32 logprobs, the sampler's and the RL trainer's.
     - ``tree_linear(x, weight, bias)``: ``linear`` through the chunk tree (``ops.tp_linear``), the row-parallel
       layers' numerics in one process (``tp_invariant``); the same for every set unless one needs a variant (the
@@ -70,6 +73,7 @@ class Kernels:
     attention: Callable[[Tensor, Tensor, Tensor, "AttentionMetadata", float], Tensor]
     log_softmax: Callable[[Tensor], Tensor]
     capturable: bool = False
+    rotary_write_kv: Callable[..., Tensor] | None = None
     tree_linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = tp_linear.tree_linear
     moe_route: Callable[[Tensor, int, bool], tuple[Tensor, Tensor]] | None = None
     moe_experts: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
@@ -122,6 +126,7 @@ INVARIANT = register_kernels(
         attention=_invariant_attention,
         log_softmax=ops.log_softmax,
         capturable=True,
+        rotary_write_kv=ops.rotary_write_kv,
         moe_route=ops.moe_route,
         moe_experts=ops.moe_experts,
     )
@@ -147,6 +152,7 @@ DEFAULT = register_kernels(
         name="default",
         write_kv=ops.write_kv,  # a copy: exact on every path, and it skips graph padding rows (slot -1)
         rotary=ops.rotary,
+        rotary_write_kv=ops.rotary_write_kv,
         attention=torch_kernels.fast_paged_attention,
         moe_experts=torch_kernels.fast_moe_experts,  # no host sync on CUDA: capturable
         capturable=True,

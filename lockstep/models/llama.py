@@ -252,8 +252,7 @@ class LlamaAttention(nn.Module):
             # Qwen3: RMSNorm over each head's vector, before the rotation. The [n, heads, head_dim] views into the
             # QKV output go in as they are: on CUDA the kernel reads the strided heads, with no copy first.
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.kernels.rotary(q, k, *rope)
-        out = self.attn(q, k, v, attn)  # [num_tokens, num_heads, head_dim]
+        out = self.attn(q, k, v, rope, attn)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 

@@ -14,7 +14,7 @@ from lockstep.ops.moe import experts as moe_experts
 from lockstep.ops.moe import route as moe_route
 from lockstep.ops.reduce import mean, sum
 from lockstep.ops.rms_norm import rms_norm, rms_norm_with_rstd
-from lockstep.ops.rotary import rotary, rotary_torch
+from lockstep.ops.rotary import rotary, rotary_torch, rotary_write_kv
 from lockstep.ops.softmax import log_softmax, softmax
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "rms_norm_with_rstd",
     "rotary",
     "rotary_torch",
+    "rotary_write_kv",
     "softmax",
     "sum",
     "write_kv",

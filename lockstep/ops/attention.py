@@ -85,6 +85,18 @@ def _write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     )  # fmt: skip
 
 
+def check_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """ValueError unless ``write_kv`` can store ``k, v`` into these caches at these slots."""
+    if k.shape != v.shape or k.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"bad shapes: k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)}")
+    if k_cache.shape[2:] != k.shape[1:] or slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"k {tuple(k.shape)}, cache {tuple(k_cache.shape)}, slots {tuple(slot_mapping.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -93,12 +105,7 @@ def write_kv(
     ``k, v: [num_tokens, num_kv_heads, head_dim]``; ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim]`` (contiguous); ``slot_mapping: [num_tokens]``, slot = block_id * block_size + offset, -1 = skip.
     """
-    if k.shape != v.shape or k.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"bad shapes: k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)}")
-    if k_cache.shape[2:] != k.shape[1:] or slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"k {tuple(k.shape)}, cache {tuple(k_cache.shape)}, slots {tuple(slot_mapping.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
+    check_kv(k, v, k_cache, v_cache, slot_mapping)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     if k.is_cuda:

@@ -76,11 +76,12 @@ SCRIPT = textwrap.dedent(
                                  "stride_cb", "stride_cs", "stride_ch")}}
     for pdl in (False, True):
         compile_(attention._write_kv_kernel, sig, {"HEAD_DIM": 128, "H_PAD": 8, "D_PAD": 128, "USE_PDL": pdl})
-    sig = {**{p: "*bf16" for p in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "cos_ptr", "sin_ptr")},
+    sig = {**{p: "*bf16" for p in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "cos_ptr", "sin_ptr", "v_ptr",
+                                   "v_cache_ptr")}, "slot_ptr": "*i64",
            **{p: "i32" for p in ("num_q_heads", "num_kv_heads", "stride_qt", "stride_kt", "stride_qot", "stride_kot",
-                                 "stride_h", "stride_ct")}}
+                                 "stride_h", "stride_ct", "stride_vt", "page_size", "stride_cb", "stride_cs")}}
     for pdl in (False, True):
-        compile_(_rotary_kernel, sig, {"HALF": 64, "QH_PAD": 32, "KH_PAD": 8, "USE_PDL": pdl})
+        compile_(_rotary_kernel, sig, {"HALF": 64, "QH_PAD": 32, "KH_PAD": 8, "TO_CACHE": pdl, "USE_PDL": pdl})
     sig = {**{p: "*bf16" for p in ("a_ptr", "b_ptr", "bias_ptr", "c_ptr")}, **{p: "i32" for p in ("M", "N", "K")},
            **{"stride_" + p: "i32" for p in ("ab", "am", "ak", "bb", "bk", "bn", "cb", "cm", "cn")},
            "alpha": "fp32", "beta": "fp32", "num_programs": "i32"}

@@ -4,7 +4,8 @@ import pytest
 import torch
 from invariance import INVARIANCE_MS, MOVES, SIZES, check_moved_row, check_prefixes, randn, same_bits
 
-from lockstep.ops.rotary import _rotary_triton, rotary_torch
+from lockstep.ops.attention import write_kv
+from lockstep.ops.rotary import _rotary_triton, rotary_torch, rotary_write_kv
 
 HALF_DTYPES = [torch.bfloat16, torch.float16]
 # Whether the kernel has torch's bits, by dtype: Triton's interpreter rounds fp16 as asked but truncates bf16 casts;
@@ -77,3 +78,32 @@ def test_negative_control_one_rounding_differs():
     c, s = cos.float()[..., :32], sin.float()[..., :32]
     once = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).to(torch.bfloat16)
     assert not same_bits(once, want_q)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_rotary_into_the_cache_stores_what_rotary_then_write_kv_store(dtype):
+    # The fused kernel's cache path (TO_CACHE) against the kernel's plain path and write_kv: the same q, the same
+    # rotated k and the same v in the same slots; a slot of -1 (graph padding) writes nothing; other slots keep
+    # what they held (NaN here).
+    heads, kv_heads, head_dim, page = 4, 2, 32, 4
+    n = 9
+    fused = randn(n, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=3)
+    q = fused[:, : heads * head_dim].view(n, heads, head_dim)
+    k = fused[:, heads * head_dim : (heads + kv_heads) * head_dim].view(n, kv_heads, head_dim)
+    v = fused[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
+    cos, sin = rope(n, head_dim, dtype)
+    slots = torch.tensor([5, 0, 17, -1, 3, 12, 6, -1, 9], dtype=torch.int64)
+    caches = [torch.full((6, page, kv_heads, head_dim), float("nan"), dtype=dtype) for _ in range(4)]
+    want_q, want_k = _rotary_triton(q, k, cos, sin)
+    write_kv(want_k, v, caches[0], caches[1], slots)
+    got_q, none = _rotary_triton(q, k, cos, sin, (v, caches[2], caches[3], slots))
+    assert none is None and same_bits(got_q, want_q)
+    assert same_bits(caches[2], caches[0]) and same_bits(caches[3], caches[1])
+    assert int(caches[2].isnan().sum()) == (6 * page - 7) * kv_heads * head_dim  # 7 tokens stored, 2 skipped
+    # The public op takes the same path on CUDA and rotary_torch + write_kv elsewhere (here).
+    cpu = [torch.full_like(caches[0], float("nan")) for _ in range(2)]
+    out = rotary_write_kv(q, k, v, cos, sin, *cpu, slots)
+    ref_q, ref_k = rotary_torch(q, k, cos, sin)
+    ref = [torch.full_like(caches[0], float("nan")) for _ in range(2)]
+    write_kv(ref_k, v, *ref, slots)
+    assert same_bits(out, ref_q) and same_bits(cpu[0], ref[0]) and same_bits(cpu[1], ref[1])
