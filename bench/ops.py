@@ -200,6 +200,14 @@ def check_and_time_rotary() -> list[dict]:
         results.append({"op": "rotary_write_kv", "M": m, "same_bits": same, "ours_us": t_one, "two_kernels_us": t_two})
         print(f"  rotary_write_kv M={m:5d} one kernel {t_one:7.1f} us  rotary + write_kv {t_two:7.1f} us  "
               f"same bits {same}")  # fmt: skip
+        # Qwen3's q and k norms in one launch against two rms_norm calls (what the RL trainer runs).
+        wq, wk = (torch.randn(128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        qn, kn = ops.rms_norm_qk(q, k, wq, wk, 1e-6)
+        same = torch.equal(qn, ops.rms_norm(q, wq, 1e-6)) and torch.equal(kn, ops.rms_norm(k, wk, 1e-6))
+        t_one = bench(lambda: ops.rms_norm_qk(q, k, wq, wk, 1e-6))
+        t_two = bench(lambda: (ops.rms_norm(q, wq, 1e-6), ops.rms_norm(k, wk, 1e-6)))
+        results.append({"op": "rms_norm_qk", "M": m, "same_bits": same, "ours_us": t_one, "two_kernels_us": t_two})
+        print(f"  rms_norm_qk M={m:5d} one launch {t_one:7.1f} us  two rms_norm {t_two:7.1f} us  same bits {same}")
     return results
 
 
@@ -224,7 +232,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     parser.add_argument("--moe-shapes", action="store_true", help="also the MoE models' dense shapes")
     parser.add_argument("--rows-only", action="store_true", help="only rms_norm/softmax")
-    parser.add_argument("--rotary", action="store_true", help="also check and time the fused rotary kernel")
+    parser.add_argument("--rotary", action="store_true", help="also rotary, rotary + cache write, q/k norms")
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = torch.bfloat16

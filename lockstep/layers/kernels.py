@@ -38,6 +38,8 @@ class Kernels:
 
     - ``linear(x, weight, bias)``: ``x: [n, K]``, ``weight: [N, K]``, ``bias: [N] | None`` -> ``[n, N]``.
     - ``rms_norm(x, weight, eps, residual)``: ``out``, or ``(out, x + residual)`` when ``residual`` is given.
+    - ``rms_norm_qk(q, k, q_weight, k_weight, eps)``: ``rms_norm`` of Qwen3's q and k heads, one launch for both
+      where they sit side by side (``ops.rms_norm_qk``). None: two ``rms_norm`` calls.
     - ``silu_and_mul(gate_up)``: ``[n, 2I]`` -> ``silu(gate) * up: [n, I]``.
     - ``write_kv(k, v, k_cache, v_cache, slot_mapping)``: scatter new K/V into one layer's paged cache.
     - ``attention(q, k_cache, v_cache, attn, scale)``: causal GQA over the cache,
@@ -74,6 +76,7 @@ class Kernels:
     log_softmax: Callable[[Tensor], Tensor]
     capturable: bool = False
     rotary_write_kv: Callable[..., Tensor] | None = None
+    rms_norm_qk: Callable[..., tuple[Tensor, Tensor]] | None = None
     tree_linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = tp_linear.tree_linear
     moe_route: Callable[[Tensor, int, bool], tuple[Tensor, Tensor]] | None = None
     moe_experts: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
@@ -127,6 +130,7 @@ INVARIANT = register_kernels(
         log_softmax=ops.log_softmax,
         capturable=True,
         rotary_write_kv=ops.rotary_write_kv,
+        rms_norm_qk=ops.rms_norm_qk,
         moe_route=ops.moe_route,
         moe_experts=ops.moe_experts,
     )

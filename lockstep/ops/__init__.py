@@ -13,7 +13,7 @@ from lockstep.ops.matmul import addmm, bmm, linear, mm
 from lockstep.ops.moe import experts as moe_experts
 from lockstep.ops.moe import route as moe_route
 from lockstep.ops.reduce import mean, sum
-from lockstep.ops.rms_norm import rms_norm, rms_norm_with_rstd
+from lockstep.ops.rms_norm import rms_norm, rms_norm_qk, rms_norm_with_rstd
 from lockstep.ops.rotary import rotary, rotary_torch, rotary_write_kv
 from lockstep.ops.softmax import log_softmax, softmax
 
@@ -28,6 +28,7 @@ __all__ = [
     "moe_route",
     "paged_attention",
     "rms_norm",
+    "rms_norm_qk",
     "rms_norm_with_rstd",
     "rotary",
     "rotary_torch",

@@ -42,10 +42,10 @@ def _normalize(h, rstd, w_ptr, cols, col_mask, HAS_WEIGHT: tl.constexpr, DTYPE: 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, rstd_ptr,
-    M, N, heads, stride_xt, stride_xm, stride_rm, stride_om, stride_hm,
+    x_ptr, r_ptr, w_ptr, w2_ptr, out_ptr, h_ptr, rstd_ptr,
+    M, N, heads, split, stride_xt, stride_xm, stride_rm, stride_om, stride_hm,
     n_float, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, SINGLE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, TWO_WEIGHTS: tl.constexpr, SINGLE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
@@ -56,6 +56,8 @@ def _rms_norm_kernel(
     # x: [M // heads, heads, N] with strides (stride_xt, stride_xm, 1): row r is (r // heads, r % heads), so the
     # heads of a strided [tokens, heads, N] view (q and k inside the fused QKV output) need no copy. 2-D: heads 1.
     x_rows = x_ptr + (safe_rows // heads) * stride_xt + (safe_rows % heads) * stride_xm
+    # TWO_WEIGHTS: heads from ``split`` on take the second weight (q's and k's heads in one launch).
+    w_rows = tl.where((safe_rows % heads) < split, w_ptr, w2_ptr) if TWO_WEIGHTS else w_ptr
     r_rows = r_ptr + safe_rows * stride_rm
     o_rows = out_ptr + safe_rows * stride_om
     h_rows = h_ptr + safe_rows * stride_hm
@@ -67,7 +69,7 @@ def _rms_norm_kernel(
         if HAS_RESIDUAL:
             tl.store(h_rows + cols, h.to(dtype), mask=mask & row_ok)
         rstd = tl.rsqrt(tl.div_rn(tl.sum(h * h, axis=1), tl.zeros((ROWS,), tl.float32) + n_float) + eps)
-        y = _normalize(h, rstd, w_ptr, cols, mask, HAS_WEIGHT, dtype)
+        y = _normalize(h, rstd, w_rows, cols, mask, HAS_WEIGHT, dtype)
         tl.store(o_rows + cols, y, mask=mask & row_ok)
     else:
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
@@ -84,7 +86,7 @@ def _rms_norm_kernel(
             start = (num_chunks - 1 - i) * BLOCK
             mask = cols < N - start
             h = _load_h(x_rows, r_rows, start + cols, mask, HAS_RESIDUAL)  # recomputed: same bits as pass 1
-            y = _normalize(h, rstd, w_ptr + start, cols, mask, HAS_WEIGHT, dtype)
+            y = _normalize(h, rstd, w_rows + start, cols, mask, HAS_WEIGHT, dtype)
             tl.store(o_rows + start + cols, y, mask=mask & row_ok)
     tl.store(rstd_ptr + rows, rstd, mask=rows < M)
 
@@ -95,9 +97,11 @@ def _rms_norm_triton(
     eps: float,
     residual: torch.Tensor | None = None,
     config: RowConfig | None = None,
+    second: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # x, residual: [M, N] with unit column stride, or x: [T, H, N] (unit last stride, any other strides) without
-    # residual; weight: [N] contiguous -> out like x but contiguous, h: x or [M, N], rstd [M] fp32
+    # residual; weight: [N] contiguous -> out like x but contiguous, h: x or [M, N], rstd [M] fp32.
+    # second = (weight2, split): heads split.. of a [T, H, N] x take weight2.
     if x.dim() == 3 and residual is not None:
         raise ValueError("a [tokens, heads, N] input takes no residual")
     heads, n = (x.shape[1], x.shape[2]) if x.dim() == 3 else (1, x.shape[1])
@@ -111,11 +115,14 @@ def _rms_norm_triton(
         return out, h, rstd
     cfg = config or row_config(n)
     r = residual if residual is not None else x
+    w = weight if weight is not None else x
+    w2, split = second if second is not None else (w, heads)
     _rms_norm_kernel[(triton.cdiv(m, cfg.rows),)](
-        x, r, weight if weight is not None else x, out, h, rstd,
-        m, n, heads, stride_xt, stride_xm, r.stride(-2), n, h.stride(-2),
+        x, r, w, w2, out, h, rstd,
+        m, n, heads, split, stride_xt, stride_xm, r.stride(-2), n, h.stride(-2),
         float(n), float(eps),
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, SINGLE=n <= cfg.block,
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, TWO_WEIGHTS=second is not None,
+        SINGLE=n <= cfg.block,
         ROWS=cfg.rows, BLOCK=cfg.block, num_warps=cfg.num_warps, **pdl_launch(x),
     )  # fmt: skip
     return out, h, rstd
@@ -183,6 +190,37 @@ def rms_norm(
     """
     out, h, _ = _rms_norm_rows(x, weight, eps, residual)
     return out if residual is None else (out, h)
+
+
+def rms_norm_qk(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps))`` for the per-head norms of Qwen3's attention,
+    ``q: [T, Hq, N]`` and ``k: [T, Hk, N]``. On CUDA, when k's heads follow q's in memory (views of the fused QKV
+    output), one launch normalizes both: the same kernel, row by row the same arithmetic, the weight picked by
+    the row's head. The outputs are then views of one ``[T, Hq + Hk, N]`` tensor."""
+    hq, n = q.shape[1], q.shape[-1]
+    adjacent = (
+        q.is_cuda
+        and q.dim() == k.dim() == 3
+        and q.shape[0] == k.shape[0]
+        and k.shape[2] == n
+        and q.dtype == k.dtype
+        and q.stride() == k.stride()
+        and q.stride(2) == 1
+        and q.stride(1) >= n
+        and k.data_ptr() == q.data_ptr() + hq * q.stride(1) * q.element_size()
+        and q_weight.shape == k_weight.shape == (n,)
+        and q_weight.dtype == k_weight.dtype
+        and q_weight.is_contiguous()
+        and k_weight.is_contiguous()
+        and n <= row_config(n).block
+    )
+    if not adjacent:
+        return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    both = q.as_strided((q.shape[0], hq + k.shape[1], n), q.stride())
+    out = _rms_norm_triton(both, q_weight, eps, second=(k_weight, hq))[0]
+    return out[:, :hq], out[:, hq:]
 
 
 def rms_norm_with_rstd(

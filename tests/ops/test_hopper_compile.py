@@ -43,12 +43,13 @@ SCRIPT = textwrap.dedent(
     compile_(gumbel._combine_kernel, sig, {"BLOCK_C": 32})
     sig = {"sorted_ptr": "*fp32", "top_p_ptr": "*fp32", "cut_ptr": "*fp32", "vocab": "i32", "stride": "i32"}
     compile_(top_p._top_p_cut_kernel, sig, {"BLOCK": top_p.BLOCK})
-    sig = {**{p: "*bf16" for p in ("x_ptr", "r_ptr", "w_ptr", "out_ptr", "h_ptr")}, "rstd_ptr": "*fp32",
-           **{p: "i32" for p in ("M", "N", "heads", "stride_xt", "stride_xm", "stride_rm", "stride_om", "stride_hm")},
+    sig = {**{p: "*bf16" for p in ("x_ptr", "r_ptr", "w_ptr", "w2_ptr", "out_ptr", "h_ptr")}, "rstd_ptr": "*fp32",
+           **{p: "i32" for p in ("M", "N", "heads", "split", "stride_xt", "stride_xm", "stride_rm", "stride_om",
+                                 "stride_hm")},
            "n_float": "fp32", "eps": "fp32"}
     for residual, single, rows, block in ((False, True, 16, 128), (True, False, 1, 1024)):
-        flags = {"HAS_RESIDUAL": residual, "HAS_WEIGHT": True, "SINGLE": single, "ROWS": rows, "BLOCK": block,
-                 "USE_PDL": residual}
+        flags = {"HAS_RESIDUAL": residual, "HAS_WEIGHT": True, "TWO_WEIGHTS": single, "SINGLE": single, "ROWS": rows,
+                 "BLOCK": block, "USE_PDL": residual}
         compile_(_rms_norm_kernel, sig, flags)
     strides = ("qt", "qh", "ot", "oh", "kb", "ks", "kh", "vb", "vs", "vh", "bt", "pt", "ps", "ph", "mt", "ms", "mh")
     sig = {**{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}, "part_ptr": "*fp32", "part_ml_ptr": "*fp32",

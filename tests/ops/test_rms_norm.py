@@ -173,6 +173,49 @@ def test_cuda_dispatch_hands_the_strided_heads_over_uncopied(monkeypatch):
     assert seen[0] is view
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [None, 2])
+def test_triton_q_and_k_heads_in_one_launch(dtype, config):
+    # Qwen3's q and k norms over the adjacent heads of the fused QKV output, two weights in one launch: each head
+    # gets the bits of its own launch with its own weight.
+    tokens, q_heads, k_heads, n = 5, 4, 2, 128
+    cfg = TRITON_CONFIGS[config] if config is not None else None
+    qkv = randn(tokens, (q_heads + 2 * k_heads) * n, dtype=dtype, seed=4)
+    wq, wk = randn(n, dtype=dtype, seed=5), randn(n, dtype=dtype, seed=6)
+    q = qkv[:, : q_heads * n].view(tokens, q_heads, n)
+    k = qkv[:, q_heads * n : (q_heads + k_heads) * n].view(tokens, k_heads, n)
+    both = qkv[:, : (q_heads + k_heads) * n].view(tokens, q_heads + k_heads, n)
+    out, _, rstd = _rms_norm_triton(both, wq, EPS, config=cfg, second=(wk, q_heads))
+    want_q, _, rstd_q = _rms_norm_triton(q, wq, EPS, config=cfg)
+    want_k, _, rstd_k = _rms_norm_triton(k, wk, EPS, config=cfg)
+    assert same_bits(out[:, :q_heads], want_q) and same_bits(out[:, q_heads:], want_k)
+    assert torch.equal(rstd.view(tokens, -1), torch.cat((rstd_q.view(tokens, -1), rstd_k.view(tokens, -1)), 1))
+    assert not same_bits(out[:, q_heads:], _rms_norm_triton(k, wq, EPS, config=cfg)[0])  # the weight does matter
+
+
+def test_rms_norm_qk_takes_one_launch_for_adjacent_heads(monkeypatch):
+    # The public op with CUDA faked (the kernel runs in the interpreter): adjacent q and k views take one launch
+    # (the outputs are views of one tensor), with the bits of two rms_norm calls; other layouts take two.
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    qkv = randn(3, 8 * 16, dtype=torch.bfloat16, seed=8)
+    q, k = qkv[:, : 4 * 16].view(3, 4, 16), qkv[:, 4 * 16 : 6 * 16].view(3, 2, 16)
+    wq, wk = randn(16, dtype=torch.bfloat16, seed=3), randn(16, dtype=torch.bfloat16, seed=4)
+    got_q, got_k = ops.rms_norm_qk(q, k, wq, wk, EPS)
+    assert got_k.data_ptr() == got_q.data_ptr() + 4 * 16 * got_q.element_size()
+    assert same_bits(got_q, ops.rms_norm(q, wq, EPS)) and same_bits(got_k, ops.rms_norm(k, wk, EPS))
+    apart_k = qkv[:, 5 * 16 : 7 * 16].view(3, 2, 16)  # not right after q
+    got_q, got_k = ops.rms_norm_qk(q, apart_k, wq, wk, EPS)
+    assert got_k.data_ptr() != got_q.data_ptr() + 4 * 16 * got_q.element_size()
+    assert same_bits(got_k, ops.rms_norm(apart_k, wk, EPS))
+
+
+def test_rms_norm_qk_off_the_gpu_is_two_rms_norms():
+    q, k = randn(3, 4, 16, seed=1), randn(3, 2, 16, seed=2)
+    wq, wk = randn(16, seed=3), randn(16, seed=4)
+    got_q, got_k = ops.rms_norm_qk(q, k, wq, wk, EPS)
+    assert same_bits(got_q, ops.rms_norm(q, wq, EPS)) and same_bits(got_k, ops.rms_norm(k, wk, EPS))
+
+
 # Negative control: an RMSNorm whose sum of squares is chunked by M, like a kernel that picks its split from the
 # batch. The same harness that passes above must fail on it.
 def test_negative_control_batch_dependent_rms_norm_is_caught():
