@@ -12,11 +12,11 @@ does not change a row's bits gets checked. Exits 1 if anything fails.
 Speed: decode (one query per sequence) against F.scaled_dot_product_attention on contiguous K/V, and a causal
 prefill, timed in CUDA graphs.
 
-Launch options timed side by side (every one must give the default's bits): split programs with 0 / 1 / 4 / all
-rows walked in registers (``inline_splits``), the in-register path, stages 2-4, a tile's KV heads side by side
-(``heads_inner``, on by default since timed here) and each head's output columns cut across programs
-(``col_groups``, 2 by default for grids of at most one program per 8 SMs). Still to price: page 64/128 against
-16 (a K/V tile gathers 4 pages at 16; SDPA reads contiguous K/V).
+Launch options timed side by side (every one must give the default's bits): split programs with 1 or 4 splits of a
+row walked in registers (``inline_splits``), the in-register path, stages 2-4, 8 warps, a tile's KV heads apart
+instead of side by side (``heads_inner``) and 1, 2 or 4 column groups per KV head (``col_groups``; the defaults
+were picked here). Decode is also timed by page size, 16 to 128 positions (the engine's ``block_size``; a K/V tile
+gathers 4 pages at 16), with the same bits required at every size.
 """
 
 import argparse
