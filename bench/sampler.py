@@ -1,5 +1,6 @@
 """The sampler on one step's logits: the fused Gumbel-max (ops/gumbel.py) against the torch path it replaces, bit
-for bit and in time, and the whole ``Sampler`` under greedy, plain temperature and Qwen3's chat defaults.
+for bit and in time; the sampled tokens' logprobs from row stats (``ops.log_softmax_at``) against the whole
+log_softmax gathered; and the whole ``Sampler`` under greedy, plain temperature and Qwen3's chat defaults.
 
     python bench/sampler.py                 # CUDA: vocab 151936, rows 1, 64, 256
     python bench/sampler.py --smoke         # CPU, tiny (the interpreter)
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import CHAT_SAMPLING  # noqa: E402
 
+from lockstep import ops  # noqa: E402
 from lockstep.layers import sampler  # noqa: E402
 from lockstep.layers.sampler import Sampler  # noqa: E402
 from lockstep.ops.gumbel import gumbel_argmax  # noqa: E402
@@ -80,6 +82,12 @@ def main() -> None:
             r[f"same scores, {name}"] = bool(torch.equal(b_f, b_t))
         r["fused ms"] = ms(lambda: gumbel_argmax(logits, keys), args.reps)
         r["torch ms"] = ms(lambda: torch_path(logits, keys), args.reps)
+        # The sampled tokens' logprobs from the row stats against the whole log_softmax gathered (the trainer's).
+        index = torch.randint(args.vocab, (rows,), generator=gen, device=device)
+        whole = lambda: ops.log_softmax(logits, -1).gather(1, index[:, None])[:, 0]  # noqa: E731
+        r["log_softmax_at same bits"] = bool(torch.equal(ops.log_softmax_at(logits, index), whole()))
+        r["log_softmax_at ms"] = ms(lambda: ops.log_softmax_at(logits, index), args.reps)
+        r["log_softmax + gather ms"] = ms(whole, args.reps)
         for name, kwargs in SETTINGS.items():
             params = [SamplingParams(seed=i, **kwargs) for i in range(rows)]
             positions = [7] * rows

@@ -174,7 +174,7 @@ class ModelRunner:
         self.config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
         self.block_size = config.block_size
         self.kv_caches = self.model.allocate_kv_cache(num_kv_blocks, config.block_size)
-        self.sampler = Sampler(self.model.kernels.log_softmax)
+        self.sampler = Sampler(self.model.kernels.log_softmax, self.model.kernels.log_softmax_at)
         max_blocks = _table_width(-(-self.config.max_model_len // config.block_size))
         # Twice the rows a step can use, so a row is taken back only every max_num_seqs new sequences or so.
         self.block_tables = DeviceBlockTables(2 * config.max_num_seqs, max_blocks, self.device)

@@ -49,6 +49,8 @@ class Kernels:
       rotated k and v; returns the rotated q (``ops.rotary_write_kv``: one kernel on CUDA). None: the layer runs
       ``rotary`` and ``write_kv`` (a set whose two ops differ from ``ops``', such as the RL trainer's).
     - ``log_softmax(logits)``: ``[n, vocab]`` -> fp32 logprobs, the sampler's and the RL trainer's.
+    - ``log_softmax_at(logits, index)``: ``log_softmax(logits)[r, index[r]]``, the same bits, for a sampler step
+      that wants only the sampled tokens' logprobs (``ops.log_softmax_at``). None: ``log_softmax``, gathered.
     - ``tree_linear(x, weight, bias)``: ``linear`` through the chunk tree (``ops.tp_linear``), the row-parallel
       layers' numerics in one process (``tp_invariant``); the same for every set unless one needs a variant (the
       RL trainer's, with autograd).
@@ -77,6 +79,7 @@ class Kernels:
     capturable: bool = False
     rotary_write_kv: Callable[..., Tensor] | None = None
     rms_norm_qk: Callable[..., tuple[Tensor, Tensor]] | None = None
+    log_softmax_at: Callable[[Tensor, Tensor], Tensor] | None = None
     tree_linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = tp_linear.tree_linear
     moe_route: Callable[[Tensor, int, bool], tuple[Tensor, Tensor]] | None = None
     moe_experts: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
@@ -131,6 +134,7 @@ INVARIANT = register_kernels(
         capturable=True,
         rotary_write_kv=ops.rotary_write_kv,
         rms_norm_qk=ops.rms_norm_qk,
+        log_softmax_at=ops.log_softmax_at,
         moe_route=ops.moe_route,
         moe_experts=ops.moe_experts,
     )

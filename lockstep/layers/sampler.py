@@ -285,11 +285,19 @@ class Sampler:
     rows choose from all). Returns a ``Sampled``: the token ids and a
     ``TokenLogprobs`` per row, and the rows that could not be sampled. Calling the sampler is ``sample`` that
     raises ``SamplingError`` for such rows. Logprobs come from ``log_softmax`` (the kernel set's; default
-    ``ops.log_softmax``).
+    ``ops.log_softmax``); a step whose rows want no ranks or top tokens takes ``log_softmax_at`` instead when given
+    (``ops.log_softmax_at``: the same bits for the sampled tokens, without the ``[rows, vocab]`` result).
     """
 
-    def __init__(self, log_softmax: Callable[[torch.Tensor], torch.Tensor] = ops.log_softmax) -> None:
+    def __init__(
+        self,
+        log_softmax: Callable[[torch.Tensor], torch.Tensor] = ops.log_softmax,
+        log_softmax_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.log_softmax = log_softmax
+        if log_softmax_at is None and log_softmax is ops.log_softmax:
+            log_softmax_at = ops.log_softmax_at
+        self.log_softmax_at = log_softmax_at
         self.eos_token_ids: tuple[int, ...] = ()  # held back with stop_token_ids until min_tokens (set by the engine)
 
     def min_tokens_banned(self, params: SamplingParams, history: tuple[list[int], int], vocab: int) -> list[int]:
@@ -401,9 +409,14 @@ class Sampler:
                     except Exception as e_i:
                         errors[i] = _describe(e_i)
 
-        logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
         extra = [best] if allowed is None or not allowed[0] else [best, empty_mask]
-        pending = launch_gather_logprobs(logprobs, tokens, [p.logprobs for p in params], extra=extra)
+        num_top = [p.logprobs for p in params]
+        if self.log_softmax_at is not None and all(n is None for n in num_top):
+            chosen = self.log_softmax_at(logits, tokens)  # [num_rows] fp32, the sampled tokens' only
+            pending = launch_gather_logprobs(None, tokens, num_top, extra=extra, chosen=chosen)
+        else:
+            logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
+            pending = launch_gather_logprobs(logprobs, tokens, num_top, extra=extra)
         return PendingSample(tokens, pending, errors)
 
     @staticmethod
@@ -510,16 +523,25 @@ class PendingLogprobs:
 
 
 def launch_gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None], extra: list[torch.Tensor] = ()
+    logprobs: torch.Tensor | None,
+    token_ids: torch.Tensor,
+    num_top: list[int | None],
+    extra: list[torch.Tensor] = (),
+    chosen: torch.Tensor | None = None,
 ) -> PendingLogprobs:
-    """``gather_logprobs`` without waiting for the device: ``result()`` on the answer waits and returns it."""
-    chosen = logprobs.gather(1, token_ids[:, None])  # [rows, 1]
-    columns = [token_ids.double(), chosen[:, 0].double(), *(x.double() for x in extra)]  # fp64 holds them exactly
+    """``gather_logprobs`` without waiting for the device: ``result()`` on the answer waits and returns it.
+    ``chosen: [rows]``, the tokens' logprobs already picked out, stands in for ``logprobs`` when no row wants
+    ranks or top tokens."""
+    if chosen is None:
+        chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    elif any(n is not None for n in num_top):
+        raise ValueError("ranks and top logprobs need the whole logprobs")
+    columns = [token_ids.double(), chosen.double(), *(x.double() for x in extra)]  # fp64 holds them exactly
     ranked = any(n is not None for n in num_top)
     if ranked:
         # The place in a stable descending sort: the tokens above it, and the lower ids level with it.
         ids = torch.arange(logprobs.shape[-1], device=logprobs.device)
-        ahead = (logprobs > chosen) | ((logprobs == chosen) & (ids < token_ids[:, None]))
+        ahead = (logprobs > chosen[:, None]) | ((logprobs == chosen[:, None]) & (ids < token_ids[:, None]))
         columns.append(ahead.sum(dim=-1).double() + 1)  # an integer count, exact in fp64
     back = torch.stack(columns)
     max_top = max((n or 0) for n in num_top) if num_top else 0

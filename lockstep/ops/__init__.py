@@ -15,13 +15,14 @@ from lockstep.ops.moe import route as moe_route
 from lockstep.ops.reduce import mean, sum
 from lockstep.ops.rms_norm import rms_norm, rms_norm_qk, rms_norm_with_rstd
 from lockstep.ops.rotary import rotary, rotary_torch, rotary_write_kv
-from lockstep.ops.softmax import log_softmax, softmax
+from lockstep.ops.softmax import log_softmax, log_softmax_at, softmax
 
 __all__ = [
     "addmm",
     "bmm",
     "linear",
     "log_softmax",
+    "log_softmax_at",
     "mean",
     "mm",
     "moe_experts",

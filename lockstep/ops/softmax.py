@@ -22,11 +22,22 @@ from lockstep.ops.reduce import RowConfig, fold_rows, row_config, row_sums
 
 
 @triton.jit
+def _store_stats(stats_ptr, rows, M, row_max, log_total):
+    # row_max, log_total: [ROWS, 1] -> stats[row] = (row_max, log_total)
+    at = stats_ptr + rows[:, None] * 2
+    ok = (rows < M)[:, None]
+    tl.store(at, row_max, mask=ok)
+    tl.store(at + 1, log_total, mask=ok)
+
+
+@triton.jit
 def _softmax_kernel(
-    x_ptr, out_ptr,
+    x_ptr, out_ptr, stats_ptr,
     M, N, stride_xm, stride_om,
-    LOG: tl.constexpr, SINGLE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    LOG: tl.constexpr, STATS: tl.constexpr, SINGLE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # STATS: instead of the output, store each row's max and log of its sum of exponentials (stats_ptr: [M, 2]
+    # fp32): log_softmax's element is then (x - max) - log_sum, the two subtractions below (log_softmax_at).
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = (rows < M)[:, None]
     # Rows past M re-read row M - 1 (no all-masked rows, no NaN); their results are never stored.
@@ -38,14 +49,18 @@ def _softmax_kernel(
     if SINGLE:  # the row fits in registers: one read, one write
         mask = cols < N
         x = tl.load(x_rows + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        shifted = x - tl.max(x, axis=1)[:, None]
+        row_max = tl.max(x, axis=1)[:, None]
+        shifted = x - row_max
         e = tl.exp(shifted)
         total = tl.sum(e, axis=1)[:, None]
-        if LOG:
-            y = shifted - tl.log(total)
+        if STATS:
+            _store_stats(stats_ptr, rows, M, row_max, tl.log(total))
         else:
-            y = e * tl.div_rn(tl.full((ROWS, 1), 1.0, tl.float32), total)
-        tl.store(o_rows + cols, y.to(dtype), mask=mask & row_ok)
+            if LOG:
+                y = shifted - tl.log(total)
+            else:
+                y = e * tl.div_rn(tl.full((ROWS, 1), 1.0, tl.float32), total)
+            tl.store(o_rows + cols, y.to(dtype), mask=mask & row_ok)
     else:
         run_max = tl.full((ROWS,), -float("inf"), tl.float32)
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
@@ -61,32 +76,35 @@ def _softmax_kernel(
         total = tl.sum(acc, axis=1)[:, None]
         inv_total = tl.div_rn(tl.full((ROWS, 1), 1.0, tl.float32), total)
         log_total = tl.log(total)
-        # Last chunk first: the chunks read most recently are the likeliest still in L2.
-        num_chunks = tl.cdiv(N, BLOCK)
-        for i in range(0, num_chunks):
-            start = (num_chunks - 1 - i) * BLOCK
-            mask = cols < N - start
-            x = tl.load(x_rows + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            shifted = x - row_max
-            if LOG:
-                y = shifted - log_total
-            else:
-                y = tl.exp(shifted) * inv_total
-            tl.store(o_rows + start + cols, y.to(dtype), mask=mask & row_ok)
+        if STATS:
+            _store_stats(stats_ptr, rows, M, row_max, log_total)
+        else:
+            # Last chunk first: the chunks read most recently are the likeliest still in L2.
+            num_chunks = tl.cdiv(N, BLOCK)
+            for i in range(0, num_chunks):
+                start = (num_chunks - 1 - i) * BLOCK
+                mask = cols < N - start
+                x = tl.load(x_rows + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+                shifted = x - row_max
+                if LOG:
+                    y = shifted - log_total
+                else:
+                    y = tl.exp(shifted) * inv_total
+                tl.store(o_rows + start + cols, y.to(dtype), mask=mask & row_ok)
 
 
 def _softmax_triton(
-    x: torch.Tensor, log: bool, out_dtype: torch.dtype, config: RowConfig | None = None
+    x: torch.Tensor, log: bool, out_dtype: torch.dtype, config: RowConfig | None = None, stats: bool = False
 ) -> torch.Tensor:
-    # x: [M, N] with unit column stride -> [M, N] in out_dtype
+    # x: [M, N] with unit column stride -> [M, N] in out_dtype, or with stats [M, 2] fp32 (max, log of the sum)
     m, n = x.shape
-    out = torch.empty((m, n), device=x.device, dtype=out_dtype)
+    out = torch.empty((m, 2) if stats else (m, n), device=x.device, dtype=torch.float32 if stats else out_dtype)
     if m == 0 or n == 0:
         return out
     cfg = config or row_config(n)
     _softmax_kernel[(triton.cdiv(m, cfg.rows),)](
-        x, out, m, n, x.stride(0), out.stride(0),
-        LOG=log, SINGLE=n <= cfg.block, ROWS=cfg.rows, BLOCK=cfg.block, num_warps=cfg.num_warps,
+        x, out, out, m, n, x.stride(0), out.stride(0),
+        LOG=log, STATS=stats, SINGLE=n <= cfg.block, ROWS=cfg.rows, BLOCK=cfg.block, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
 
@@ -130,3 +148,19 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
 def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.log_softmax(x, dim, dtype)``, batch-invariant; computed in fp32, returned in ``dtype or x.dtype``."""
     return _softmax(x, dim, dtype, log=True)
+
+
+def log_softmax_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(x)[r, index[r]]`` for ``x: [rows, N]`` fp32 and ``index: [rows]`` int64, with the same bits (a
+    row with nothing above -inf gives NaN either way).
+
+    On CUDA the [rows, N] result is never written: the kernel's first pass stores each row's max and log-sum
+    (the very values its second pass uses), and the chosen element takes the second pass's two fp32
+    subtractions. A sampler that wants only the sampled tokens' logprobs reads the logits once instead of twice
+    and writes nothing that size."""
+    if x.dim() != 2 or index.shape != (x.shape[0],):
+        raise ValueError(f"log_softmax_at: x {tuple(x.shape)} and index {tuple(index.shape)} do not fit")
+    if not (x.is_cuda and x.dtype == torch.float32 and x.shape[1] > 0 and x.stride(1) == 1):
+        return log_softmax(x, -1).gather(1, index[:, None])[:, 0]
+    stats = _softmax_triton(x, True, torch.float32, stats=True)
+    return (x.gather(1, index[:, None])[:, 0] - stats[:, 0]) - stats[:, 1]

@@ -16,6 +16,7 @@ from lockstep.layers.sampler import (
     sample_row,
     uniform_noise,
 )
+from lockstep.ops import log_softmax_at as ops_log_softmax_at
 from lockstep.sampling_params import SamplingParams
 
 VOCABS = (1, 3, 17, 127, 1000)
@@ -154,6 +155,26 @@ def test_top_logprob_ties_go_to_lower_id() -> None:
     x[0, 7] = 1.0
     _, lps = Sampler()(x, [SamplingParams(temperature=0, logprobs=4)], [0])
     assert [t for t, _ in lps[0].top] == [7, 0, 1, 2]
+
+
+def test_steps_without_ranks_take_log_softmax_at_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A step whose rows want no ranks or top tokens takes the sampled tokens' logprobs from ops.log_softmax_at
+    # (on CUDA: row stats, no [rows, vocab] result; faked here, the kernel interpreted) with the bits of the whole
+    # log_softmax gathered, which a sampler without log_softmax_at (or a step with ranks) takes.
+    x = logits_batch(5, 300, seed=2)
+    params = seeded([SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20)] * 2, [None, 1, None, 2])
+    params.append(SamplingParams(temperature=0))
+    calls = []
+    monkeypatch.setattr(sampler.ops, "log_softmax_at", lambda *a: calls.append(1) or ops_log_softmax_at(*a))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    fast = Sampler()  # built after the patch: it takes the patched op
+    ids, lps = fast(x, params, [3, 4, 5, 6, 7])
+    full_ids, full_lps = Sampler(lambda t: sampler.ops.log_softmax(t))(x, params, [3, 4, 5, 6, 7])
+    assert calls and ids == full_ids
+    assert [lp.logprob for lp in lps] == [lp.logprob for lp in full_lps]  # fp32 values, compared exactly
+    calls.clear()
+    fast(x, [dataclasses.replace(p, logprobs=0) for p in params], [3, 4, 5, 6, 7])
+    assert not calls  # ranks need the whole log_softmax
 
 
 def test_sampling_needs_a_seed() -> None:

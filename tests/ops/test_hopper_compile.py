@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent(
     from lockstep.ops import attention, gated, gumbel, matmul, top_p
     from lockstep.ops.rms_norm import _rms_norm_kernel
     from lockstep.ops.rotary import _rotary_kernel
+    from lockstep.ops.softmax import _softmax_kernel
 
     def compile_(fn, signature, constexprs):
         signature = {**signature, **{name: "constexpr" for name in constexprs}}
@@ -41,6 +42,10 @@ SCRIPT = textwrap.dedent(
     sig = {"part_best_ptr": "*fp64", "part_id_ptr": "*i32", "token_ptr": "*i64", "best_ptr": "*fp64", "vocab": "i32",
            "num_chunks": "i32"}
     compile_(gumbel._combine_kernel, sig, {"BLOCK_C": 32})
+    sig = {"x_ptr": "*fp32", "out_ptr": "*fp32", "stats_ptr": "*fp32",
+           **{p: "i32" for p in ("M", "N", "stride_xm", "stride_om")}}
+    for stats in (False, True):  # the sampler's vocabulary-wide log_softmax, whole or row stats
+        compile_(_softmax_kernel, sig, {"LOG": True, "STATS": stats, "SINGLE": False, "ROWS": 2, "BLOCK": 1024})
     sig = {"sorted_ptr": "*fp32", "top_p_ptr": "*fp32", "cut_ptr": "*fp32", "vocab": "i32", "stride": "i32"}
     compile_(top_p._top_p_cut_kernel, sig, {"BLOCK": top_p.BLOCK})
     sig = {**{p: "*bf16" for p in ("x_ptr", "r_ptr", "w_ptr", "w2_ptr", "out_ptr", "h_ptr")}, "rstd_ptr": "*fp32",

@@ -112,6 +112,37 @@ def test_triton_fully_masked_row_is_nan_like_torch():
 # Negative control. torch's own CPU softmax/log_softmax did not vary with M here (torch 2.13, N up to 49152),
 # so the control is constructed: a softmax whose sum of exponentials is split by the batch size, as a kernel
 # that picks its split count from M would. The same harness that passes above must fail on it.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on the interpreter's -inf - -inf
+@pytest.mark.parametrize("cfg", TRITON_CONFIGS)
+def test_triton_row_stats_give_log_softmaxs_bits(cfg):
+    # The stats pass (max, log of the sum) and the two subtractions of log_softmax_at against the whole
+    # log_softmax gathered: rows that fit one block and rows that take the chunked pass, -inf entries and a
+    # fully masked row.
+    x = randn(7, 700, seed=4)
+    x[2, ::3] = float("-inf")
+    x[5] = float("-inf")
+    index = torch.tensor([0, 699, 3, 350, 17, 5, 640])
+    for n in (200, 700):
+        xs = x[:, :n].contiguous()
+        idx = index % n
+        full = _softmax_triton(xs, True, torch.float32, config=cfg).gather(1, idx[:, None])[:, 0]
+        stats = _softmax_triton(xs, True, torch.float32, config=cfg, stats=True)
+        got = (xs.gather(1, idx[:, None])[:, 0] - stats[:, 0]) - stats[:, 1]
+        rows = [0, 1, 2, 3, 4, 6]  # row 5 is NaN both ways, with whichever NaN bits each backend makes
+        assert same_bits(got[rows], full[rows]) and got[5].isnan() and full[5].isnan()
+
+
+def test_log_softmax_at_is_the_gathered_log_softmax(monkeypatch):
+    x = randn(5, 300, seed=6)
+    index = torch.tensor([1, 299, 0, 150, 7])
+    want = ops.log_softmax(x, -1).gather(1, index[:, None])[:, 0]
+    assert same_bits(ops.log_softmax_at(x, index), want)  # the CPU: the whole log_softmax, gathered
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the stats path, interpreted
+    assert same_bits(ops.log_softmax_at(x, index), ops.log_softmax(x, -1).gather(1, index[:, None])[:, 0])
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.log_softmax_at(x, index[:3])
+
+
 def test_negative_control_batch_dependent_softmax_is_caught():
     def split_by_m(t):
         splits = 4 if t.shape[0] < 64 else 1
