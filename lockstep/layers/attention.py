@@ -160,9 +160,5 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim], rope: (cos, sin)
         k_cache, v_cache = attn.kv_caches[self.layer_idx]
-        if self.kernels.rotary_write_kv is not None:
-            q = self.kernels.rotary_write_kv(q, k, v, *rope, k_cache, v_cache, attn.slot_mapping)
-        else:
-            q, k = self.kernels.rotary(q, k, *rope)
-            self.kernels.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        q = self.kernels.rotary_and_write_kv(q, k, v, *rope, k_cache, v_cache, attn.slot_mapping)
         return self.kernels.attention(q, k_cache, v_cache, attn, self.scale)

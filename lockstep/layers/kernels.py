@@ -39,15 +39,17 @@ class Kernels:
     - ``linear(x, weight, bias)``: ``x: [n, K]``, ``weight: [N, K]``, ``bias: [N] | None`` -> ``[n, N]``.
     - ``rms_norm(x, weight, eps, residual)``: ``out``, or ``(out, x + residual)`` when ``residual`` is given.
     - ``rms_norm_qk(q, k, q_weight, k_weight, eps)``: ``rms_norm`` of Qwen3's q and k heads, one launch for both
-      where they sit side by side (``ops.rms_norm_qk``). None: two ``rms_norm`` calls.
+      where they sit side by side (``ops.rms_norm_qk``). Optional: layers call ``rms_norm_q_and_k``, which makes
+      two ``rms_norm`` calls without it.
     - ``silu_and_mul(gate_up)``: ``[n, 2I]`` -> ``silu(gate) * up: [n, I]``.
     - ``write_kv(k, v, k_cache, v_cache, slot_mapping)``: scatter new K/V into one layer's paged cache.
     - ``attention(q, k_cache, v_cache, attn, scale)``: causal GQA over the cache,
       ``q: [num_tokens, num_heads, head_dim]`` -> same shape.
     - ``rotary(q, k, cos, sin)``: rotary embedding of ``q, k: [n, heads, head_dim]`` by ``cos, sin: [n, 1, head_dim]``.
     - ``rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)``: ``rotary``, then ``write_kv`` of the
-      rotated k and v; returns the rotated q (``ops.rotary_write_kv``: one kernel on CUDA). None: the layer runs
-      ``rotary`` and ``write_kv`` (a set whose two ops differ from ``ops``', such as the RL trainer's).
+      rotated k and v; returns the rotated q (``ops.rotary_write_kv``: one kernel on CUDA). Optional: layers call
+      ``rotary_and_write_kv``, which runs the two ops without it (a set whose two ops differ from ``ops``', such as
+      the RL trainer's, leaves it out).
     - ``log_softmax(logits)``: ``[n, vocab]`` -> fp32 logprobs, the sampler's and the RL trainer's.
     - ``log_softmax_at(logits, index)``: ``log_softmax(logits)[r, index[r]]``, the same bits, for a sampler step
       that wants only the sampled tokens' logprobs (``ops.log_softmax_at``). None: ``log_softmax``, gathered.
@@ -84,6 +86,25 @@ class Kernels:
     moe_route: Callable[[Tensor, int, bool], tuple[Tensor, Tensor]] | None = None
     moe_experts: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     moe_experts_tree: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] = moe_ops.experts_tree
+
+    def rotary_and_write_kv(
+        self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+        slot_mapping: Tensor,
+    ) -> Tensor:  # fmt: skip
+        """``rotary_write_kv`` where the set has it, else ``rotary`` then ``write_kv``: the rotated q."""
+        if self.rotary_write_kv is not None:
+            return self.rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        q, k = self.rotary(q, k, cos, sin)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+
+    def rms_norm_q_and_k(
+        self, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        """``rms_norm_qk`` where the set has it, else two ``rms_norm`` calls."""
+        if self.rms_norm_qk is not None:
+            return self.rms_norm_qk(q, k, q_weight, k_weight, eps)
+        return self.rms_norm(q, q_weight, eps, None), self.rms_norm(k, k_weight, eps, None)
 
 
 def _invariant_attention(  # adapts ops.paged_attention to the metadata object

@@ -252,10 +252,7 @@ class LlamaAttention(nn.Module):
             # Qwen3: RMSNorm over each head's vector, before the rotation. The [n, heads, head_dim] views into the
             # QKV output go in as they are: on CUDA the kernel reads the strided heads, with no copy first, and
             # the invariant set normalizes q's and k's heads in one launch.
-            if self.kernels.rms_norm_qk is not None:
-                q, k = self.kernels.rms_norm_qk(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            else:
-                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.kernels.rms_norm_q_and_k(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = self.attn(q, k, v, rope, attn)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 

@@ -52,7 +52,8 @@ def _mm_kernel(
     alpha, beta, num_programs,
     HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FLAT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Persistent: program p computes tiles p, p + num_programs, ... of batch entry program_id(1). Which program
     # owns a tile never changes how the tile is computed.
@@ -63,92 +64,75 @@ def _mm_kernel(
     c_ptr += batch * stride_cb
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    for tile in range(tl.program_id(0), num_m * num_n, num_programs):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        offs_k = tl.arange(0, BK)
-        a_tile = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_tile = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-        mask_m = offs_m[:, None] < M
-        mask_n = offs_n[None, :] < N
-        # The one reduction: k = 0 upward, BK at a time, into one fp32 accumulator.
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, K, BK):
-            if EVEN_K:
-                a = tl.load(a_tile, mask=mask_m, other=0.0)
-                b = tl.load(b_tile, mask=mask_n, other=0.0)
-            else:
-                # Zero-padding the tail of K adds exact zeros: the sum's bits do not change.
-                a = tl.load(a_tile, mask=mask_m & (offs_k[None, :] < K - k), other=0.0)
-                b = tl.load(b_tile, mask=mask_n & (offs_k[:, None] < K - k), other=0.0)
-            if UPCAST:  # the interpreter's bf16/fp16 dot is wrong; run it in fp32 there
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_tile += BK * stride_ak
-            b_tile += BK * stride_bk
-
-        _store_tile(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, alpha, beta, HAS_BIAS, SCALED)
-
-
-@triton.jit
-def _mm_flat_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr,
-    M, N, K,
-    stride_ab, stride_am, stride_ak,
-    stride_bb, stride_bk, stride_bn,
-    stride_cb, stride_cm, stride_cn,
-    alpha, beta, num_programs,
-    HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    # _mm_kernel's tiles and its k = 0 upward loop, written as one loop over this program's (tile, k step) pairs:
-    # the software pipeline keeps loading across a tile boundary instead of draining and refilling at each tile,
-    # which matters when a program owns several tiles of few k steps (decode-sized M). Each tile's accumulator
-    # still starts from zero and takes the same dots in the same order, so every element's bits are _mm_kernel's.
-    pdl_wait(USE_PDL)
-    batch = tl.program_id(1)
-    a_ptr += batch * stride_ab
-    b_ptr += batch * stride_bb
-    c_ptr += batch * stride_cb
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    k_steps = tl.cdiv(K, BK)
-    my_tiles = tl.cdiv(num_m * num_n - tl.program_id(0), num_programs)
-    tile = tl.program_id(0) - num_programs
-    ki = k_steps - 1
-    offs_m = tl.arange(0, BM)
-    offs_n = tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for _ in range(0, my_tiles * k_steps):
-        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
-        if ki == 0:
-            tile += num_programs
+    if FLAT:
+        # The same tiles and k = 0 upward loop, written as one loop over this program's (tile, k step) pairs: the
+        # software pipeline keeps loading across a tile boundary instead of draining and refilling at each tile,
+        # which matters when a program owns several tiles of few k steps (decode-sized M). Each tile's
+        # accumulator still starts from zero and takes the same dots in the same order: the same bits.
+        k_steps = tl.cdiv(K, BK)
+        my_tiles = tl.cdiv(num_m * num_n - tl.program_id(0), num_programs)
+        tile = tl.program_id(0) - num_programs
+        ki = k_steps - 1
+        offs_m = tl.arange(0, BM)
+        offs_n = tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for _ in range(0, my_tiles * k_steps):
+            ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+            if ki == 0:
+                tile += num_programs
+                pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+                offs_m = pid_m * BM + tl.arange(0, BM)
+                offs_n = pid_n * BN + tl.arange(0, BN)
+            k_left = K - ki * BK
+            # Zero-padding the rows past M, the columns past N and the tail of K adds exact zeros.
+            a = tl.load(
+                a_ptr + offs_m[:, None] * stride_am + (ki * BK + offs_k)[None, :] * stride_ak,
+                mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left),
+                other=0.0,
+            )
+            b = tl.load(
+                b_ptr + (ki * BK + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left),
+                other=0.0,
+            )
+            acc = _mma_step(a, b, acc, UPCAST, PRECISION)
+            if ki == k_steps - 1:
+                _store_tile(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, alpha, beta,
+                            HAS_BIAS, SCALED)  # fmt: skip
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+    else:
+        for tile in range(tl.program_id(0), num_m * num_n, num_programs):
             pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
             offs_m = pid_m * BM + tl.arange(0, BM)
             offs_n = pid_n * BN + tl.arange(0, BN)
-        k_left = K - ki * BK
-        # Zero-padding the rows past M, the columns past N and the tail of K adds exact zeros.
-        a = tl.load(
-            a_ptr + offs_m[:, None] * stride_am + (ki * BK + offs_k)[None, :] * stride_ak,
-            mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left),
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + (ki * BK + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-            mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left),
-            other=0.0,
-        )
-        if UPCAST:  # the interpreter's bf16/fp16 dot is wrong; run it in fp32 there
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if ki == k_steps - 1:
+            a_tile = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+            b_tile = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+            mask_m = offs_m[:, None] < M
+            mask_n = offs_n[None, :] < N
+            # The one reduction: k = 0 upward, BK at a time, into one fp32 accumulator.
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k in range(0, K, BK):
+                if EVEN_K:
+                    a = tl.load(a_tile, mask=mask_m, other=0.0)
+                    b = tl.load(b_tile, mask=mask_n, other=0.0)
+                else:
+                    # Zero-padding the tail of K adds exact zeros: the sum's bits do not change.
+                    a = tl.load(a_tile, mask=mask_m & (offs_k[None, :] < K - k), other=0.0)
+                    b = tl.load(b_tile, mask=mask_n & (offs_k[:, None] < K - k), other=0.0)
+                acc = _mma_step(a, b, acc, UPCAST, PRECISION)
+                a_tile += BK * stride_ak
+                b_tile += BK * stride_bk
             _store_tile(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, alpha, beta, HAS_BIAS,
                         SCALED)  # fmt: skip
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
+
+
+@triton.jit
+def _mma_step(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:  # the interpreter's bf16/fp16 dot is wrong; run it in fp32 there
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -172,10 +156,7 @@ def _mm_tma_kernel(
         for k in range(0, K, BK):
             a = a_desc.load([off_m, k])
             b = b_desc.load([off_n, k]).T if B_IS_NK else b_desc.load([k, off_n])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = _mma_step(a, b, acc, UPCAST, PRECISION)
         if SCALED:
             acc = acc * alpha
         if HAS_BIAS:
@@ -194,7 +175,7 @@ class MatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False  # load operands with the tensor memory accelerator (Hopper, aligned 2-D operands)
-    flat: bool = False  # one pipelined loop over a program's (tile, k step) pairs (_mm_flat_kernel); not with tma
+    flat: bool = False  # one pipelined loop over a program's (tile, k step) pairs (_mm_kernel's FLAT); not with tma
 
 
 def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
@@ -302,14 +283,13 @@ def _bmm_triton(
             m, n, k, alpha, beta, programs, B_IS_NK=b_is_nk, **common,
         )  # fmt: skip
         return c
-    kernel, extra = (_mm_flat_kernel, {}) if cfg.flat else (_mm_kernel, {"EVEN_K": k % cfg.bk == 0})
-    kernel[(programs, batch)](
+    _mm_kernel[(programs, batch)](
         a, b, bias if bias is not None else c, c,
         m, n, k,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
-        alpha, beta, programs, **extra, **common,
+        alpha, beta, programs, EVEN_K=k % cfg.bk == 0, FLAT=cfg.flat, **common,
     )  # fmt: skip
     return c
 

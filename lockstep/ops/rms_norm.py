@@ -214,7 +214,6 @@ def rms_norm_qk(
         and q_weight.dtype == k_weight.dtype
         and q_weight.is_contiguous()
         and k_weight.is_contiguous()
-        and n <= row_config(n).block
     )
     if not adjacent:
         return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)

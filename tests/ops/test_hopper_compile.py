@@ -93,9 +93,9 @@ SCRIPT = textwrap.dedent(
            "alpha": "fp32", "beta": "fp32", "num_programs": "i32"}
     for pdl in (False, True):
         flags = {"HAS_BIAS": False, "SCALED": False, "EVEN_K": True, "UPCAST": False, "PRECISION": "tf32", "BM": 16,
-                 "BN": 64, "BK": 256, "GROUP_M": 8, "USE_PDL": pdl}
+                 "BN": 64, "BK": 256, "GROUP_M": 8, "FLAT": False, "USE_PDL": pdl}
         compile_(matmul._mm_kernel, sig, flags)
-        compile_(matmul._mm_flat_kernel, sig, {k: v for k, v in flags.items() if k != "EVEN_K"})
+        compile_(matmul._mm_kernel, sig, {**flags, "FLAT": True})
     print("COMPILED")
     """
 )

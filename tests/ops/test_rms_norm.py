@@ -137,14 +137,18 @@ def test_triton_rows_are_batch_invariant(cfg):
     check_moved_row(op, x, [(2, 1), (9, 6), (17, 16)])
 
 
+def fused_qkv(dtype, tokens=5, q_heads=4, k_heads=2, n=128):
+    """A fused QKV output ``[tokens, (q_heads + 2 * k_heads) * n]``: q, k and v heads side by side in each row."""
+    return randn(tokens, (q_heads + 2 * k_heads) * n, dtype=dtype, seed=4), tokens, q_heads, k_heads, n
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("config", [None, 2])
 def test_triton_heads_of_a_strided_view_need_no_copy(dtype, config):
     # q and k inside a fused QKV output: [tokens, heads, N] views whose rows cannot be flattened without a copy.
     # Each head's row gets the bits of the same row made contiguous and normalized as 2-D, the k heads too.
-    tokens, q_heads, k_heads, n = 5, 4, 2, 128
+    qkv, tokens, q_heads, k_heads, n = fused_qkv(dtype)
     cfg = TRITON_CONFIGS[config] if config is not None else None
-    qkv = randn(tokens, (q_heads + 2 * k_heads) * n, dtype=dtype, seed=4)
     w = randn(n, dtype=dtype, seed=5)
     for lo, heads in ((0, q_heads), (q_heads * n, k_heads)):
         view = qkv[:, lo : lo + heads * n].view(tokens, heads, n)
@@ -178,9 +182,8 @@ def test_cuda_dispatch_hands_the_strided_heads_over_uncopied(monkeypatch):
 def test_triton_q_and_k_heads_in_one_launch(dtype, config):
     # Qwen3's q and k norms over the adjacent heads of the fused QKV output, two weights in one launch: each head
     # gets the bits of its own launch with its own weight.
-    tokens, q_heads, k_heads, n = 5, 4, 2, 128
+    qkv, tokens, q_heads, k_heads, n = fused_qkv(dtype)
     cfg = TRITON_CONFIGS[config] if config is not None else None
-    qkv = randn(tokens, (q_heads + 2 * k_heads) * n, dtype=dtype, seed=4)
     wq, wk = randn(n, dtype=dtype, seed=5), randn(n, dtype=dtype, seed=6)
     q = qkv[:, : q_heads * n].view(tokens, q_heads, n)
     k = qkv[:, q_heads * n : (q_heads + k_heads) * n].view(tokens, k_heads, n)
