@@ -15,8 +15,9 @@ prefill, timed in CUDA graphs.
 Launch options timed side by side (every one must give the default's bits): split programs with 1 or 4 splits of a
 row walked in registers (``inline_splits``), the in-register path, stages 2-4, 8 warps, a tile's KV heads apart
 instead of side by side (``heads_inner``) and 1, 2 or 4 column groups per KV head (``col_groups``; the defaults
-were picked here). Decode is also timed by page size, 16 to 128 positions (the engine's ``block_size``; a K/V tile
-gathers 4 pages at 16), with the same bits required at every size.
+were picked here), and a register cap of 168 (``maxnreg``: three programs per SM instead of two). Decode is also
+timed by page size, 16 to 128 positions (the engine's ``block_size``; a K/V tile gathers 4 pages at 16), and with
+the cache stored heads-outer (HND), with the same bits required everywhere. ``--only wide|pages`` runs one table.
 """
 
 import argparse
@@ -190,17 +191,18 @@ def check_invariance(cfg, device, gen):
     report("negative control: split size x2 changes bits", not same_bits(other, ref), f"{n_diff(other, ref)} differ")
 
 
-def bench_speed(cfg, device):
+def us(fn):
     from triton.testing import do_bench_cudagraph
 
-    def us(fn):
-        # do_bench_cudagraph runs fn on a fresh side stream, which does not wait for the default stream. Without
-        # this sync the first call read block tables, seq_lens and query_start_loc that the default stream had
-        # not written yet (still behind 8 GB of torch.randn at batch 64 / 32k): garbage block ids, then an
-        # illegal memory access. That is how this script crashed; the kernel's offsets are int64.
-        torch.cuda.synchronize()
-        return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+    # do_bench_cudagraph runs fn on a fresh side stream, which does not wait for the default stream. Without
+    # this sync the first call read block tables, seq_lens and query_start_loc that the default stream had
+    # not written yet (still behind 8 GB of torch.randn at batch 64 / 32k): garbage block ids, then an
+    # illegal memory access. That is how this script crashed; the kernel's offsets are int64.
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
 
+
+def bench_speed(cfg, device):
     hq, hkv, d, dtype, page = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"]
     scale = cfg["scale"]
     decode_launches = {
@@ -243,85 +245,8 @@ def bench_speed(cfg, device):
             print(f"  {b:3d} {ctx:6d} | " + " ".join(f"{c:>16}" for c in cells[:-1]) + f" | {cells[-1]:>16}")
             del k_cache, v_cache, kc, vc, args
 
-    # What a CUDA-graph decode step sees: a block table as wide as max_model_len (here 40,960 positions, Qwen3's),
-    # whatever the context. The default launch against split programs with S = 0 / 1 / 4 / all rows walked in
-    # registers by their first program (``inline_splits``), and the in-register path; uniform contexts, then one
-    # long row among short ones (where walking every row in registers leaves one program with all of its work).
-    # Every launch must give the default's bits ("!" marks one that does not, and fails the run).
-    wide = 40960
-    launches = {"default": {}, "in-register": dict(split_programs=False)}
-    for label, inline in (("S1", 1), ("S4", 4)):
-        launches[label] = dict(split_programs=True, inline_splits=inline)
-    launches["1 col group"] = dict(col_groups=1)
-    launches["8 warps"] = dict(num_warps=8)
-    launches["2 stages"] = dict(num_stages=2)
-    launches["4 stages"] = dict(num_stages=4)
-    print(f"\ndecode over a {wide:,}-position block table: us per call (the default's TB/s reading K+V)")
-    print(f"  {'B':>3} {'contexts':>12} | " + " ".join(f"{n:>11}" for n in launches))
-    batches = [1, 2, 4] + cfg["speed_batches"][1:] + [128, 256]
-    cases = [(b, [ctx] * b) for b in batches for ctx in (128, 1024, 2048, 4096)]
-    cases += [(b, [long] + [short] * (b - 1)) for b in (8, 64, 256) for long, short in ((32768, 1024), (4096, 512))]
-    for b, lens in cases:
-        nblk = sum(-(-n // page) for n in lens)
-        k_cache = torch.randn(nblk, page, hkv, d, device=device, dtype=dtype)
-        v_cache = torch.randn_like(k_cache)
-        blocks = torch.randperm(nblk, device=device).int()
-        tables = torch.zeros(b, wide // page, device=device, dtype=torch.int32)
-        used = 0
-        for row, n in enumerate(lens):
-            tables[row, : -(-n // page)] = blocks[used : used + -(-n // page)]
-            used += -(-n // page)
-        args = dict(q=torch.randn(b, hq, d, device=device, dtype=dtype), k_cache=k_cache, v_cache=v_cache,
-                    block_tables=tables, seq_lens=torch.tensor(lens, device=device, dtype=torch.int32),
-                    query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=scale)  # fmt: skip
-        reference = _paged_attention_triton(**args)
-        cells = []
-        for launch in launches.values():
-            same = torch.equal(_paged_attention_triton(**args, **launch), reference)
-            if not same:
-                FAILURES.append(f"decode launch {launch} at batch {b} changed bits")
-            t = us(lambda la=launch: _paged_attention_triton(**args, **la))
-            cells.append((t, same))
-        gbytes = 2 * sum(lens) * hkv * d * k_cache.element_size() / 1e9
-        label = f"{lens[0]}" if len(set(lens)) == 1 else f"{lens[0]}+{lens[1]}s"
-        row = " ".join(f"{t:10.1f}{' ' if same else '!'}" for t, same in cells)
-        print(f"  {b:3d} {label:>12} | {row}  ({gbytes / cells[0][0] * 1e3:.2f} TB/s)")
-        del k_cache, v_cache, args
-
-    # The page size (the engine's block_size) only enters address arithmetic: the same K/V at pages of 16 to 128
-    # positions must give the same bits, and larger pages make a K/V tile fewer, longer runs of memory.
-    print(f"\ndecode by page size over a {wide:,}-position table: us per call (TB/s)")
-    pages = (16, 32, 64, 128)
-    print(f"  {'B':>3} {'ctx':>6} | " + " ".join(f"{f'page {p}':>14}" for p in pages))
-    for b, ctx in ((1, 1024), (64, 1024), (64, 4096), (256, 1024), (256, 2048)):
-        k_seq = torch.randn(b, ctx, hkv, d, device=device, dtype=dtype)
-        v_seq = torch.randn_like(k_seq)
-        q = torch.randn(b, hq, d, device=device, dtype=dtype)
-        gbytes = 2 * k_seq.numel() * k_seq.element_size() / 1e9
-        cells, first = [], None
-        for pg in pages:
-            per_seq = ctx // pg
-            order = torch.randperm(b * per_seq, device=device)  # page j of sequence s sits in block order[s, j]
-            k_cache = torch.empty(b * per_seq, pg, hkv, d, device=device, dtype=dtype)
-            v_cache = torch.empty_like(k_cache)
-            k_cache[order] = k_seq.reshape(b * per_seq, pg, hkv, d)
-            v_cache[order] = v_seq.reshape(b * per_seq, pg, hkv, d)
-            tables = torch.zeros(b, wide // pg, device=device, dtype=torch.int32)
-            tables[:, :per_seq] = order.view(b, per_seq).int()
-            args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
-                        seq_lens=torch.full((b,), ctx, device=device, dtype=torch.int32),
-                        query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=scale)  # fmt: skip
-            out = _paged_attention_triton(**args)
-            first = out if first is None else first
-            same = torch.equal(out, first)
-            if not same:
-                FAILURES.append(f"decode at page {pg}, batch {b}, context {ctx} changed bits")
-            t = us(lambda a=args: _paged_attention_triton(**a))
-            cells.append(f"{t:7.1f}{' ' if same else '!'}({gbytes / t * 1e3:4.2f})")
-            del k_cache, v_cache, args
-        print(f"  {b:3d} {ctx:6d} | " + " ".join(f"{c:>14}" for c in cells))
-        del k_seq, v_seq
-
+    bench_wide(cfg, device)
+    bench_pages(cfg, device)
     print("\ncausal prefill, S sequences of n tokens: us (TFLOP/s)")
     for seqs, n in cfg["speed_prefill"]:
         k_cache = torch.randn(seqs * n // page, page, hkv, d, device=device, dtype=dtype)
@@ -349,11 +274,108 @@ def bench_speed(cfg, device):
         print(f"  {seqs} x {n:6d}  lockstep " + "  ".join(row) + f"  | SDPA {t:9.1f} ({flops / t / 1e6:5.1f})")
 
 
+def bench_wide(cfg, device):
+    hq, hkv, d, dtype, page, scale = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"], cfg["scale"]
+    # What a CUDA-graph decode step sees: a block table as wide as max_model_len (here 40,960 positions, Qwen3's),
+    # whatever the context. The default launch against split programs with S = 0 / 1 / 4 / all rows walked in
+    # registers by their first program (``inline_splits``), and the in-register path; uniform contexts, then one
+    # long row among short ones (where walking every row in registers leaves one program with all of its work).
+    # Every launch must give the default's bits ("!" marks one that does not, and fails the run).
+    wide = cfg["wide"]
+    launches = {"default": {}, "in-register": dict(split_programs=False)}
+    for label, inline in (("S1", 1), ("S4", 4)):
+        launches[label] = dict(split_programs=True, inline_splits=inline)
+    launches["1 col group"] = dict(col_groups=1)
+    launches["8 warps"] = dict(num_warps=8)
+    launches["2 stages"] = dict(num_stages=2)
+    launches["4 stages"] = dict(num_stages=4)
+    launches["168 regs"] = dict(maxnreg=168)  # 3 programs per SM (ptxas gives the default launch ~200 at 4 warps)
+    print(f"\ndecode over a {wide:,}-position block table: us per call (the default's TB/s reading K+V)")
+    print(f"  {'B':>3} {'contexts':>12} | " + " ".join(f"{n:>11}" for n in launches))
+    batches = [1, 2, 4] + cfg["speed_batches"][1:] + [128, 256]
+    cases = [(b, [ctx] * b) for b in batches for ctx in (128, 1024, 2048, 4096)]
+    cases += [(b, [long] + [short] * (b - 1)) for b in (8, 64, 256) for long, short in ((32768, 1024), (4096, 512))]
+    for b, lens in cases:
+        nblk = sum(-(-n // page) for n in lens)
+        k_cache = torch.randn(nblk, page, hkv, d, device=device, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        blocks = torch.randperm(nblk, device=device).int()
+        tables = torch.zeros(b, wide // page, device=device, dtype=torch.int32)
+        used = 0
+        for row, n in enumerate(lens):
+            tables[row, : -(-n // page)] = blocks[used : used + -(-n // page)]
+            used += -(-n // page)
+        args = dict(q=torch.randn(b, hq, d, device=device, dtype=dtype), k_cache=k_cache, v_cache=v_cache,
+                    block_tables=tables, seq_lens=torch.tensor(lens, device=device, dtype=torch.int32),
+                    query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=scale)  # fmt: skip
+        reference = _paged_attention_triton(**args)
+        cells = []
+        for launch in launches.values():
+            same = torch.equal(_paged_attention_triton(**args, **launch), reference)
+            if not same:
+                FAILURES.append(f"decode launch {launch} at batch {b} changed bits")
+            t = us(lambda a=args, la=launch: _paged_attention_triton(**a, **la))
+            cells.append((t, same))
+        gbytes = 2 * sum(lens) * hkv * d * k_cache.element_size() / 1e9
+        label = f"{lens[0]}" if len(set(lens)) == 1 else f"{lens[0]}+{lens[1]}s"
+        row = " ".join(f"{t:10.1f}{' ' if same else '!'}" for t, same in cells)
+        print(f"  {b:3d} {label:>12} | {row}  ({gbytes / cells[0][0] * 1e3:.2f} TB/s)")
+        del k_cache, v_cache, args
+
+
+def bench_pages(cfg, device):
+    hq, hkv, d, dtype, scale = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["scale"]
+    wide = cfg["wide"]
+    # The page size (the engine's block_size) only enters address arithmetic: the same K/V at pages of 16 to 128
+    # positions must give the same bits, and larger pages make a K/V tile fewer, longer runs of memory. So does the
+    # cache's layout: "heads outer" stores a block as [kv_heads, page, head_dim] (FlashInfer's HND; the kernel reads it
+    # through a permuted view's strides), so a KV head's page is one run of page * head_dim elements.
+    print(f"\ndecode by page size and layout over a {wide:,}-position table: us per call (TB/s)")
+    layouts = [(pg, outer) for pg in (16, 32, 64, 128) for outer in (False, True)]
+    print(f"  {'B':>3} {'ctx':>6} | " + " ".join(f"{f'page {p}' + (' HND' if o else ''):>14}" for p, o in layouts))
+    for b, ctx in ((1, 1024), (64, 1024), (64, 4096), (256, 1024), (256, 2048)):
+        k_seq = torch.randn(b, ctx, hkv, d, device=device, dtype=dtype)
+        v_seq = torch.randn_like(k_seq)
+        q = torch.randn(b, hq, d, device=device, dtype=dtype)
+        gbytes = 2 * k_seq.numel() * k_seq.element_size() / 1e9
+        cells, first = [], None
+        for pg, outer in layouts:
+            per_seq = ctx // pg
+            order = torch.randperm(b * per_seq, device=device)  # page j of sequence s sits in block order[s, j]
+            shape = (b * per_seq, hkv, pg, d) if outer else (b * per_seq, pg, hkv, d)
+            caches = []
+            for seq in (k_seq, v_seq):
+                cache = torch.empty(shape, device=device, dtype=dtype)
+                pages = seq.reshape(b * per_seq, pg, hkv, d)
+                cache[order] = pages.transpose(1, 2) if outer else pages
+                caches.append(cache.transpose(1, 2) if outer else cache)  # always viewed as [block, page, head, D]
+            tables = torch.zeros(b, wide // pg, device=device, dtype=torch.int32)
+            tables[:, :per_seq] = order.view(b, per_seq).int()
+            args = dict(q=q, k_cache=caches[0], v_cache=caches[1], block_tables=tables,
+                        seq_lens=torch.full((b,), ctx, device=device, dtype=torch.int32),
+                        query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=scale)  # fmt: skip
+            out = _paged_attention_triton(**args)
+            first = out if first is None else first
+            same = torch.equal(out, first)
+            if not same:
+                FAILURES.append(f"decode at page {pg}{' HND' if outer else ''}, batch {b}, context {ctx} changed bits")
+            t = us(lambda a=args: _paged_attention_triton(**a))
+            cells.append(f"{t:7.1f}{' ' if same else '!'}({gbytes / t * 1e3:4.2f})")
+            del caches, args
+        print(f"  {b:3d} {ctx:6d} | " + " ".join(f"{c:>14}" for c in cells))
+        del k_seq, v_seq
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU via the interpreter)")
     parser.add_argument("--no-speed", action="store_true")
     parser.add_argument("--speed-only", action="store_true", help="skip the value and invariance checks")
+    parser.add_argument(
+        "--only",
+        choices=["wide", "pages"],
+        help="only this decode speed table (wide: a max_model_len-wide block table; pages: by page size and layout)",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     launches = [dict(split_programs=sp, block_m=bm, num_warps=nw)
@@ -375,16 +397,18 @@ def main():
                    decode_launches=[dict(split_programs=False), dict(split_programs=True, block_m=64),
                                     dict(split_programs=True, num_stages=2), dict(split_programs=True, num_stages=4),
                                     dict(split_programs=False, num_stages=2)],
-                   decode_samples=40, speed_ctx=[4096, 32768], speed_batches=[1, 8, 64],
+                   decode_samples=40, wide=40960, speed_ctx=[4096, 32768], speed_batches=[1, 8, 64],
                    speed_prefill=[(1, 4096), (1, 16384), (8, 1024)])  # fmt: skip
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)'}, "
           f"torch {torch.__version__}, heads {cfg['hq']}/{cfg['hkv']}, head_dim {cfg['d']}, {cfg['dtype']}, "
           f"TILE {TILE}, split {cfg['split']}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    if not args.speed_only:
+    if args.only:
+        {"wide": bench_wide, "pages": bench_pages}[args.only](cfg, device)
+    elif not args.speed_only:
         check_values(cfg, device, gen)
         check_invariance(cfg, device, gen)
-    if device == "cuda" and not args.smoke and not args.no_speed:
+    if device == "cuda" and not args.smoke and not args.no_speed and not args.only:
         bench_speed(cfg, device)
     print(f"\n{'ALL CHECKS PASSED' if not FAILURES else f'{len(FAILURES)} FAILED: ' + '; '.join(FAILURES)}")
     sys.exit(1 if FAILURES else 0)

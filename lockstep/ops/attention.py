@@ -442,6 +442,7 @@ def _paged_attention_triton(
     col_groups: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     # The keyword arguments pick launch shapes, never the math: every choice gives the same bits (tests and
     # bench/attention_check.py compare them). Everything is decided from shapes, with no host sync.
@@ -515,6 +516,7 @@ def _paged_attention_triton(
         HEADS_INNER=heads_inner, NUM_KV_HEADS=num_kv_heads, COL_GROUPS=col_groups,
         COLS=d_pad // col_groups,
         num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages, **pdl,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     if split_programs:
         _merge_splits_kernel[(num_tokens,)](
