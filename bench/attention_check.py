@@ -286,6 +286,7 @@ def bench_wide(cfg, device):
     for label, inline in (("S1", 1), ("S4", 4)):
         launches[label] = dict(split_programs=True, inline_splits=inline)
     launches["1 col group"] = dict(col_groups=1)
+    launches["2 col groups"] = dict(col_groups=2)  # 128 registers and 54 KB: 4 programs per SM, each reading all of K
     launches["8 warps"] = dict(num_warps=8)
     launches["2 stages"] = dict(num_stages=2)
     launches["4 stages"] = dict(num_stages=4)
@@ -328,21 +329,33 @@ def bench_pages(cfg, device):
     wide = cfg["wide"]
     # The page size (the engine's block_size) only enters address arithmetic: the same K/V at pages of 16 to 128
     # positions must give the same bits, and larger pages make a K/V tile fewer, longer runs of memory. So does the
-    # cache's layout: "heads outer" stores a block as [kv_heads, page, head_dim] (FlashInfer's HND; the kernel reads it
-    # through a permuted view's strides), so a KV head's page is one run of page * head_dim elements.
-    print(f"\ndecode by page size and layout over a {wide:,}-position table: us per call (TB/s)")
-    layouts = [(pg, outer) for pg in (16, 32, 64, 128) for outer in (False, True)]
-    print(f"  {'B':>3} {'ctx':>6} | " + " ".join(f"{f'page {p}' + (' HND' if o else ''):>14}" for p, o in layouts))
+    # cache's layout: "HND" stores a block as [kv_heads, page, head_dim] (FlashInfer's; the kernel reads it through a
+    # permuted view's strides), so a KV head's page is one run of page * head_dim elements. And where the blocks sit:
+    # shuffled over the cache, or "in order" as the engine's allocator hands them to prefills (sequence s in blocks
+    # s * n .. s * n + n - 1, so at 1k context every sequence starts a multiple of 2 MB into a layer's cache), or in
+    # order with one spare block between sequences ("gap"), which breaks that alignment.
+    print(f"\ndecode by page size, layout and block placement over a {wide:,}-position table: us per call (TB/s)")
+    layouts = [(pg, outer, "shuffled") for pg in (16, 32, 64, 128) for outer in (False, True)]
+    layouts += [(16, False, "in order"), (16, False, "gap")]
+    labels = [f"page {p}" + (" HND" if o else "") + ("" if at == "shuffled" else f" {at}") for p, o, at in layouts]
+    print(f"  {'B':>3} {'ctx':>6} | " + " ".join(f"{label:>16}" for label in labels))
     for b, ctx in ((1, 1024), (64, 1024), (64, 4096), (256, 1024), (256, 2048)):
         k_seq = torch.randn(b, ctx, hkv, d, device=device, dtype=dtype)
         v_seq = torch.randn_like(k_seq)
         q = torch.randn(b, hq, d, device=device, dtype=dtype)
         gbytes = 2 * k_seq.numel() * k_seq.element_size() / 1e9
         cells, first = [], None
-        for pg, outer in layouts:
+        for pg, outer, at in layouts:
             per_seq = ctx // pg
-            order = torch.randperm(b * per_seq, device=device)  # page j of sequence s sits in block order[s, j]
-            shape = (b * per_seq, hkv, pg, d) if outer else (b * per_seq, pg, hkv, d)
+            step = per_seq + (at == "gap")  # blocks from one sequence's first to the next's
+            if at == "shuffled":
+                order = torch.randperm(b * per_seq, device=device)  # page j of sequence s sits in block order[s, j]
+            else:
+                order = (
+                    torch.arange(b, device=device)[:, None] * step + torch.arange(per_seq, device=device)
+                ).flatten()
+            nblk = b * step
+            shape = (nblk, hkv, pg, d) if outer else (nblk, pg, hkv, d)
             caches = []
             for seq in (k_seq, v_seq):
                 cache = torch.empty(shape, device=device, dtype=dtype)
@@ -358,11 +371,13 @@ def bench_pages(cfg, device):
             first = out if first is None else first
             same = torch.equal(out, first)
             if not same:
-                FAILURES.append(f"decode at page {pg}{' HND' if outer else ''}, batch {b}, context {ctx} changed bits")
+                FAILURES.append(
+                    f"decode at page {pg} ({'HND, ' if outer else ''}{at}), batch {b}, ctx {ctx} changed bits"
+                )
             t = us(lambda a=args: _paged_attention_triton(**a))
             cells.append(f"{t:7.1f}{' ' if same else '!'}({gbytes / t * 1e3:4.2f})")
             del caches, args
-        print(f"  {b:3d} {ctx:6d} | " + " ".join(f"{c:>14}" for c in cells))
+        print(f"  {b:3d} {ctx:6d} | " + " ".join(f"{c:>16}" for c in cells))
         del k_seq, v_seq
 
 
