@@ -15,9 +15,10 @@ prefill, timed in CUDA graphs.
 Launch options timed side by side (every one must give the default's bits): split programs with 1 or 4 splits of a
 row walked in registers (``inline_splits``), the in-register path, stages 2-4, 8 warps, a tile's KV heads apart
 instead of side by side (``heads_inner``) and 1, 2 or 4 column groups per KV head (``col_groups``; the defaults
-were picked here), and a register cap of 168 (``maxnreg``: three programs per SM instead of two). Decode is also
-timed by page size, 16 to 128 positions (the engine's ``block_size``; a K/V tile gathers 4 pages at 16), and with
-the cache stored heads-outer (HND), with the same bits required everywhere. ``--only wide|pages`` runs one table.
+were picked here), a register cap of 168 (``maxnreg``: three programs per SM instead of two) and block ids loaded a
+tile ahead (``ids_ahead``). Decode is also timed by page size, 16 to 128 positions (the engine's ``block_size``; a
+K/V tile gathers 4 pages at 16), with the cache stored heads-outer (HND), and with blocks placed as the engine's
+allocator places them, with the same bits required everywhere. ``--only wide|pages`` runs one table.
 """
 
 import argparse
@@ -291,6 +292,7 @@ def bench_wide(cfg, device):
     launches["2 stages"] = dict(num_stages=2)
     launches["4 stages"] = dict(num_stages=4)
     launches["168 regs"] = dict(maxnreg=168)  # 3 programs per SM (ptxas gives the default launch ~200 at 4 warps)
+    launches["ids ahead"] = dict(ids_ahead=True)  # no layout conversions in the tile loop, ~15 more registers
     print(f"\ndecode over a {wide:,}-position block table: us per call (the default's TB/s reading K+V)")
     print(f"  {'B':>3} {'contexts':>12} | " + " ".join(f"{n:>11}" for n in launches))
     batches = [1, 2, 4] + cfg["speed_batches"][1:] + [128, 256]
@@ -399,6 +401,7 @@ def main():
                  ((True, 16, 2), (True, 16, 4), (False, 16, 3), (False, 64, 3), (False, 128, 3))]  # fmt: skip
     launches += [dict(split_programs=sp, heads_inner=False) for sp in (False, True)]
     launches += [dict(split_programs=sp, col_groups=g) for sp in (False, True) for g in (2, 8)]
+    launches += [dict(split_programs=sp, ids_ahead=True) for sp in (False, True)]
     if args.smoke:
         cfg = dict(hq=4, hkv=2, d=32, dtype=torch.bfloat16, page=16, scale=32**-0.5, split=128,
                    value_lengths=[1, 17, 150], value_qlens=[1, 5, 150], atol=3e-2,

@@ -152,7 +152,7 @@ def _attend_split(
     q, pos, split, last_tile, qk_scale, col0,
     k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, COLS: tl.constexpr, TILE: tl.constexpr,
-    TILES_PER_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    TILES_PER_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, IDS_AHEAD: tl.constexpr,
 ):  # fmt: skip
     # One split's online softmax for BLOCK_M query rows: q [BLOCK_M, D_PAD], pos [BLOCK_M] (-1: padding), over
     # V's columns col0 .. col0 + COLS (all of them when COLS = D_PAD: the scores always use all of K).
@@ -165,19 +165,29 @@ def _attend_split(
     den = tl.zeros([BLOCK_M, 16], tl.float32)  # 16 equal columns: the denominator accumulates via tl.dot
     acc = tl.zeros([BLOCK_M, COLS], tl.float32)
     first = split * TILES_PER_SPLIT
-    # The split's block ids, loaded once: [TILES_PER_SPLIT, TILE], row i = tile first + i. With the K/V
-    # addresses depending on a block-table load inside the tile loop, Triton's pipeliner kept one K/V buffer
-    # whatever num_stages said, and each tile waited for its table load and then its K/V load, nothing
-    # overlapping. Taken from registers (an exact integer select-sum), K/V get num_stages - 1 buffers.
-    # Addresses only: the float arithmetic, and so the bits, are the same.
-    rel = tl.arange(0, TILES_PER_SPLIT)[:, None]
-    split_offs = (first + rel) * TILE + tl.arange(0, TILE)[None, :]
-    blocks = tl.load(block_table + split_offs // page_size, mask=split_offs < seq_len, other=0)
+    # Where tile t's block ids come from. With the K/V addresses depending on a block-table load of the same
+    # iteration, Triton's pipeliner kept one K/V buffer whatever num_stages said, and each tile waited for its table
+    # load and then its K/V load, nothing overlapping. So either the split's ids are loaded once, [TILES_PER_SPLIT,
+    # TILE] (row i = tile first + i), and each tile takes its row by an exact integer select-sum (two layout
+    # conversions through shared memory a tile in the compiled loop), or (IDS_AHEAD) each iteration loads the next
+    # tile's ids for the next iteration (no conversion, ~15 more registers). Addresses only: the bits are the same.
+    if IDS_AHEAD:
+        ahead = first * TILE + tl.arange(0, TILE)
+        ids_next = tl.load(block_table + ahead // page_size, mask=ahead < seq_len, other=0)
+    else:
+        rel = tl.arange(0, TILES_PER_SPLIT)[:, None]
+        split_offs = (first + rel) * TILE + tl.arange(0, TILE)[None, :]
+        blocks = tl.load(block_table + split_offs // page_size, mask=split_offs < seq_len, other=0)
     for t in range(first, tl.minimum(first + TILES_PER_SPLIT, last_tile + 1)):
         offs = t * TILE + tl.arange(0, TILE)
         kv_ok = offs < seq_len  # never read past the sequence: unused cache slots may hold NaN
         # int64 before any product: block * stride_kb passes 2^31 once a cache holds more than 2^31 elements
-        block = tl.sum(tl.where(rel == t - first, blocks, 0), axis=0).to(tl.int64)
+        if IDS_AHEAD:
+            block = ids_next.to(tl.int64)
+            ahead = offs + TILE
+            ids_next = tl.load(block_table + ahead // page_size, mask=ahead < seq_len, other=0)
+        else:
+            block = tl.sum(tl.where(rel == t - first, blocks, 0), axis=0).to(tl.int64)
         slot = (offs % page_size).to(tl.int64)
         k_t = tl.load(
             k_base + (block * stride_kb + slot * stride_ks)[None, :] + dims[:, None],
@@ -240,7 +250,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ONE_PER_SEQ: tl.constexpr,
     HEADS_INNER: tl.constexpr, NUM_KV_HEADS: tl.constexpr, COL_GROUPS: tl.constexpr, COLS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    IDS_AHEAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
     # Program (query tile, kv head[, split]). Rows are (token, head of the group) pairs, token-major:
@@ -295,7 +305,7 @@ def _paged_attention_kernel(
             m, den, acc = _attend_split(
                 q, pos, split, last_tile, qk_scale, col0,
                 k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_M, HEAD_DIM, D_PAD, COLS, TILE, TILES_PER_SPLIT, UPCAST, PRECISION,
+                BLOCK_M, HEAD_DIM, D_PAD, COLS, TILE, TILES_PER_SPLIT, UPCAST, PRECISION, IDS_AHEAD,
             )  # fmt: skip
             ml = tok.to(tl.int64) * stride_mt + split * stride_ms + head * stride_mh
             # Every column group has the same (m, den); the first stores them (a full block: the interpreter takes
@@ -315,7 +325,7 @@ def _paged_attention_kernel(
             m, den, acc = _attend_split(
                 q, pos, split, last_tile, qk_scale, col0,
                 k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_M, HEAD_DIM, D_PAD, COLS, TILE, TILES_PER_SPLIT, UPCAST, PRECISION,
+                BLOCK_M, HEAD_DIM, D_PAD, COLS, TILE, TILES_PER_SPLIT, UPCAST, PRECISION, IDS_AHEAD,
             )  # fmt: skip
             m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m, den, acc)
         out = _finalize(den_run, acc_run)
@@ -443,6 +453,7 @@ def _paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     maxnreg: int | None = None,
+    ids_ahead: bool = False,
 ) -> torch.Tensor:
     # The keyword arguments pick launch shapes, never the math: every choice gives the same bits (tests and
     # bench/attention_check.py compare them). Everything is decided from shapes, with no host sync.
@@ -514,7 +525,7 @@ def _paged_attention_triton(
         UPCAST=interpreting() and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_PER_SEQ=one_per_seq,
         HEADS_INNER=heads_inner, NUM_KV_HEADS=num_kv_heads, COL_GROUPS=col_groups,
-        COLS=d_pad // col_groups,
+        COLS=d_pad // col_groups, IDS_AHEAD=ids_ahead,
         num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages, **pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

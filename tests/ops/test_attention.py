@@ -237,6 +237,7 @@ def test_triton_invariance():
     target.write("t", seq, 0, 150)
     launches = [dict(split_programs=True, block_m=16, num_stages=4), dict(split_programs=False, block_m=32)]
     launches += [dict(split_programs=sp, heads_inner=False) for sp in (False, True)]
+    launches += [dict(split_programs=sp, ids_ahead=True) for sp in (False, True)]  # block ids loaded a tile ahead
     for launch in launches:
         results[str(launch)] = target.attend(triton_(split=128, **launch), [("t", seq, 0, 150)])[0]
     _assert_all_equal(results)
@@ -281,9 +282,11 @@ def test_split_programs_per_row_do_not_change_bits():
         out = _paged_attention_triton(*args, split=split, split_programs=True, split_grid=2, inline_splits=inline)
         assert_bitwise(out, reference)
     # The grid numbered with a tile's KV heads side by side (the default) or apart: launch order only. Output
-    # columns cut into groups of 16 (2 here) across programs: a column's sum is the same whoever computes it.
+    # columns cut into groups of 16 (2 here) across programs: a column's sum is the same whoever computes it. Block
+    # ids loaded a tile ahead: addresses only.
     for split_programs in (False, True):
-        for launch in (dict(heads_inner=False), dict(col_groups=2), dict(col_groups=2, heads_inner=False)):
+        for launch in (dict(heads_inner=False), dict(col_groups=2), dict(col_groups=2, heads_inner=False),
+                       dict(ids_ahead=True)):  # fmt: skip
             out = _paged_attention_triton(*args, split=split, split_programs=split_programs, **launch)
             assert_bitwise(out, reference)
     with pytest.raises(ValueError, match="col_groups"):
