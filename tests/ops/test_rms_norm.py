@@ -196,17 +196,19 @@ def test_triton_q_and_k_heads_in_one_launch(dtype, config):
     assert not same_bits(out[:, q_heads:], _rms_norm_triton(k, wq, EPS, config=cfg)[0])  # the weight does matter
 
 
-def test_rms_norm_qk_takes_one_launch_for_adjacent_heads(monkeypatch):
+@pytest.mark.parametrize("tokens", [3, 1])
+def test_rms_norm_qk_takes_one_launch_for_adjacent_heads(monkeypatch, tokens):
     # The public op with CUDA faked (the kernel runs in the interpreter): adjacent q and k views take one launch
-    # (the outputs are views of one tensor), with the bits of two rms_norm calls; other layouts take two.
+    # (the outputs are views of one tensor), with the bits of two rms_norm calls; other layouts take two. One token
+    # (a batch-1 decode step) too, where torch gives the q and k views different strides for their size-1 dim.
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    qkv = randn(3, 8 * 16, dtype=torch.bfloat16, seed=8)
-    q, k = qkv[:, : 4 * 16].view(3, 4, 16), qkv[:, 4 * 16 : 6 * 16].view(3, 2, 16)
+    qkv = randn(tokens, 8 * 16, dtype=torch.bfloat16, seed=8)
+    q, k = qkv[:, : 4 * 16].view(tokens, 4, 16), qkv[:, 4 * 16 : 6 * 16].view(tokens, 2, 16)
     wq, wk = randn(16, dtype=torch.bfloat16, seed=3), randn(16, dtype=torch.bfloat16, seed=4)
     got_q, got_k = ops.rms_norm_qk(q, k, wq, wk, EPS)
     assert got_k.data_ptr() == got_q.data_ptr() + 4 * 16 * got_q.element_size()
     assert same_bits(got_q, ops.rms_norm(q, wq, EPS)) and same_bits(got_k, ops.rms_norm(k, wk, EPS))
-    apart_k = qkv[:, 5 * 16 : 7 * 16].view(3, 2, 16)  # not right after q
+    apart_k = qkv[:, 5 * 16 : 7 * 16].view(tokens, 2, 16)  # not right after q
     got_q, got_k = ops.rms_norm_qk(q, apart_k, wq, wk, EPS)
     assert got_k.data_ptr() != got_q.data_ptr() + 4 * 16 * got_q.element_size()
     assert same_bits(got_k, ops.rms_norm(apart_k, wk, EPS))
