@@ -6,7 +6,6 @@ log_softmax gathered; and the whole ``Sampler`` under greedy, plain temperature 
     python bench/sampler.py --smoke         # CPU, tiny (the interpreter)
     python bench/sampler.py --profile       # also each setting's GPU kernels at the largest row count
 
-
 Prints a table; JSON goes to ``--out``.
 """
 

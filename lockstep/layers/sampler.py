@@ -532,12 +532,12 @@ def launch_gather_logprobs(
     """``gather_logprobs`` without waiting for the device: ``result()`` on the answer waits and returns it.
     ``chosen: [rows]``, the tokens' logprobs already picked out, stands in for ``logprobs`` when no row wants
     ranks or top tokens."""
+    ranked = any(n is not None for n in num_top)
     if chosen is None:
         chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
-    elif any(n is not None for n in num_top):
+    elif ranked:
         raise ValueError("ranks and top logprobs need the whole logprobs")
     columns = [token_ids.double(), chosen.double(), *(x.double() for x in extra)]  # fp64 holds them exactly
-    ranked = any(n is not None for n in num_top)
     if ranked:
         # The place in a stable descending sort: the tokens above it, and the lower ids level with it.
         ids = torch.arange(logprobs.shape[-1], device=logprobs.device)

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from lockstep.layers.attention import AttentionMetadata
 from lockstep.ops import gated, moe
-from lockstep.ops.attention import TILE, _num_sms, _paged_attention_triton
+from lockstep.ops._common import num_sms
+from lockstep.ops.attention import TILE, _paged_attention_triton
 
 
 def torch_rms_norm(
@@ -225,7 +226,7 @@ def fast_paged_attention(
     on the CPU ``torch_paged_attention``."""
     if not q.is_cuda:
         return torch_paged_attention(q, k_cache, v_cache, attn, scale)
-    return batch_split_attention(q, k_cache, v_cache, attn, scale, _num_sms(q.device))
+    return batch_split_attention(q, k_cache, v_cache, attn, scale, num_sms(q.device))
 
 
 def batch_split_attention(

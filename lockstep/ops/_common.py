@@ -5,6 +5,7 @@ bits change with the number of rows. Calling them only on fixed-shape tiles of `
 the last tile, removes the shape from the decision: every row sees the same call whatever its batch.
 """
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,17 +42,27 @@ def interpreting() -> bool:
 # launch, so at a CUDA graph's capture). Measured on the H200 (bench/decode_step.py, Qwen3-8B shape, async): batch-1
 # decode step 5.05 -> 4.77 ms, batch 128 8.07 -> 7.83, batch 256 12.20 -> 12.01, the same tokens and logprob bits.
 PDL_ENV = "LOCKSTEP_PDL"
-_SM_MAJOR: dict[int, int] = {}
+
+
+@functools.cache
+def _cuda_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _properties(device: torch.device):
+    return _cuda_properties(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def num_sms(device: torch.device) -> int:
+    """The multiprocessors of a CUDA device, the width of a grid that fills it (4 elsewhere: the interpreter's)."""
+    return _properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels working on ``t`` launch as programmatic dependents (see ``PDL_ENV``)."""
     if not t.is_cuda or interpreting() or os.environ.get(PDL_ENV, "1") == "0":
         return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index not in _SM_MAJOR:
-        _SM_MAJOR[index] = torch.cuda.get_device_capability(index)[0]
-    return _SM_MAJOR[index] >= 9
+    return _properties(t.device).major >= 9
 
 
 def pdl_launch(t: torch.Tensor) -> dict:

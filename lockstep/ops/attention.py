@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops._common import FLOATS, interpreting, intra_op_threads, pdl_launch, pdl_wait
+from lockstep.ops._common import FLOATS, interpreting, intra_op_threads, num_sms, pdl_launch, pdl_wait
 
 # KV positions per reduction tile. 64 is FlashAttention's usual BLOCK_N for head_dim 64-128 on Hopper, and
 # on the CPU it keeps the per-step matmuls big enough to amortise the Python loop.
@@ -375,16 +375,6 @@ def _merge_splits_kernel(
 # in-register path runs (a long prefill's partials would take gigabytes). A decode graph at batch 256 under
 # Qwen3's 40,960-token max_model_len needs 340 MB.
 _PART_CAP_BYTES = 1 << 29
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
 
 
 def _use_split_programs(decode: bool, max_splits: int, programs: int, part_bytes: int, num_sms: int) -> bool:
@@ -481,11 +471,11 @@ def _paged_attention_triton(
     part_bytes = num_tokens * max_splits * num_q_heads * (head_dim + 2) * 4
     if split_programs is None:
         split_programs = _use_split_programs(
-            decode, max_splits, num_tiles * num_kv_heads, part_bytes, _num_sms(q.device)
+            decode, max_splits, num_tiles * num_kv_heads, part_bytes, num_sms(q.device)
         )
     if num_stages is None:
-        # Decode streams K/V: 3 stages = 2 K/V buffers in flight (72 KB of shared memory at head_dim 128),
-        # and still 3 programs per SM, the cap that registers (~150 a thread, ptxas sm_90) set at 2 stages.
+        # Decode streams K/V: 3 stages = 2 K/V buffers in flight (72 KB of shared memory at head_dim 128). Registers
+        # cap it at 2 programs per SM (201 a thread, ptxas sm_90 and ncu on the H200); 4 stages were no faster.
         # Prefill: BLOCK_M 128 with 3 stages beat 64 with 2 by 8-14% on the H200 (bench/attention_check.py, causal,
         # 1 x 4096: 539 vs 592 us, 1 x 16384: 7622 vs 8891, 8 x 1024: 324 vs 351); 64 with 3 stages took 867 us.
         num_stages = 3 if decode or block_m >= 128 else 2
@@ -497,15 +487,15 @@ def _paged_attention_triton(
     search_steps = max(1, num_seqs.bit_length())
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if split_programs and split_grid is None:
-        split_grid = _split_grid(max_splits, num_tiles * num_kv_heads, _num_sms(q.device))
+        split_grid = _split_grid(max_splits, num_tiles * num_kv_heads, num_sms(q.device))
     if not (split_programs and one_per_seq):
         inline_splits = 0  # the merge kernel can only skip a row whose tile is that one row
     elif inline_splits is None:
-        inline_splits = _inline_splits(num_tiles * num_kv_heads, _num_sms(q.device))
+        inline_splits = _inline_splits(num_tiles * num_kv_heads, num_sms(q.device))
     # heads_inner (the kernel says what it does) was up to 4% faster on the H200 in decode, a few per cent either
     # way in causal prefill (bench/attention_check.py: 1 x 4096 592 vs 620 us, 1 x 16384 8891 vs 8586 at BLOCK_M 64).
     if col_groups is None:
-        col_groups = _col_groups(decode, num_tiles * num_kv_heads, _num_sms(q.device))
+        col_groups = _col_groups(decode, num_tiles * num_kv_heads, num_sms(q.device))
     if d_pad % col_groups or d_pad // col_groups < 16:
         raise ValueError(f"col_groups must cut {d_pad} columns into groups of at least 16, got {col_groups}")
     units = num_kv_heads * col_groups

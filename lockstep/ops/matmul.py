@@ -18,7 +18,16 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lockstep.ops._common import FLOATS, ROW_TILE, interpreting, intra_op_threads, map_row_tiles, pdl_launch, pdl_wait
+from lockstep.ops._common import (
+    FLOATS,
+    ROW_TILE,
+    interpreting,
+    intra_op_threads,
+    map_row_tiles,
+    num_sms,
+    pdl_launch,
+    pdl_wait,
+)
 
 
 @triton.jit
@@ -219,18 +228,6 @@ def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     return large
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_programs(device: torch.device, tiles: int) -> int:
-    if device.type != "cuda":
-        return max(1, min(tiles, 4))
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(tiles, _NUM_SMS[index]))
-
-
 def _tma_descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: MatmulConfig):
     """Tensor descriptors for a 1-batch problem, or None when the layout does not allow them.
 
@@ -272,7 +269,7 @@ def _bmm_triton(
     if m == 0 or n == 0 or batch == 0:
         return c
     cfg = config or matmul_config(m, n, k, a.dtype)
-    programs = _num_programs(a.device, triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn))
+    programs = max(1, min(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), num_sms(a.device)))  # persistent
     common = dict(
         HAS_BIAS=bias is not None, SCALED=alpha != 1.0,
         UPCAST=interpreting() and a.dtype != torch.float32,
