@@ -292,6 +292,7 @@ def bench_wide(cfg, device):
     launches["2 stages"] = dict(num_stages=2)
     launches["4 stages"] = dict(num_stages=4)
     launches["168 regs"] = dict(maxnreg=168)  # 3 programs per SM (ptxas gives the default launch ~200 at 4 warps)
+    launches["ids in split"] = dict(ids_ahead=False)  # the default below ~1.5 programs per SM
     launches["ids ahead"] = dict(ids_ahead=True)  # no layout conversions in the tile loop, ~15 more registers
     print(f"\ndecode over a {wide:,}-position block table: us per call (the default's TB/s reading K+V)")
     print(f"  {'B':>3} {'contexts':>12} | " + " ".join(f"{n:>11}" for n in launches))

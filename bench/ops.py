@@ -90,8 +90,12 @@ def sweep_candidates(m: int, n: int) -> list[MatmulConfig]:
     big = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
     small = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
     if m <= 256:
-        big = small + big[:2]
-    elif n <= 2048:  # a narrow product (a router, a TP shard): the large tiles leave most SMs idle
+        # Decode at batch 128-256 (compute-bound, too few 128 x 128 tiles to fill the SMs): also two warpgroups
+        # sharing a 64- or 128-row tile, and K steps of 128. TMA only: it won every M >= 128 so far.
+        eight = [(64, 128, 64, 8, 4), (128, 64, 64, 8, 4), (64, 256, 64, 8, 3), (64, 128, 128, 8, 3),
+                 (128, 64, 128, 8, 3), (128, 128, 128, 8, 3)]  # fmt: skip
+        return [C(bm, bn, bk, 8, w, s, True) for bm, bn, bk, w, s in small + big[:2] + eight]
+    if n <= 2048:  # a narrow product (a router, a TP shard): the large tiles leave most SMs idle
         big = small + [(32, 64, 128, 4, 4)] + big[:1]
     return [C(bm, bn, bk, 8, w, s, tma) for bm, bn, bk, w, s in big for tma in (False, True)]
 

@@ -424,6 +424,17 @@ def _col_groups(decode: bool, programs: int, num_sms: int) -> int:
     return 2 if decode and 4 * programs <= num_sms else 1
 
 
+def _ids_ahead(decode: bool, programs: int, num_sms: int) -> bool:
+    """Whether each tile loop iteration loads the next tile's block ids (``_attend_split``; the same bits either way).
+
+    Measured on the H200 (bench/attention_check.py, 32/8 heads, a 40,960-position block table, session 10): with at
+    least ~1.5 decode programs per SM (batch >= 25 at 8 KV heads) it was never slower and 0.5-4% faster (batch 256:
+    289.0 vs 290.9 us at 1k context, 548.6 vs 555.4 at 2k, 1112 vs 1134 at 4k; batch 128 at 4k 569 vs 591). With
+    fewer programs nothing hides the wait for the ids before the next K/V loads: batch 1 took 20.6 us at 1k against
+    13.0."""
+    return decode and 2 * programs >= 3 * num_sms
+
+
 def _paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -443,7 +454,7 @@ def _paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     maxnreg: int | None = None,
-    ids_ahead: bool = False,
+    ids_ahead: bool | None = None,
 ) -> torch.Tensor:
     # The keyword arguments pick launch shapes, never the math: every choice gives the same bits (tests and
     # bench/attention_check.py compare them). Everything is decided from shapes, with no host sync.
@@ -496,6 +507,8 @@ def _paged_attention_triton(
     # way in causal prefill (bench/attention_check.py: 1 x 4096 592 vs 620 us, 1 x 16384 8891 vs 8586 at BLOCK_M 64).
     if col_groups is None:
         col_groups = _col_groups(decode, num_tiles * num_kv_heads, num_sms(q.device))
+    if ids_ahead is None:
+        ids_ahead = _ids_ahead(decode, num_tiles * num_kv_heads, num_sms(q.device))
     if d_pad % col_groups or d_pad // col_groups < 16:
         raise ValueError(f"col_groups must cut {d_pad} columns into groups of at least 16, got {col_groups}")
     units = num_kv_heads * col_groups

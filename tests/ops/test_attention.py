@@ -13,6 +13,7 @@ from lockstep.ops.attention import (
     _PART_CAP_BYTES,
     TILE,
     _bmm,
+    _ids_ahead,
     _inline_splits,
     _paged_attention_cpu,
     _paged_attention_triton,
@@ -440,6 +441,9 @@ def test_default_launch_path():
     assert choose(100, 4096, False, programs=8 * 8)  # a short chunk after a long context does not
     # Decode rows of up to 4 splits walk in registers once the grid has ~1.5 programs per SM; below, only rows of 1.
     assert [_inline_splits(batch * 8, num_sms=132) for batch in (1, 8, 16, 32, 256)] == [1, 1, 1, 4, 4]
+    # Block ids a tile ahead from the same grid size, in decode only.
+    assert [_ids_ahead(True, batch * 8, num_sms=132) for batch in (1, 8, 16, 32, 256)] == [False] * 3 + [True] * 2
+    assert not _ids_ahead(False, 256 * 8, num_sms=132)
 
 
 def test_split_must_be_tile_times_a_power_of_two():
