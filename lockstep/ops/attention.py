@@ -242,7 +242,7 @@ def _finalize(den, acc):
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, part_ml_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, search_steps, page_size, qk_scale, inline_splits,
+    num_seqs, search_steps, page_size, qk_scale, inline_splits, split_grid,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_mh,
@@ -259,13 +259,24 @@ def _paged_attention_kernel(
     # dimension numbers (tile, kv head) with the head fastest, so a tile's KV heads run side by side and read the
     # cache's [page, kv_heads, head_dim] rows together; else it numbers tiles and the second one heads.
     # COL_GROUPS > 1: each KV head's output columns are cut into that many groups, a program each (all of them
-    # compute the same scores; a column's sum over positions is the same whoever computes it).
+    # compute the same scores; a column's sum over positions is the same whoever computes it). The split programs'
+    # index z (0 .. split_grid - 1) varies fastest in the grid's first dimension, so the programs that find nothing to
+    # do (z > 0 on a short row) are scattered among those that work and leave as soon as they see it, instead of
+    # queueing after all of them (a ~10 us tail per call at batch 64-256 when z was the grid's last dimension).
+    z = tl.program_id(0) % split_grid
     if HEADS_INNER:
-        tile = tl.program_id(0) // (NUM_KV_HEADS * COL_GROUPS)
-        unit = tl.program_id(0) % (NUM_KV_HEADS * COL_GROUPS)
+        tile = tl.program_id(0) // split_grid // (NUM_KV_HEADS * COL_GROUPS)
+        unit = tl.program_id(0) // split_grid % (NUM_KV_HEADS * COL_GROUPS)
     else:
-        tile = tl.program_id(0)
+        tile = tl.program_id(0) // split_grid
         unit = tl.program_id(1)
+    if ONE_PER_SEQ and SPLIT_PROGRAMS:
+        if z > 0:
+            # A decode row has 1 + (seq_len - 1) // split size splits; none is this program's if they are walked
+            # inline or there are at most z.
+            splits = (tl.load(seq_lens_ptr + tile) - 1) // (TILE * TILES_PER_SPLIT) + 1
+            if (splits <= inline_splits) | (splits <= z):
+                return
     kv_head = unit // COL_GROUPS
     col0 = (unit % COL_GROUPS) * COLS  # COLS = D_PAD // COL_GROUPS
     if ONE_PER_SEQ:
@@ -299,9 +310,9 @@ def _paged_attention_kernel(
     v_base = v_ptr + kv_head * stride_vh
     num_splits = last_tile // TILES_PER_SPLIT + 1
     if SPLIT_PROGRAMS and num_splits > inline_splits:
-        # Splits p, p + P, p + 2P, ... of these rows, P the grid's third dimension: each split's partial is
+        # Splits z, z + P, z + 2P, ... of these rows, P = split_grid: each split's partial is
         # computed from scratch, so which program computes it cannot change it.
-        for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
+        for split in range(z, num_splits, split_grid):
             m, den, acc = _attend_split(
                 q, pos, split, last_tile, qk_scale, col0,
                 k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
@@ -315,7 +326,7 @@ def _paged_attention_kernel(
             tl.store(part_ml_ptr + ml + 1, den, mask=ml_ok)
             part = tok.to(tl.int64)[:, None] * stride_pt + split * stride_ps + head[:, None] * stride_ph
             tl.store(part_ptr + part + cols[None, :], acc, mask=io_mask)
-    elif tl.program_id(2) == 0:
+    elif z == 0:
         # The in-register walk: every split in order, merged as it comes, the output stored here. Split programs
         # take it too for rows with at most ``inline_splits`` splits (the merge kernel then skips them).
         m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -497,7 +508,9 @@ def _paged_attention_triton(
         part = part_ml = torch.empty((1, 1, 1, 2), device=q.device, dtype=torch.float32)
     search_steps = max(1, num_seqs.bit_length())
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    if split_programs and split_grid is None:
+    if not split_programs:
+        split_grid = 1
+    elif split_grid is None:
         split_grid = _split_grid(max_splits, num_tiles * num_kv_heads, num_sms(q.device))
     if not (split_programs and one_per_seq):
         inline_splits = 0  # the merge kernel can only skip a row whose tile is that one row
@@ -513,11 +526,11 @@ def _paged_attention_triton(
         raise ValueError(f"col_groups must cut {d_pad} columns into groups of at least 16, got {col_groups}")
     units = num_kv_heads * col_groups
     pdl = pdl_launch(q)  # both kernels' launch
-    grid = (num_tiles * units, 1) if heads_inner else (num_tiles, units)
-    _paged_attention_kernel[(*grid, split_grid if split_programs else 1)](
+    grid = (num_tiles * units * split_grid, 1) if heads_inner else (num_tiles * split_grid, units)
+    _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part, part_ml,
         block_tables, seq_lens, query_start_loc,
-        num_seqs, search_steps, page_size, scale * math.log2(math.e), inline_splits,
+        num_seqs, search_steps, page_size, scale * math.log2(math.e), inline_splits, split_grid,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
