@@ -59,7 +59,8 @@ SCRIPT = textwrap.dedent(
     strides = ("qt", "qh", "ot", "oh", "kb", "ks", "kh", "vb", "vs", "vh", "bt", "pt", "ps", "ph", "mt", "ms", "mh")
     sig = {**{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}, "part_ptr": "*fp32", "part_ml_ptr": "*fp32",
            **{p: "*i32" for p in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")},
-           **{p: "i32" for p in ("num_seqs", "search_steps", "page_size")}, "qk_scale": "fp32", "inline_splits": "i32", "split_grid": "i32",
+           **{p: "i32" for p in ("num_seqs", "search_steps", "page_size", "inline_splits", "split_grid")},
+           "qk_scale": "fp32",
            **{"stride_" + p: "i32" for p in strides}}
     for split_programs, one_per_seq in ((True, True), (False, True), (True, False), (False, False)):
         flags = {"GROUP": 4, "BLOCK_M": 16, "BLOCK_Q": 4, "HEAD_DIM": 128, "D_PAD": 128, "TILE": 64,
