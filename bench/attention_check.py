@@ -13,12 +13,13 @@ Speed: decode (one query per sequence) against F.scaled_dot_product_attention on
 prefill, timed in CUDA graphs.
 
 Launch options timed side by side (every one must give the default's bits): split programs with 1 or 4 splits of a
-row walked in registers (``inline_splits``), the in-register path, stages 2-4, 8 warps, a tile's KV heads apart
-instead of side by side (``heads_inner``) and 1, 2 or 4 column groups per KV head (``col_groups``; the defaults
-were picked here), a register cap of 168 (``maxnreg``: three programs per SM instead of two) and block ids loaded a
-tile ahead (``ids_ahead``). Decode is also timed by page size, 16 to 128 positions (the engine's ``block_size``; a
-K/V tile gathers 4 pages at 16), with the cache stored heads-outer (HND), and with blocks placed as the engine's
-allocator places them, with the same bits required everywhere. ``--only wide|pages`` runs one table.
+row walked in registers (``inline_splits``), the in-register path, stages 2-4, a tile's KV heads apart instead of
+side by side (``heads_inner``) and 1, 2 or 4 column groups per KV head (``col_groups``; the defaults were picked
+here), a register cap of 168 (``maxnreg``: three programs per SM instead of two), block ids loaded a tile ahead
+(``ids_ahead``) and the split programs' index last or fastest in the grid (``splits_inner``). Decode is also timed
+by page size, 16 to 128 positions (the engine's ``block_size``; a K/V tile gathers 4 pages at 16), with the cache
+stored heads-outer (HND), and with blocks placed as the engine's allocator places them, with the same bits required
+everywhere. ``--only wide|pages`` runs one table.
 """
 
 import argparse
@@ -288,9 +289,8 @@ def bench_wide(cfg, device):
         launches[label] = dict(split_programs=True, inline_splits=inline)
     launches["1 col group"] = dict(col_groups=1)
     launches["2 col groups"] = dict(col_groups=2)  # 128 registers and 54 KB: 4 programs per SM, each reading all of K
-    launches["8 warps"] = dict(num_warps=8)
-    launches["2 stages"] = dict(num_stages=2)
-    launches["4 stages"] = dict(num_stages=4)
+    launches["splits outer"] = dict(splits_inner=False)  # the split index the grid's last dimension
+    launches["splits inner"] = dict(splits_inner=True)  # ... or fastest in its first (the default from ~1.5 per SM)
     launches["168 regs"] = dict(maxnreg=168)  # 3 programs per SM (ptxas gives the default launch ~200 at 4 warps)
     launches["ids in split"] = dict(ids_ahead=False)  # the default below ~1.5 programs per SM
     launches["ids ahead"] = dict(ids_ahead=True)  # no layout conversions in the tile loop, ~15 more registers

@@ -250,7 +250,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ONE_PER_SEQ: tl.constexpr,
     HEADS_INNER: tl.constexpr, NUM_KV_HEADS: tl.constexpr, COL_GROUPS: tl.constexpr, COLS: tl.constexpr,
-    IDS_AHEAD: tl.constexpr, USE_PDL: tl.constexpr,
+    IDS_AHEAD: tl.constexpr, SPLITS_INNER: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
     # Program (query tile, kv head[, split]). Rows are (token, head of the group) pairs, token-major:
@@ -260,15 +260,19 @@ def _paged_attention_kernel(
     # cache's [page, kv_heads, head_dim] rows together; else it numbers tiles and the second one heads.
     # COL_GROUPS > 1: each KV head's output columns are cut into that many groups, a program each (all of them
     # compute the same scores; a column's sum over positions is the same whoever computes it). The split programs'
-    # index z (0 .. split_grid - 1) varies fastest in the grid's first dimension, so the programs that find nothing to
-    # do (z > 0 on a short row) are scattered among those that work and leave as soon as they see it, instead of
-    # queueing after all of them (a ~10 us tail per call at batch 64-256 when z was the grid's last dimension).
-    z = tl.program_id(0) % split_grid
-    if HEADS_INNER:
-        tile = tl.program_id(0) // split_grid // (NUM_KV_HEADS * COL_GROUPS)
-        unit = tl.program_id(0) // split_grid % (NUM_KV_HEADS * COL_GROUPS)
+    # index z (0 .. split_grid - 1) is the grid's third dimension, or (SPLITS_INNER) varies fastest in its first, so
+    # that a long row's later splits start with the rest of the grid instead of after it.
+    first = tl.program_id(0)
+    if SPLITS_INNER:
+        z = first % split_grid
+        first = first // split_grid
     else:
-        tile = tl.program_id(0) // split_grid
+        z = tl.program_id(2)
+    if HEADS_INNER:
+        tile = first // (NUM_KV_HEADS * COL_GROUPS)
+        unit = first % (NUM_KV_HEADS * COL_GROUPS)
+    else:
+        tile = first
         unit = tl.program_id(1)
     if ONE_PER_SEQ and SPLIT_PROGRAMS:
         if z > 0:
@@ -435,14 +439,17 @@ def _col_groups(decode: bool, programs: int, num_sms: int) -> int:
     return 2 if decode and 4 * programs <= num_sms else 1
 
 
-def _ids_ahead(decode: bool, programs: int, num_sms: int) -> bool:
-    """Whether each tile loop iteration loads the next tile's block ids (``_attend_split``; the same bits either way).
+def _wide_decode_grid(decode: bool, programs: int, num_sms: int) -> bool:
+    """A decode grid of at least ~1.5 programs per SM (batch >= 25 at 8 KV heads) takes two launch choices (the same
+    bits either way), measured on the H200 (bench/attention_check.py, 32/8 heads, a 40,960-position block table):
 
-    Measured on the H200 (bench/attention_check.py, 32/8 heads, a 40,960-position block table, session 10): with at
-    least ~1.5 decode programs per SM (batch >= 25 at 8 KV heads) it was never slower and 0.5-4% faster (batch 256:
-    289.0 vs 290.9 us at 1k context, 548.6 vs 555.4 at 2k, 1112 vs 1134 at 4k; batch 128 at 4k 569 vs 591). With
-    fewer programs nothing hides the wait for the ids before the next K/V loads: batch 1 took 20.6 us at 1k against
-    13.0."""
+    - ``ids_ahead``: each tile loop iteration loads the next tile's block ids. Never slower there and 0.5-4% faster
+      (batch 256: 289.0 vs 290.9 us at 1k context, 548.6 vs 555.4 at 2k, 1112 vs 1134 at 4k); with fewer programs
+      nothing hides the wait for the ids before the next K/V loads (batch 1 at 1k: 20.6 us against 13.0).
+    - ``splits_inner``: the split programs' index varies fastest in the grid, so a long row's later splits start with
+      everything else: batch 256 of 1k contexts with one of 32k took 434 us against 620, 4k contexts with one of 512
+      174 against 194, uniform contexts within 1-3% either way. On small grids it puts the few programs that work
+      behind the many that find nothing (batch 1 at 1k: 17.5 us against 12.9)."""
     return decode and 2 * programs >= 3 * num_sms
 
 
@@ -466,6 +473,7 @@ def _paged_attention_triton(
     num_stages: int | None = None,
     maxnreg: int | None = None,
     ids_ahead: bool | None = None,
+    splits_inner: bool | None = None,
 ) -> torch.Tensor:
     # The keyword arguments pick launch shapes, never the math: every choice gives the same bits (tests and
     # bench/attention_check.py compare them). Everything is decided from shapes, with no host sync.
@@ -520,14 +528,19 @@ def _paged_attention_triton(
     # way in causal prefill (bench/attention_check.py: 1 x 4096 592 vs 620 us, 1 x 16384 8891 vs 8586 at BLOCK_M 64).
     if col_groups is None:
         col_groups = _col_groups(decode, num_tiles * num_kv_heads, num_sms(q.device))
+    wide_grid = _wide_decode_grid(decode, num_tiles * num_kv_heads, num_sms(q.device))
     if ids_ahead is None:
-        ids_ahead = _ids_ahead(decode, num_tiles * num_kv_heads, num_sms(q.device))
+        ids_ahead = wide_grid
+    if splits_inner is None:
+        splits_inner = wide_grid
+    splits_inner = splits_inner and split_programs
     if d_pad % col_groups or d_pad // col_groups < 16:
         raise ValueError(f"col_groups must cut {d_pad} columns into groups of at least 16, got {col_groups}")
     units = num_kv_heads * col_groups
     pdl = pdl_launch(q)  # both kernels' launch
-    grid = (num_tiles * units * split_grid, 1) if heads_inner else (num_tiles * split_grid, units)
-    _paged_attention_kernel[grid](
+    inner = split_grid if splits_inner else 1
+    grid = (num_tiles * units * inner, 1) if heads_inner else (num_tiles * inner, units)
+    _paged_attention_kernel[(*grid, split_grid // inner)](
         q, k_cache, v_cache, out, part, part_ml,
         block_tables, seq_lens, query_start_loc,
         num_seqs, search_steps, page_size, scale * math.log2(math.e), inline_splits, split_grid,
@@ -541,7 +554,7 @@ def _paged_attention_triton(
         UPCAST=interpreting() and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_PER_SEQ=one_per_seq,
         HEADS_INNER=heads_inner, NUM_KV_HEADS=num_kv_heads, COL_GROUPS=col_groups,
-        COLS=d_pad // col_groups, IDS_AHEAD=ids_ahead,
+        COLS=d_pad // col_groups, IDS_AHEAD=ids_ahead, SPLITS_INNER=splits_inner,
         num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages, **pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
