@@ -16,7 +16,7 @@ Launch options timed side by side (every one must give the default's bits): spli
 row walked in registers (``inline_splits``), the in-register path, stages 2-4, a tile's KV heads apart instead of
 side by side (``heads_inner``) and 1, 2 or 4 column groups per KV head (``col_groups``; the defaults were picked
 here), a register cap of 168 (``maxnreg``: three programs per SM instead of two), block ids loaded a tile ahead
-(``ids_ahead``) and the split programs' index last or fastest in the grid (``splits_inner``). Decode is also timed
+(``ids_ahead``) and split programs with nothing to do leaving early or not (``skip_empty``). Decode is also timed
 by page size, 16 to 128 positions (the engine's ``block_size``; a K/V tile gathers 4 pages at 16), with the cache
 stored heads-outer (HND), and with blocks placed as the engine's allocator places them, with the same bits required
 everywhere. ``--only wide|pages`` runs one table.
@@ -289,8 +289,8 @@ def bench_wide(cfg, device):
         launches[label] = dict(split_programs=True, inline_splits=inline)
     launches["1 col group"] = dict(col_groups=1)
     launches["2 col groups"] = dict(col_groups=2)  # 128 registers and 54 KB: 4 programs per SM, each reading all of K
-    launches["splits outer"] = dict(splits_inner=False)  # the split index the grid's last dimension
-    launches["splits inner"] = dict(splits_inner=True)  # ... or fastest in its first (the default from ~1.5 per SM)
+    launches["empties stay"] = dict(skip_empty=False)  # split programs with nothing to do load the query first
+    launches["empties leave"] = dict(skip_empty=True)  # ... or leave after the row's length (the default from batch 8)
     launches["168 regs"] = dict(maxnreg=168)  # 3 programs per SM (ptxas gives the default launch ~200 at 4 warps)
     launches["ids in split"] = dict(ids_ahead=False)  # the default below ~1.5 programs per SM
     launches["ids ahead"] = dict(ids_ahead=True)  # no layout conversions in the tile loop, ~15 more registers

@@ -242,7 +242,7 @@ def _finalize(den, acc):
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, part_ml_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, search_steps, page_size, qk_scale, inline_splits, split_grid,
+    num_seqs, search_steps, page_size, qk_scale, inline_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_mh,
@@ -250,7 +250,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ONE_PER_SEQ: tl.constexpr,
     HEADS_INNER: tl.constexpr, NUM_KV_HEADS: tl.constexpr, COL_GROUPS: tl.constexpr, COLS: tl.constexpr,
-    IDS_AHEAD: tl.constexpr, SPLITS_INNER: tl.constexpr, USE_PDL: tl.constexpr,
+    IDS_AHEAD: tl.constexpr, SKIP_EMPTY: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
     # Program (query tile, kv head[, split]). Rows are (token, head of the group) pairs, token-major:
@@ -259,27 +259,17 @@ def _paged_attention_kernel(
     # dimension numbers (tile, kv head) with the head fastest, so a tile's KV heads run side by side and read the
     # cache's [page, kv_heads, head_dim] rows together; else it numbers tiles and the second one heads.
     # COL_GROUPS > 1: each KV head's output columns are cut into that many groups, a program each (all of them
-    # compute the same scores; a column's sum over positions is the same whoever computes it). The split programs'
-    # index z (0 .. split_grid - 1) is the grid's third dimension, or (SPLITS_INNER) varies fastest in its first, so
-    # that a long row's later splits start with the rest of the grid instead of after it.
-    first = tl.program_id(0)
-    if SPLITS_INNER:
-        z = first % split_grid
-        first = first // split_grid
-    else:
-        z = tl.program_id(2)
+    # compute the same scores; a column's sum over positions is the same whoever computes it).
     if HEADS_INNER:
-        tile = first // (NUM_KV_HEADS * COL_GROUPS)
-        unit = first % (NUM_KV_HEADS * COL_GROUPS)
+        tile = tl.program_id(0) // (NUM_KV_HEADS * COL_GROUPS)
+        unit = tl.program_id(0) % (NUM_KV_HEADS * COL_GROUPS)
     else:
-        tile = first
+        tile = tl.program_id(0)
         unit = tl.program_id(1)
-    if ONE_PER_SEQ and SPLIT_PROGRAMS:
-        if z > 0:
-            # A decode row has 1 + (seq_len - 1) // split size splits; none is this program's if they are walked
-            # inline or there are at most z.
-            splits = (tl.load(seq_lens_ptr + tile) - 1) // (TILE * TILES_PER_SPLIT) + 1
-            if (splits <= inline_splits) | (splits <= z):
+    if SKIP_EMPTY:  # (decode, split programs) a program with no split of its row leaves after one load
+        if tl.program_id(2) > 0:
+            splits = (tl.load(seq_lens_ptr + tile) - 1) // (TILE * TILES_PER_SPLIT) + 1  # a decode row's
+            if (splits <= inline_splits) | (splits <= tl.program_id(2)):
                 return
     kv_head = unit // COL_GROUPS
     col0 = (unit % COL_GROUPS) * COLS  # COLS = D_PAD // COL_GROUPS
@@ -314,9 +304,9 @@ def _paged_attention_kernel(
     v_base = v_ptr + kv_head * stride_vh
     num_splits = last_tile // TILES_PER_SPLIT + 1
     if SPLIT_PROGRAMS and num_splits > inline_splits:
-        # Splits z, z + P, z + 2P, ... of these rows, P = split_grid: each split's partial is
+        # Splits p, p + P, p + 2P, ... of these rows, P the grid's third dimension: each split's partial is
         # computed from scratch, so which program computes it cannot change it.
-        for split in range(z, num_splits, split_grid):
+        for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
             m, den, acc = _attend_split(
                 q, pos, split, last_tile, qk_scale, col0,
                 k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
@@ -330,7 +320,7 @@ def _paged_attention_kernel(
             tl.store(part_ml_ptr + ml + 1, den, mask=ml_ok)
             part = tok.to(tl.int64)[:, None] * stride_pt + split * stride_ps + head[:, None] * stride_ph
             tl.store(part_ptr + part + cols[None, :], acc, mask=io_mask)
-    elif z == 0:
+    elif tl.program_id(2) == 0:
         # The in-register walk: every split in order, merged as it comes, the output stored here. Split programs
         # take it too for rows with at most ``inline_splits`` splits (the merge kernel then skips them).
         m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -439,18 +429,26 @@ def _col_groups(decode: bool, programs: int, num_sms: int) -> int:
     return 2 if decode and 4 * programs <= num_sms else 1
 
 
-def _wide_decode_grid(decode: bool, programs: int, num_sms: int) -> bool:
-    """A decode grid of at least ~1.5 programs per SM (batch >= 25 at 8 KV heads) takes two launch choices (the same
-    bits either way), measured on the H200 (bench/attention_check.py, 32/8 heads, a 40,960-position block table):
+def _ids_ahead(decode: bool, programs: int, num_sms: int) -> bool:
+    """Whether each tile loop iteration loads the next tile's block ids (``_attend_split``; the same bits either way).
 
-    - ``ids_ahead``: each tile loop iteration loads the next tile's block ids. Never slower there and 0.5-4% faster
-      (batch 256: 289.0 vs 290.9 us at 1k context, 548.6 vs 555.4 at 2k, 1112 vs 1134 at 4k); with fewer programs
-      nothing hides the wait for the ids before the next K/V loads (batch 1 at 1k: 20.6 us against 13.0).
-    - ``splits_inner``: the split programs' index varies fastest in the grid, so a long row's later splits start with
-      everything else: batch 256 of 1k contexts with one of 32k took 434 us against 620, 4k contexts with one of 512
-      174 against 194, uniform contexts within 1-3% either way. On small grids it puts the few programs that work
-      behind the many that find nothing (batch 1 at 1k: 17.5 us against 12.9)."""
+    Measured on the H200 (bench/attention_check.py, 32/8 heads, a 40,960-position block table, session 10): with at
+    least ~1.5 decode programs per SM (batch >= 25 at 8 KV heads) never slower and 0.5-4% faster (batch 256: 289.0 vs
+    290.9 us at 1k context, 548.6 vs 555.4 at 2k, 1112 vs 1134 at 4k); with fewer programs nothing hides the wait for
+    the ids before the next K/V loads (batch 1 at 1k: 20.6 us against 13.0)."""
     return decode and 2 * programs >= 3 * num_sms
+
+
+def _skip_empty(decode: bool, programs: int, num_sms: int) -> bool:
+    """Whether a decode split program with no split of its row leaves after loading the row's length, before the query
+    loads (most of them have none: a CUDA graph's grid is sized for max_model_len, and they run after the programs
+    that work). The same bits either way.
+
+    Measured on the H200 (bench/attention_check.py as above, session 10, two runs): from batch 8 (64 programs) up it
+    was faster, batch 8 at 128 context 6.9 us against 10.1, batch 64 at 1k 80.2 against 87.6, batch 128 147.9 against
+    155.7, batch 256 284.7 against 288.2; at batch 1-4 (the grids that take two column groups) slower, batch 1 at 1k
+    14.5 against 12.9, batch 4 at 4k 40.1 against 33.4."""
+    return decode and 4 * programs > num_sms
 
 
 def _paged_attention_triton(
@@ -473,7 +471,7 @@ def _paged_attention_triton(
     num_stages: int | None = None,
     maxnreg: int | None = None,
     ids_ahead: bool | None = None,
-    splits_inner: bool | None = None,
+    skip_empty: bool | None = None,
 ) -> torch.Tensor:
     # The keyword arguments pick launch shapes, never the math: every choice gives the same bits (tests and
     # bench/attention_check.py compare them). Everything is decided from shapes, with no host sync.
@@ -516,9 +514,7 @@ def _paged_attention_triton(
         part = part_ml = torch.empty((1, 1, 1, 2), device=q.device, dtype=torch.float32)
     search_steps = max(1, num_seqs.bit_length())
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    if not split_programs:
-        split_grid = 1
-    elif split_grid is None:
+    if split_programs and split_grid is None:
         split_grid = _split_grid(max_splits, num_tiles * num_kv_heads, num_sms(q.device))
     if not (split_programs and one_per_seq):
         inline_splits = 0  # the merge kernel can only skip a row whose tile is that one row
@@ -528,22 +524,20 @@ def _paged_attention_triton(
     # way in causal prefill (bench/attention_check.py: 1 x 4096 592 vs 620 us, 1 x 16384 8891 vs 8586 at BLOCK_M 64).
     if col_groups is None:
         col_groups = _col_groups(decode, num_tiles * num_kv_heads, num_sms(q.device))
-    wide_grid = _wide_decode_grid(decode, num_tiles * num_kv_heads, num_sms(q.device))
     if ids_ahead is None:
-        ids_ahead = wide_grid
-    if splits_inner is None:
-        splits_inner = wide_grid
-    splits_inner = splits_inner and split_programs
+        ids_ahead = _ids_ahead(decode, num_tiles * num_kv_heads, num_sms(q.device))
+    if skip_empty is None:
+        skip_empty = _skip_empty(decode, num_tiles * num_kv_heads, num_sms(q.device))
+    skip_empty = skip_empty and split_programs and one_per_seq
     if d_pad % col_groups or d_pad // col_groups < 16:
         raise ValueError(f"col_groups must cut {d_pad} columns into groups of at least 16, got {col_groups}")
     units = num_kv_heads * col_groups
     pdl = pdl_launch(q)  # both kernels' launch
-    inner = split_grid if splits_inner else 1
-    grid = (num_tiles * units * inner, 1) if heads_inner else (num_tiles * inner, units)
-    _paged_attention_kernel[(*grid, split_grid // inner)](
+    grid = (num_tiles * units, 1) if heads_inner else (num_tiles, units)
+    _paged_attention_kernel[(*grid, split_grid if split_programs else 1)](
         q, k_cache, v_cache, out, part, part_ml,
         block_tables, seq_lens, query_start_loc,
-        num_seqs, search_steps, page_size, scale * math.log2(math.e), inline_splits, split_grid,
+        num_seqs, search_steps, page_size, scale * math.log2(math.e), inline_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -554,7 +548,7 @@ def _paged_attention_triton(
         UPCAST=interpreting() and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_PER_SEQ=one_per_seq,
         HEADS_INNER=heads_inner, NUM_KV_HEADS=num_kv_heads, COL_GROUPS=col_groups,
-        COLS=d_pad // col_groups, IDS_AHEAD=ids_ahead, SPLITS_INNER=splits_inner,
+        COLS=d_pad // col_groups, IDS_AHEAD=ids_ahead, SKIP_EMPTY=skip_empty,
         num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages, **pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

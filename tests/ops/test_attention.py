@@ -13,12 +13,13 @@ from lockstep.ops.attention import (
     _PART_CAP_BYTES,
     TILE,
     _bmm,
+    _ids_ahead,
     _inline_splits,
     _paged_attention_cpu,
     _paged_attention_triton,
+    _skip_empty,
     _split_grid,
     _use_split_programs,
-    _wide_decode_grid,
     _write_kv_triton,
     cpu_attention_plan,
 )
@@ -287,8 +288,7 @@ def test_split_programs_per_row_do_not_change_bits():
     # ids loaded a tile ahead: addresses only.
     for split_programs in (False, True):
         for launch in (dict(heads_inner=False), dict(col_groups=2), dict(col_groups=2, heads_inner=False),
-                       dict(ids_ahead=True), dict(splits_inner=True),
-                       dict(splits_inner=True, heads_inner=False)):  # fmt: skip
+                       dict(ids_ahead=True), dict(skip_empty=True), dict(skip_empty=False)):  # fmt: skip
             out = _paged_attention_triton(*args, split=split, split_programs=split_programs, **launch)
             assert_bitwise(out, reference)
     with pytest.raises(ValueError, match="col_groups"):
@@ -442,9 +442,10 @@ def test_default_launch_path():
     assert choose(100, 4096, False, programs=8 * 8)  # a short chunk after a long context does not
     # Decode rows of up to 4 splits walk in registers once the grid has ~1.5 programs per SM; below, only rows of 1.
     assert [_inline_splits(batch * 8, num_sms=132) for batch in (1, 8, 16, 32, 256)] == [1, 1, 1, 4, 4]
-    # Block ids a tile ahead and the split index fastest in the grid: from the same grid size, in decode only.
-    assert [_wide_decode_grid(True, b * 8, num_sms=132) for b in (1, 8, 16, 32, 256)] == [False] * 3 + [True] * 2
-    assert not _wide_decode_grid(False, 256 * 8, num_sms=132)
+    # Block ids a tile ahead from ~1.5 programs per SM, empty split programs leaving early from batch 8: decode only.
+    assert [_ids_ahead(True, b * 8, num_sms=132) for b in (1, 8, 16, 32, 256)] == [False] * 3 + [True] * 2
+    assert [_skip_empty(True, b * 8, num_sms=132) for b in (1, 4, 8, 256)] == [False] * 2 + [True] * 2
+    assert not _ids_ahead(False, 256 * 8, num_sms=132) and not _skip_empty(False, 256 * 8, num_sms=132)
 
 
 def test_split_must_be_tile_times_a_power_of_two():

@@ -59,15 +59,14 @@ SCRIPT = textwrap.dedent(
     strides = ("qt", "qh", "ot", "oh", "kb", "ks", "kh", "vb", "vs", "vh", "bt", "pt", "ps", "ph", "mt", "ms", "mh")
     sig = {**{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}, "part_ptr": "*fp32", "part_ml_ptr": "*fp32",
            **{p: "*i32" for p in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")},
-           **{p: "i32" for p in ("num_seqs", "search_steps", "page_size", "inline_splits", "split_grid")},
-           "qk_scale": "fp32",
+           **{p: "i32" for p in ("num_seqs", "search_steps", "page_size", "inline_splits")}, "qk_scale": "fp32",
            **{"stride_" + p: "i32" for p in strides}}
     for split_programs, one_per_seq in ((True, True), (False, True), (True, False), (False, False)):
         flags = {"GROUP": 4, "BLOCK_M": 16, "BLOCK_Q": 4, "HEAD_DIM": 128, "D_PAD": 128, "TILE": 64,
                  "TILES_PER_SPLIT": 8, "SPLIT_PROGRAMS": split_programs, "UPCAST": False, "PRECISION": "tf32",
                  "ONE_PER_SEQ": one_per_seq, "HEADS_INNER": split_programs, "NUM_KV_HEADS": 8, "USE_PDL": one_per_seq,
                  "COL_GROUPS": 4 if one_per_seq else 1, "COLS": 32 if one_per_seq else 128, "IDS_AHEAD": one_per_seq,
-                 "SPLITS_INNER": split_programs and one_per_seq}
+                 "SKIP_EMPTY": split_programs and one_per_seq}
         compile_(attention._paged_attention_kernel, sig, flags)
     sig = {"part_ptr": "*fp32", "part_ml_ptr": "*fp32", "o_ptr": "*bf16", "seq_lens_ptr": "*i32",
            "query_start_loc_ptr": "*i32", **{p: "i32" for p in ("num_seqs", "search_steps", "inline_splits")},
