@@ -268,7 +268,7 @@ def _paged_attention_kernel(
         unit = tl.program_id(1)
     if SKIP_EMPTY:  # (decode, split programs) a program with no split of its row leaves after one load
         if tl.program_id(2) > 0:
-            splits = (tl.load(seq_lens_ptr + tile) - 1) // (TILE * TILES_PER_SPLIT) + 1  # a decode row's
+            splits = (tl.load(seq_lens_ptr + tile) - 1) // (TILE * TILES_PER_SPLIT) + 1  # the row's (tile = seq)
             if (splits <= inline_splits) | (splits <= tl.program_id(2)):
                 return
     kv_head = unit // COL_GROUPS

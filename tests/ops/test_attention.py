@@ -285,7 +285,8 @@ def test_split_programs_per_row_do_not_change_bits():
         assert_bitwise(out, reference)
     # The grid numbered with a tile's KV heads side by side (the default) or apart: launch order only. Output
     # columns cut into groups of 16 (2 here) across programs: a column's sum is the same whoever computes it. Block
-    # ids loaded a tile ahead: addresses only.
+    # ids loaded a tile ahead: addresses only. Split programs with no split of their row leaving early: which programs
+    # run, not what they compute.
     for split_programs in (False, True):
         for launch in (dict(heads_inner=False), dict(col_groups=2), dict(col_groups=2, heads_inner=False),
                        dict(ids_ahead=True), dict(skip_empty=True), dict(skip_empty=False)):  # fmt: skip
