@@ -497,10 +497,9 @@ def _paged_attention_triton(
     num_tiles = num_seqs if one_per_seq else num_tokens // block_q + num_seqs
     max_splits = triton.cdiv(block_tables.shape[1] * page_size, split)
     part_bytes = num_tokens * max_splits * num_q_heads * (head_dim + 2) * 4
+    programs, sms = num_tiles * num_kv_heads, num_sms(q.device)  # (query tile, KV head) pairs; what the choices use
     if split_programs is None:
-        split_programs = _use_split_programs(
-            decode, max_splits, num_tiles * num_kv_heads, part_bytes, num_sms(q.device)
-        )
+        split_programs = _use_split_programs(decode, max_splits, programs, part_bytes, sms)
     if num_stages is None:
         # Decode streams K/V: 3 stages = 2 K/V buffers in flight (72 KB of shared memory at head_dim 128). Registers
         # cap it at 2 programs per SM (201 a thread, ptxas sm_90 and ncu on the H200); 4 stages were no faster.
@@ -515,19 +514,19 @@ def _paged_attention_triton(
     search_steps = max(1, num_seqs.bit_length())
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if split_programs and split_grid is None:
-        split_grid = _split_grid(max_splits, num_tiles * num_kv_heads, num_sms(q.device))
+        split_grid = _split_grid(max_splits, programs, sms)
     if not (split_programs and one_per_seq):
         inline_splits = 0  # the merge kernel can only skip a row whose tile is that one row
     elif inline_splits is None:
-        inline_splits = _inline_splits(num_tiles * num_kv_heads, num_sms(q.device))
+        inline_splits = _inline_splits(programs, sms)
     # heads_inner (the kernel says what it does) was up to 4% faster on the H200 in decode, a few per cent either
     # way in causal prefill (bench/attention_check.py: 1 x 4096 592 vs 620 us, 1 x 16384 8891 vs 8586 at BLOCK_M 64).
     if col_groups is None:
-        col_groups = _col_groups(decode, num_tiles * num_kv_heads, num_sms(q.device))
+        col_groups = _col_groups(decode, programs, sms)
     if ids_ahead is None:
-        ids_ahead = _ids_ahead(decode, num_tiles * num_kv_heads, num_sms(q.device))
+        ids_ahead = _ids_ahead(decode, programs, sms)
     if skip_empty is None:
-        skip_empty = _skip_empty(decode, num_tiles * num_kv_heads, num_sms(q.device))
+        skip_empty = _skip_empty(decode, programs, sms)
     skip_empty = skip_empty and split_programs and one_per_seq
     if d_pad % col_groups or d_pad // col_groups < 16:
         raise ValueError(f"col_groups must cut {d_pad} columns into groups of at least 16, got {col_groups}")
