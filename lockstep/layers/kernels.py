@@ -63,6 +63,13 @@ class Kernels:
     - ``moe_experts_tree(x, w13, w2, weights, ids)``: ``moe_experts`` with each down projection through the chunk
       tree (``ops.moe.experts_tree``), the TP-invariant numerics in one process; like ``tree_linear``, the same for
       every set but the RL trainer's.
+    - ``layer_norm(x, weight, bias, eps)``: LayerNorm of ``x: [n, D]`` by ``weight: [D]``, ``bias: [D] | None``,
+      in fp32 inside, -> ``[n, D]`` in ``x``'s dtype (the vision towers' norms).
+    - ``gelu(x, approximate)``: elementwise GELU, ``approximate`` ``"none"`` (erf) or ``"tanh"``.
+    - ``vision_attention(q, k, v, cu_seqlens, scale)``: bidirectional attention within each segment (an image,
+      or one of Qwen2.5-VL's windows), ``q, k, v: [total, heads, head_dim]``, ``cu_seqlens: int32
+      [num_segments + 1]`` (segment ``s`` is rows ``[cu[s], cu[s + 1])``) -> ``[total, heads, head_dim]``.
+      The three are None in a set built for text models only.
 
     ``batch_invariant`` says whether the set keeps the contract (a row's bits never depend on its batch);
     ``capturable`` whether a decode forward on it can be captured in a CUDA graph (no host syncs, a launch grid
@@ -86,6 +93,9 @@ class Kernels:
     moe_route: Callable[[Tensor, int, bool], tuple[Tensor, Tensor]] | None = None
     moe_experts: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     moe_experts_tree: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] = moe_ops.experts_tree
+    layer_norm: Callable[[Tensor, Tensor, Tensor | None, float], Tensor] | None = None
+    gelu: Callable[[Tensor, str], Tensor] | None = None
+    vision_attention: Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor] | None = None
 
     def rotary_and_write_kv(
         self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -158,6 +168,9 @@ INVARIANT = register_kernels(
         log_softmax_at=ops.log_softmax_at,
         moe_route=ops.moe_route,
         moe_experts=ops.moe_experts,
+        layer_norm=torch_kernels.torch_layer_norm,  # placeholders until the invariant ops land
+        gelu=torch_kernels.torch_gelu,
+        vision_attention=torch_kernels.torch_vision_attention,
     )
 )
 TORCH = register_kernels(
@@ -173,6 +186,9 @@ TORCH = register_kernels(
         log_softmax=torch_kernels.torch_log_softmax,
         moe_route=torch_kernels.torch_moe_route,
         moe_experts=torch_kernels.torch_moe_experts,
+        layer_norm=torch_kernels.torch_layer_norm,
+        gelu=torch_kernels.torch_gelu,
+        vision_attention=torch_kernels.torch_vision_attention,
     )
 )
 DEFAULT = register_kernels(
@@ -184,7 +200,12 @@ DEFAULT = register_kernels(
         rotary_write_kv=ops.rotary_write_kv,
         attention=torch_kernels.fast_paged_attention,
         moe_experts=torch_kernels.fast_moe_experts,  # no host sync on CUDA: capturable
+        vision_attention=torch_kernels.fast_vision_attention,
         capturable=True,
     )
 )
-TORCH_LINEAR = register_kernels(dataclasses.replace(DEFAULT, name="torch-linear", attention=INVARIANT.attention))
+TORCH_LINEAR = register_kernels(
+    dataclasses.replace(
+        DEFAULT, name="torch-linear", attention=INVARIANT.attention, vision_attention=INVARIANT.vision_attention
+    )
+)

@@ -290,3 +290,56 @@ def sorted_order_moe_experts(
     scaled = y.float() * weights.float().reshape(-1)[plan.order][:, None]
     out = torch.zeros((x.shape[0], hidden), device=x.device, dtype=torch.float32)
     return out.index_add_(0, plan.tokens, scaled).to(x.dtype)
+
+
+def torch_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``F.layer_norm`` over the last dim in ``x``'s dtype, as Hugging Face's ``nn.LayerNorm`` runs it (torch
+    accumulates in fp32 inside and rounds once)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def torch_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``F.gelu``: ``"none"`` the exact erf form, ``"tanh"`` the tanh approximation."""
+    return F.gelu(x, approximate=approximate)
+
+
+def _segment_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    cu = cu_seqlens.tolist()
+    return [(cu[s], cu[s + 1]) for s in range(len(cu) - 1)]
+
+
+def torch_vision_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Bidirectional attention within each segment, one ``F.scaled_dot_product_attention`` call per segment (what
+    Hugging Face's vision towers run with SDPA); differentiable. ``q, k, v: [total, heads, head_dim]``,
+    ``cu_seqlens: [num_segments + 1]``; returns ``[total, heads, head_dim]``."""
+    outs = []
+    for start, end in _segment_bounds(cu_seqlens):
+        if end > start:
+            # [heads, L, head_dim]
+            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1))
+    return torch.cat(outs) if outs else torch.empty_like(q)
+
+
+def fast_vision_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The ``default`` set's vision attention: segments of one length (images of one size) batched into one SDPA
+    call, so a batch of same-size images is one launch. Same arguments and result as ``torch_vision_attention``."""
+    bounds = _segment_bounds(cu_seqlens)
+    by_len: dict[int, list[int]] = {}
+    for start, end in bounds:
+        if end > start:
+            by_len.setdefault(end - start, []).append(start)
+    if len(by_len) == len([b for b in bounds if b[1] > b[0]]):
+        return torch_vision_attention(q, k, v, cu_seqlens, scale)  # every length once: nothing to batch
+    out = torch.empty_like(q)
+    for length, starts in by_len.items():
+        rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
+        # [B, heads, L, head_dim]
+        qs, ks, vs = (t[rows].view(len(starts), length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2)
+        out[rows] = o.reshape(-1, *q.shape[1:])
+    return out
