@@ -77,7 +77,7 @@ def test_cpu_matches_fp64(lens, head_dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("length", [1, 17, 64, 65, 200])
+@pytest.mark.parametrize("length", [1, 17, 64, 65, 129, 300])
 def test_cpu_segment_is_batch_invariant(length, dtype):
     check_segment_invariance(vision_attention, length, [5, 130, 64, 1], dtype=dtype)
     check_segment_invariance(vision_attention, length, [length], dtype=dtype)  # a twin of the same size
@@ -85,8 +85,8 @@ def test_cpu_segment_is_batch_invariant(length, dtype):
 
 def test_cpu_invariant_across_call_chunks(monkeypatch):
     # A batch bigger than one call's budget: entries split over several calls, the segment in any of them.
-    monkeypatch.setattr(va, "_CPU_CHUNK_BYTES", 2 * 2 * va._CPU_ROWS * TILE * 4)  # 2 entries a call at 2 heads
-    check_segment_invariance(vision_attention, 70, [40, 3, 100])
+    monkeypatch.setattr(va, "_CPU_CHUNK_BYTES", 2 * 2 * va._CPU_ROWS * va._CPU_TILE * 4)  # 2 entries a call, 2 heads
+    check_segment_invariance(vision_attention, 70, [40, 3, 100, 130])
 
 
 def test_empty_segments_and_checks():
