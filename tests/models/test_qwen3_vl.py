@@ -10,14 +10,14 @@ from paged_runner import PagedRunner
 from safetensors.torch import load_file, save_file
 from tiny_models import max_rel_err
 from tiny_vlm import IMAGE_PAD, hf_image_features, hf_vlm, hf_vlm_greedy, hf_vlm_logits, mm_batch, save_tiny_vlm
-from vlm_parity import CASES, greedy, grids, image_prompt, prefill
+from vlm_parity import CASES, greedy, grids, half_precision_errors, image_prompt, prefill
 
 from lockstep.layers.kernels import get_kernels
 from lockstep.layers.torch_kernels import torch_vision_attention
 from lockstep.models.loader import load_model, read_config
 from lockstep.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
-# Measured on the CPU (fp32, invariant kernels): features <= 1.1e-6, logits <= 2.8e-6 of the largest magnitude.
+# Measured on the CPU (fp32, invariant kernels): features <= 1.1e-6, logits <= 2.2e-6 of the largest magnitude.
 FEATURE_TOL = 1e-5
 LOGIT_TOL = 2e-5
 
@@ -172,14 +172,11 @@ def test_tensor_parallel_is_refused(folder):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_runs_close_to_fp32(folder, case, ours, dtype):
-    ids, pixel_values, grid_thw = case
-    ref, _ = prefill(ours, PagedRunner(ours), "a", ids, pixel_values, grid_thw)
-    model = load_model(folder, dtype=dtype)
-    feats = model.encode_images(pixel_values, grid_thw)
-    assert feats[0].embeds.dtype == feats[0].deepstack.dtype == dtype
-    logits, _ = prefill(model, PagedRunner(model), "a", ids, pixel_values, grid_thw)
-    assert max_rel_err(logits, ref) <= 0.05
+def test_half_precision_as_close_as_transformers(folder, case, hf, dtype):
+    # Measured: bf16 within 0.02-0.10 of the fp32 logits' largest magnitude, as transformers' own bf16 run
+    # (0.02-0.09); fp16 within 0.003-0.016, transformers 0.003-0.017.
+    ours, theirs = half_precision_errors(folder, hf, dtype, case)
+    assert ours <= 2 * theirs + 0.01
 
 
 @pytest.fixture(scope="module")
