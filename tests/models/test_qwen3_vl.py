@@ -272,3 +272,21 @@ def test_dummy_load(folder, case):
     model = load_model(folder, load_format="dummy")
     logits, _ = prefill(model, PagedRunner(model), "a", ids, pixel_values, grid_thw)
     assert torch.isfinite(logits).all() and 0.1 < logits.std() < 100
+
+
+def test_mrope_positions_refuse_mismatched_grids(ours):
+    ids = [1, 97] + [IMAGE_PAD] * 4 + [99, 2]
+    positions, delta = ours.mrope_positions(ids, [(1, 4, 4)])
+    # Text 0..1, the 2 x 2 image at 2 + (row, column), text again from 2 + 2.
+    assert positions.tolist() == [
+        [0, 1, 2, 2, 2, 2, 4, 5],
+        [0, 1, 2, 2, 3, 3, 4, 5],
+        [0, 1, 2, 3, 2, 3, 4, 5],
+    ]
+    assert delta == 6 - 8
+    with pytest.raises(ValueError, match="makes 1"):
+        ours.mrope_positions(ids, [(1, 2, 2)])
+    with pytest.raises(ValueError, match="more image-token runs"):
+        ours.mrope_positions(ids, [])
+    with pytest.raises(ValueError, match="2 image grid"):
+        ours.mrope_positions(ids, [(1, 4, 4), (1, 4, 4)])
