@@ -116,13 +116,38 @@ def timed(fn, device: str, reps: int) -> float:
     return statistics.median(runs)
 
 
+def profile(device: str, dtype: torch.dtype) -> None:
+    """Where one Qwen3-VL tower call's time goes: transformers' and lockstep's (both kernel sets), by op."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    hf, ours = build("qwen3_vl", device, dtype, device == "cpu")
+    pixel_values, grid_thw = images([448], hf.config.vision_config.patch_size, device)
+    calls = {"hf": lambda: hf.model.visual(pixel_values.to(dtype), grid_thw=grid_thw)}
+    calls |= {name: (lambda m=m: m.encode_images(pixel_values, grid_thw)) for name, m in ours.items()}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+    with torch.inference_mode():
+        for name, fn in calls.items():
+            fn(), fn()
+            with torch_profile(activities=activities) as prof:
+                fn()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            print(f"== {name}")
+            print(prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--out", default=".")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler tables of Qwen3-VL's 1 x 448^2 case")
     args = parser.parse_args()
+    if args.profile:
+        return profile(args.device, getattr(torch, args.dtype))
     device, dtype, tiny = args.device, getattr(torch, args.dtype), args.device == "cpu"
     cases = CPU_CASES if tiny else [*CASES, MIXED]
     rows = []
