@@ -317,9 +317,9 @@ def torch_vision_attention(
     outs = []
     for start, end in _segment_bounds(cu_seqlens):
         if end > start:
-            # [heads, L, head_dim]
-            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1))
+            # [1, heads, L, head_dim]: four dimensions with unit last stride, or CUDA's SDPA takes its math path
+            qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1))
     return torch.cat(outs) if outs else torch.empty_like(q)
 
 
