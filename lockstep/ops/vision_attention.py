@@ -30,9 +30,15 @@ import triton.language as tl
 
 from lockstep.ops._common import FLOATS, interpreting, pdl_launch, pdl_wait
 
-# Keys per reduction tile, and query rows per program on CUDA: FlashAttention's usual block for head_dim 64-128.
+# Keys per reduction tile (part of the numerics: a row's softmax sums run over tiles of this size).
 TILE = 64
+# Query rows per program on CUDA, and its warps: not part of the numerics (a row's reduction is the same in any
+# block; the H200 sweep, bench/vision_attention_sweep.py, gave the same bits for 64 and 128 rows, 4 and 8 warps).
+# Long segments (images) take 128 rows and 8 warps: 2.2-2.4x faster than 64/4 at Qwen3-VL-8B's shapes on the
+# H200 (784 patches: 58.8 vs 132.6 us; 4096: 969 vs 2344); Qwen2.5-VL's 64-patch windows keep 64/4 (106.5 vs
+# 186.9 us), where a 128-row block would be half empty. Chosen from the shapes alone (no host sync).
 BLOCK_M = 64
+_LONG_BLOCK_M, _LONG_WARPS = 128, 8
 # The CPU's tiles: a bmm entry is [_CPU_ROWS, D] x [D, _CPU_TILE] (query rows of one segment x keys of it). Of six
 # pairs from 32 x 64 to 128 x 256 tried on a 784-patch image (16 heads x 72, the shared 2-core machine, noisy),
 # 64 x 128 was among the fastest, still ~3x torch's fused SDPA there: the elementwise softmax passes dominate.
@@ -122,14 +128,16 @@ def _vision_attention_triton(
     num_segments = cu_seqlens.shape[0] - 1
     if total == 0 or num_segments == 0:
         return out
-    _vision_attention_kernel[(total // BLOCK_M + num_segments, heads)](
+    long = total >= _LONG_BLOCK_M * num_segments  # segments of 128 rows or more on average
+    block_m, warps = (_LONG_BLOCK_M, _LONG_WARPS) if long else (BLOCK_M, 4)
+    _vision_attention_kernel[(total // block_m + num_segments, heads)](
         q, k, v, out, cu_seqlens,
         num_segments, max(1, num_segments.bit_length()), scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=BLOCK_M, TILE=TILE,
+        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, TILE=TILE,
         UPCAST=interpreting() and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2, **pdl_launch(q),
+        num_warps=warps, num_stages=2, **pdl_launch(q),
     )  # fmt: skip
     return out
 

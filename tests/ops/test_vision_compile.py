@@ -36,11 +36,12 @@ SCRIPT = textwrap.dedent(
                  "USE_PDL": pdl}
         compile_(_layer_norm_kernel, sig, flags)
     strides = ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh")
-    for dtype, precision, head_dim in (("bf16", "tf32", 72), ("fp32", "ieee", 80)):
+    cases = (("bf16", "tf32", 72, 64), ("bf16", "tf32", 72, 128), ("fp32", "ieee", 80, 64))
+    for dtype, precision, head_dim, block_m in cases:
         sig = {**{p: "*" + dtype for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}, "cu_ptr": "*i32",
                "num_segments": "i32", "search_steps": "i32", "qk_scale": "fp32",
                **{"stride_" + p: "i32" for p in strides}}
-        flags = {"HEAD_DIM": head_dim, "D_PAD": 128, "BLOCK_M": 64, "TILE": 64, "UPCAST": False,
+        flags = {"HEAD_DIM": head_dim, "D_PAD": 128, "BLOCK_M": block_m, "TILE": 64, "UPCAST": False,
                  "PRECISION": precision, "USE_PDL": dtype == "bf16"}
         compile_(_vision_attention_kernel, sig, flags)
     print("COMPILED")
