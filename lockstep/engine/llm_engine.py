@@ -228,7 +228,7 @@ class LLMEngine:
         "abort". None if it is unknown."""
         if self.scheduler.abort(request_id) is None:
             return None
-        return self._output(self._requests.pop(request_id))
+        return self._forget(self._requests.pop(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -316,11 +316,20 @@ class LLMEngine:
                     self._update_text(request)
                 except Exception as e:  # the request's own tokens broke detokenising or the stop check
                     self._fail(request, f"detokenizing failed: {type(e).__name__}: {e}")
-            if request.seq.is_finished or request.kind is not OutputKind.FINAL_ONLY:
-                outputs.append(self._output(request))
             if request.seq.is_finished:
                 del self._requests[entry.seq.request_id]
+                outputs.append(self._forget(request))
+            elif request.kind is not OutputKind.FINAL_ONLY:
+                outputs.append(self._output(request))
         return outputs
+
+    def _forget(self, request: _Request) -> RequestOutput:
+        """The last output of a request that has ended, whose grammar state goes now: its matcher keeps the
+        compiled grammar alive (the grammar cache's byte bound counts only what the cache holds), and finished
+        sequences may stay referenced a while (a block-table row keeps its sequence until the row is reused)."""
+        output = self._output(request)
+        request.seq.grammar = None
+        return output
 
     def _live(self, seq: Sequence) -> _Request | None:
         """The request ``seq`` belongs to, unless it has already reported its end (its id may be reused)."""
