@@ -359,9 +359,13 @@ def test_fuzzed_constraints_never_get_a_5xx(guarded_server: Server) -> None:
     finally:
         client.close()
     seconds = time.perf_counter() - start
-    t = time.perf_counter()
-    assert httpx.get(s.url + "/health", timeout=10).status_code == 200
-    health_ms = 1e3 * (time.perf_counter() - t)
+    health = []
+    with httpx.Client() as c:
+        for _ in range(10):
+            t = time.perf_counter()
+            assert c.get(s.url + "/health", timeout=10).status_code == 200
+            health.append(1e3 * (time.perf_counter() - t))
+    health_ms = statistics.median(health)
     deadline = time.monotonic() + 30
     while True:
         m = s.metrics()
@@ -374,10 +378,10 @@ def test_fuzzed_constraints_never_get_a_5xx(guarded_server: Server) -> None:
     cache_mib, entries = m["lockstep_grammar_cache_bytes"] / 2**20, m["lockstep_grammar_cache_entries"]
     print(
         f"\nconstraint fuzz: {tried['n']} cases in {seconds:.0f} s, statuses {statuses}, server-counted 5xx "
-        f"{server_5xx:g}, /health {health_ms:.1f} ms, grammar cache {cache_mib:.1f} MiB in {entries:g} entries"
+        f"{server_5xx:g}, /health median {health_ms:.1f} ms, grammar cache {cache_mib:.1f} MiB in {entries:g} entries"
     )
     assert tried["n"] >= CONSTRAINT_EXAMPLES // 2
-    assert server_5xx == 0
+    assert server_5xx == 0 and health_ms < 100
     assert m["lockstep_grammar_cache_bytes"] <= 256 << 20  # serve's default --structured-output-cache-bytes
     assert m["lockstep_kv_blocks_used"] == 0 and m["lockstep_num_requests_running"] == 0
 
