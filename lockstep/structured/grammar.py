@@ -177,7 +177,10 @@ class GrammarCompiler:
             size = _limits.check(params, self.limits)
         except ValueError as e:
             raise GrammarError(f"invalid {params.kind} for structured outputs: {e}") from None
-        key = params.key
+        try:
+            key = params.key
+        except RecursionError:  # nesting the depth check does not see (a dict subclass, say)
+            raise GrammarError(f"invalid {params.kind} for structured outputs: nested too deeply") from None
         with self._lock:
             matcher = self._cache.get(key)
         if matcher is not None:
@@ -210,8 +213,17 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {kind} for structured outputs: it fails at its first step: {why}")
 
     def start(self, params: StructuredOutputsParams) -> "GrammarState":
-        """A new request's state in the grammar of ``params`` (compiled, or taken from the cache)."""
-        template = self.compile(params)
+        """A new request's state in the grammar of ``params`` (compiled, or taken from the cache: then without
+        the limits' walk over the schema, which the compile that cached it did, and which each of a call's ``n``
+        states would repeat in the engine thread)."""
+        try:
+            key = params.key
+        except RecursionError:
+            key = None  # compile says why
+        with self._lock:
+            template = self._cache.get(key) if key is not None else None
+        if template is None:
+            template = self.compile(params)
         with self._lock:
             matcher = template.deep_copy()
         after = self.marker(params.reasoning_end) if params.reasoning_end is not None else ()
