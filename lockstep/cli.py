@@ -168,6 +168,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--header-timeout", type=float, default=10.0, help="seconds for a request's line and headers")
     p.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body (408)")
     add_limit_args(p)
+    add_grammar_limit_args(p)
     add_chat_args(p)
     add_generation_config_arg(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -253,6 +254,39 @@ def limit_args(args: argparse.Namespace) -> dict:
     return limits
 
 
+def add_grammar_limit_args(p: argparse.ArgumentParser) -> None:
+    """How large a structured-output constraint may be, and how much memory compiled ones may keep."""
+    p.add_argument(
+        "--max-structured-output-bytes",
+        type=int,
+        default=256 << 10,
+        help="a JSON schema, regex, grammar or choice list longer than this (bytes) gets 400 (default 262144)",
+    )
+    p.add_argument(
+        "--max-structured-output-choices",
+        type=int,
+        default=4096,
+        help="a guided_choice / structured_outputs.choice of more strings gets 400 (default 4096)",
+    )
+    p.add_argument(
+        "--structured-output-cache-bytes",
+        type=int,
+        default=256 << 20,
+        help="memory the compiled-constraint cache may hold, in bytes (least recently used out; default 256 MiB)",
+    )
+
+
+def grammar_limits(args: argparse.Namespace):
+    """The structured-output options as ``GrammarLimits``."""
+    from lockstep.structured.limits import GrammarLimits
+
+    return GrammarLimits(
+        max_bytes=args.max_structured_output_bytes,
+        max_choices=args.max_structured_output_choices,
+        cache_bytes=args.structured_output_cache_bytes,
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from lockstep.config import check_device
     from lockstep.models.hub import resolve_model
@@ -264,6 +298,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # Bad options, a device torch cannot use and a port in use fail at once, in one line, before the model loads.
     http = http_config(args)
     limits = ServingLimits(**limit_args(args))
+    grammars = grammar_limits(args)
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     chat = chat_args(args)
@@ -281,6 +316,7 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_name=name,
             generation_config=args.generation_config,
             chat=chat,
+            grammar_limits=grammars,
             **kernel_args(args),
             **engine_args(args),
         )

@@ -9,6 +9,11 @@ table entries that are new since that row was last written, a few dozen integers
 A sequence's table only grows by appends until it is freed, and ``BlockManager.allocate``/``free`` replace the
 list object: a row remembers the list it mirrors and how much of it was written, and starts over when the list
 object changes. The bits of attention never depend on which row a sequence has.
+
+A row holds its sequence (so that the sequence's id, the row's key, cannot be reused meanwhile). Rows of finished
+sequences are given back at the next step that leaves rows unused: kept until the rows ran out, up to
+``num_rows`` finished sequences stayed alive, and with them their requests' parameters (a structured output's
+schema, megabytes) long after their end.
 """
 
 from collections.abc import Sequence as Seq
@@ -57,6 +62,8 @@ class DeviceBlockTables:
         if len(seqs) > self.table.shape[0]:
             raise ValueError(f"{len(seqs)} sequences in one step, the block tables hold {self.table.shape[0]}")
         update = TableUpdate([], [], [], [])
+        if len(self._row_of) > len(seqs):  # rows held by sequences not in this step: some may have finished
+            self._give_back(lambda row: row.seq.is_finished)
         for seq in seqs:
             index = self._row_of.get(id(seq))
             if index is None:
@@ -90,14 +97,18 @@ class DeviceBlockTables:
             self.table[data[p : p + u], data[p + u : p + 2 * u]] = data[p + 2 * u :].to(torch.int32)
         return data[:p]
 
+    def _give_back(self, done) -> None:
+        """Free the rows for which ``done(row)`` holds."""
+        for key, index in list(self._row_of.items()):
+            if done(self._rows[index]):
+                del self._row_of[key]
+                self._rows[index] = None
+                self._free.append(index)
+
     def _take_row(self, seq: Sequence, step: Seq[Sequence]) -> int:
         if not self._free:  # give back the rows of every sequence this step does not use
             in_step = {id(s) for s in step}
-            for key, index in list(self._row_of.items()):
-                if key not in in_step:
-                    del self._row_of[key]
-                    self._rows[index] = None
-                    self._free.append(index)
+            self._give_back(lambda row: id(row.seq) not in in_step)
         index = self._free.pop()
         self._rows[index] = _Row(seq)
         self._row_of[id(seq)] = index

@@ -34,6 +34,7 @@ from lockstep.layers.sampler import PendingSample, Sampled
 from lockstep.outputs import CompletionOutput, Logprob, OutputKind, PromptLogprobs, RequestOutput
 from lockstep.sampling_params import SamplingParams
 from lockstep.structured.grammar import GrammarCompiler, GrammarError
+from lockstep.structured.limits import GrammarLimits
 
 
 @dataclass
@@ -118,6 +119,7 @@ class LLMEngine:
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom(secrets.randbits(64))
         self._requests: dict[str, _Request] = {}  # lookup only; batch order comes from the scheduler
         self._grammars: GrammarCompiler | None = None
+        self.grammar_limits = GrammarLimits()  # set before the first constraint (the server's options)
         self._in_flight: _InFlight | None = None  # async scheduling: the launched step not yet reported
         if self.runner.device.type == "cuda":
             warm_up(self)  # prefill shapes compile now, not while serving (engine/warmup.py)
@@ -140,8 +142,14 @@ class LLMEngine:
         """Compiles structured-output constraints (cached; thread-safe: a server compiles a request's constraint
         in its own thread first, so ``add_request`` finds it compiled). GrammarError without a tokenizer."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids, self.grammar_limits)
         return self._grammars
+
+    @property
+    def grammar_cache(self) -> tuple[int, int]:
+        """The compiled-grammar cache's charged bytes and entries; (0, 0) before the first constraint."""
+        g = self._grammars
+        return (0, 0) if g is None else (g.cache_bytes, g.cache_entries)
 
     @property
     def vocab_size(self) -> int:
@@ -220,7 +228,7 @@ class LLMEngine:
         "abort". None if it is unknown."""
         if self.scheduler.abort(request_id) is None:
             return None
-        return self._output(self._requests.pop(request_id))
+        return self._forget(self._requests.pop(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -308,11 +316,20 @@ class LLMEngine:
                     self._update_text(request)
                 except Exception as e:  # the request's own tokens broke detokenising or the stop check
                     self._fail(request, f"detokenizing failed: {type(e).__name__}: {e}")
-            if request.seq.is_finished or request.kind is not OutputKind.FINAL_ONLY:
-                outputs.append(self._output(request))
             if request.seq.is_finished:
                 del self._requests[entry.seq.request_id]
+                outputs.append(self._forget(request))
+            elif request.kind is not OutputKind.FINAL_ONLY:
+                outputs.append(self._output(request))
         return outputs
+
+    def _forget(self, request: _Request) -> RequestOutput:
+        """The last output of a request that has ended, whose grammar state goes now: its matcher keeps the
+        compiled grammar alive (the grammar cache's byte bound counts only what the cache holds), and finished
+        sequences may stay referenced a while (a block-table row keeps its sequence until the row is reused)."""
+        output = self._output(request)
+        request.seq.grammar = None
+        return output
 
     def _live(self, seq: Sequence) -> _Request | None:
         """The request ``seq`` belongs to, unless it has already reported its end (its id may be reused)."""

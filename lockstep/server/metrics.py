@@ -44,6 +44,8 @@ class Metrics:
     aborted: int = 0
     running: int = 0
     waiting: int = 0
+    grammar_cache_bytes: int = 0  # compiled structured-output constraints kept: what they are charged (limits.py)
+    grammar_cache_entries: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     triton_compiles: int = 0  # since the engine started: each one stalled a step (engine/warmup.py)
@@ -72,6 +74,8 @@ class Metrics:
             ("requests_aborted_total", "counter", self.aborted, "Requests aborted (client gone) mid-generation."),
             ("num_requests_running", "gauge", self.running, "Sequences holding KV blocks."),
             ("num_requests_waiting", "gauge", self.waiting, "Sequences queued for admission."),
+            ("grammar_cache_bytes", "gauge", self.grammar_cache_bytes, "Compiled grammars kept, bytes charged."),
+            ("grammar_cache_entries", "gauge", self.grammar_cache_entries, "Compiled grammars kept."),
             ("kv_blocks_used", "gauge", self.kv_blocks_used, "KV cache blocks held by sequences."),
             ("kv_blocks_total", "gauge", self.kv_blocks_total, "KV cache blocks in all."),
             ("triton_compiles_after_start", "gauge", self.triton_compiles, "Kernels compiled while serving."),

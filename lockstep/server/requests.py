@@ -16,6 +16,7 @@ from lockstep.server.json_body import decode_object
 from lockstep.server.protocol import GENERATION_FIELDS, APIError, ChatCompletionRequest, CompletionRequest
 from lockstep.server.state import ServerState
 from lockstep.structured.grammar import GrammarError
+from lockstep.structured.limits import check_text
 from lockstep.structured.params import StructuredOutputsParams
 from lockstep.structured.tools import ReasoningStream, named_tool_schema, required_tools_schema
 
@@ -72,7 +73,7 @@ def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceS
     if req.max_tokens == 0 and not req.echo:
         raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
     _check_num_seqs(state, req)
-    structured = _compile(state, *_structured_outputs(req))
+    structured = _compile(state, *_structured_outputs(state, req))
     prompts = [_truncate(state, req, p) for p in _completion_prompts(state, req)]
     if "max_tokens" in req.model_fields_set or "max_tokens" not in state.engine.engine.default_sampling:
         wanted = 1 if req.max_tokens == 0 else req.max_tokens
@@ -129,7 +130,7 @@ def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpe
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     fmt, forced = _tool_format(state, req)
-    param, structured = _structured_outputs(req)
+    param, structured = _structured_outputs(state, req)
     if forced is not None:
         if structured is not None:
             raise APIError(400, f"{param} cannot constrain the output of a forced tool call", param=param)
@@ -181,9 +182,12 @@ def _truncate(state: ServerState, req: CompletionRequest | ChatCompletionRequest
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def _structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, StructuredOutputsParams | None]:
+def _structured_outputs(
+    state: ServerState, req: CompletionRequest | ChatCompletionRequest
+) -> tuple[str, StructuredOutputsParams | None]:
     """The call's output constraint and the parameter that set it: ``structured_outputs``, a ``guided_*`` field
-    or ``response_format``; 400 for a bad one, or for more than one."""
+    or ``response_format``; 400 for a bad one, or for more than one (or a schema's JSON text past the size limit,
+    before it is parsed)."""
     given: list[tuple[str, StructuredOutputsParams]] = []
     candidates: list[tuple[str, dict]] = []  # (parameter, StructuredOutputsParams fields)
     if req.structured_outputs is not None:
@@ -200,6 +204,7 @@ def _structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple
         candidates.append(("response_format", {"json": rf.json_schema.schema_}))
     for name, fields in candidates:
         try:
+            check_text(fields.get("json"), state.engine.engine.grammar_limits)
             given.append((name, StructuredOutputsParams(**fields)))
         except ValueError as e:
             raise APIError(400, str(e), param=name) from None

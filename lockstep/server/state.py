@@ -14,6 +14,7 @@ from pathlib import Path
 from lockstep.server.async_engine import AsyncEngine, weights_hash
 from lockstep.server.listener import HTTPConfig
 from lockstep.server.metrics import Metrics
+from lockstep.structured.limits import GrammarLimits
 
 
 @dataclass
@@ -69,12 +70,13 @@ def create_state(
     http: HTTPConfig | None = None,
     served_model_name: str | None = None,
     chat: dict | None = None,
+    grammar_limits: GrammarLimits | None = None,
     **engine_kwargs,
 ) -> ServerState:
     """Load ``model`` (default: the embedded SmolLM2) into an engine thread and fingerprint what it serves;
     ``http`` is how the HTTP layer admits requests, ``chat`` the ``ServerState`` tool and reasoning settings
-    (``enable_auto_tool_choice``, ``tool_call_parser``, ``reasoning_parser``), ``engine_kwargs`` are
-    ``EngineConfig`` fields."""
+    (``enable_auto_tool_choice``, ``tool_call_parser``, ``reasoning_parser``), ``grammar_limits`` bound the
+    structured-output constraints and their cache, ``engine_kwargs`` are ``EngineConfig`` fields."""
     import torch
 
     import lockstep
@@ -91,6 +93,8 @@ def create_state(
         name = served_model_name or Path(model).resolve().name
     config = EngineConfig(model=model, **engine_kwargs)
     engine = LLMEngine(config)
+    if grammar_limits is not None:
+        engine.grammar_limits = grammar_limits
     dev = engine.runner.device
     device_name = f"cuda:{torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else "cpu"
     parts = {

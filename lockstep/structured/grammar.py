@@ -10,19 +10,27 @@ state leaves the output free until that marker's tokens appear in it, then follo
 ``token_masks`` turns the states of one step's constrained rows into a ``[rows, vocab]`` bool tensor of allowed
 tokens: each row's bits are unpacked from its own bitmask (an elementwise shift and and), on the logits' device.
 
+A constraint is checked against ``GrammarLimits`` (its size, nesting and number of choices) before it is compiled,
+and once compiled its first step is taken on a copy (the first mask, the tokens it forces, the mask after them),
+so that one llguidance cannot follow from the start (a row of more alternatives than its parser takes, a lexer
+past its budget, a rule without a base case) is a ``GrammarError`` there, in the request's thread, and not a failed
+engine step. The cache keeps compiled constraints by the bytes they are charged (``limits.charge``), not by count.
+
 Why llguidance and not xgrammar: docs/design.md, "Structured outputs" (bench/grammar.py measures both).
 """
 
 import json
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
+from lockstep.structured import limits as _limits
+from lockstep.structured.cache import GrammarCache
+from lockstep.structured.limits import GrammarLimits
 from lockstep.structured.params import StructuredOutputsParams
 
-CACHE_SIZE = 256  # compiled constraints kept (least recently used dropped first)
+MAX_FORCED_TOKENS = 4096  # the tokens a constraint forces at its start that the check feeds it, at most
 
 
 class GrammarError(ValueError):
@@ -30,15 +38,33 @@ class GrammarError(ValueError):
 
 
 def _closed_objects(schema: object) -> object:
-    """``schema`` with ``additionalProperties: false`` on every object schema that does not say otherwise."""
-    if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _closed_objects(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not say otherwise (a copy;
+    iterative, so any depth is safe)."""
+
+    def copy(value: object) -> object:
+        if isinstance(value, dict):
+            out = {}
+            todo.append((value, out))
+            return out
+        if isinstance(value, list):
+            out = [None] * len(value)
+            todo.append((value, out))
+            return out
+        return value
+
+    todo: list[tuple[dict | list, dict | list]] = []
+    root = copy(schema)
+    while todo:
+        src, dst = todo.pop()
+        if isinstance(src, list):
+            for i, v in enumerate(src):
+                dst[i] = copy(v)
+            continue
+        for k, v in src.items():
+            dst[k] = copy(v)
+        if (src.get("type") == "object" or "properties" in src) and "additionalProperties" not in src:
+            dst["additionalProperties"] = False
+    return root
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -58,8 +84,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
-            # Lark string literals take JSON's escapes.
-            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+            # One terminal of alternatives (Lark string literals take JSON's escapes): the lexer follows all of them
+            # at once, where a rule of alternatives puts each in the parser's row, which takes at most 2000.
+            alternatives = " | ".join(json.dumps(c) for c in params.choice)
+            return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}")
         return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
     except (ValueError, TypeError) as e:
         raise GrammarError(f"invalid {kind} for structured outputs: {e}") from None
@@ -91,12 +119,15 @@ class _TokenTable:
 class GrammarCompiler:
     """Compiles constraints for one model's tokenizer and vocabulary, caching each by ``params.key``.
 
-    ``eos_token_ids`` are the tokens a finished output may end with. Thread-safe: the server compiles in its
-    request threads while the engine thread starts requests from the cache. The tokenizer's llguidance view
-    (0.4 s for a 49k vocabulary, 1.5 s for 152k) is built on the first constraint.
+    ``eos_token_ids`` are the tokens a finished output may end with; ``limits`` bound each constraint and the
+    cache. Thread-safe: the server compiles in its request threads while the engine thread starts requests from
+    the cache. The tokenizer's llguidance view (0.4 s for a 49k vocabulary, 1.5 s for 152k) is built on the first
+    constraint.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], limits: GrammarLimits | None = None
+    ) -> None:
         if tokenizer is None:
             raise GrammarError("structured outputs need the model's tokenizer, and this model has none")
         if not eos_token_ids:
@@ -106,8 +137,18 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(eos_token_ids)
         self._lock = threading.Lock()
         self._ll_tokenizer = None
-        self._cache: OrderedDict[str, object] = OrderedDict()
+        self.limits = limits or GrammarLimits()
+        self._cache = GrammarCache(self.limits.cache_bytes)
         self._markers: dict[str, tuple[int, ...]] = {}
+
+    @property
+    def cache_bytes(self) -> int:
+        """The bytes the cached constraints are charged, in all (at most ``limits.cache_bytes``)."""
+        return self._cache.bytes
+
+    @property
+    def cache_entries(self) -> int:
+        return len(self._cache)
 
     @property
     def ll_tokenizer(self):
@@ -130,27 +171,59 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams):
         """The checked llguidance matcher of ``params`` at its start (shared: copy it before use); GrammarError
-        naming the problem for a constraint that does not compile."""
-        key = params.key
+        naming the problem for a constraint past the limits, one that does not compile, or one whose first step
+        fails."""
+        try:
+            size = _limits.check(params, self.limits)
+        except ValueError as e:
+            raise GrammarError(f"invalid {params.kind} for structured outputs: {e}") from None
+        try:
+            key = params.key
+        except RecursionError:  # nesting the depth check does not see (a dict subclass, say)
+            raise GrammarError(f"invalid {params.kind} for structured outputs: nested too deeply") from None
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
+            matcher = self._cache.get(key)
+        if matcher is not None:
+            return matcher
         import llguidance
 
         text = grammar_text(params)
         matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {params.kind} for structured outputs: {matcher.get_error()[:1000]}")
+        self._check_start(matcher, params.kind)
         with self._lock:
-            self._cache[key] = matcher
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._cache.put(key, matcher, _limits.charge(size))
         return matcher
 
+    def _check_start(self, matcher, kind: str) -> None:
+        """Take the constraint's first step on a copy of ``matcher``: the first mask, the tokens it forces (where
+        llguidance's limits on a parser row or the lexer show first), the mask after them. GrammarError for one
+        that fails, or that allows no token at all."""
+        m = matcher.deep_copy()
+        mask = m.compute_bitmask()
+        if not m.is_error():
+            if mask.count(0) == len(mask):
+                raise GrammarError(f"invalid {kind} for structured outputs: it allows no output at all")
+            forced = m.compute_ff_tokens()[:MAX_FORCED_TOKENS]
+            if forced and m.consume_tokens(forced):
+                m.compute_bitmask()
+        if m.is_error():
+            why = m.get_error().splitlines()[0][:1000]
+            raise GrammarError(f"invalid {kind} for structured outputs: it fails at its first step: {why}")
+
     def start(self, params: StructuredOutputsParams) -> "GrammarState":
-        """A new request's state in the grammar of ``params`` (compiled, or taken from the cache)."""
-        template = self.compile(params)
+        """A new request's state in the grammar of ``params`` (compiled, or taken from the cache: then without
+        the limits' walk over the schema, which the compile that cached it did, and which each of a call's ``n``
+        states would repeat in the engine thread)."""
+        try:
+            key = params.key
+        except RecursionError:
+            key = None  # compile says why
+        with self._lock:
+            template = self._cache.get(key) if key is not None else None
+        if template is None:
+            template = self.compile(params)
         with self._lock:
             matcher = template.deep_copy()
         after = self.marker(params.reasoning_end) if params.reasoning_end is not None else ()
@@ -270,7 +343,6 @@ def token_masks(
 
 
 __all__ = [
-    "CACHE_SIZE",
     "GrammarCompiler",
     "GrammarError",
     "GrammarState",

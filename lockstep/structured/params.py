@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -44,6 +45,8 @@ class StructuredOutputsParams:
                 schema = json.loads(self.json)
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured outputs: json is not valid JSON text: {e}") from None
+            except RecursionError:
+                raise ValueError("structured outputs: json is not valid JSON text: nested too deeply") from None
             object.__setattr__(self, "json", schema)
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError(f"structured outputs: json must be a JSON schema (an object), got {self.json!r:.200}")
@@ -77,10 +80,11 @@ class StructuredOutputsParams:
         """Which constraint this is: one of ``KINDS``."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    @property
+    @cached_property
     def key(self) -> str:
         """A canonical text of the constraint: equal constraints have equal keys (the compiled-grammar cache's;
-        ``reasoning_end`` is not part of it: where the grammar starts does not change the grammar)."""
+        ``reasoning_end`` is not part of it: where the grammar starts does not change the grammar). RecursionError
+        for a schema nested too deeply (``limits.check`` refuses those first)."""
         spec = {
             "kind": self.kind,
             "value": getattr(self, self.kind),
@@ -88,4 +92,9 @@ class StructuredOutputsParams:
             "disable_additional_properties": self.disable_additional_properties,
             "whitespace_pattern": self.whitespace_pattern,
         }
-        return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    @cached_property
+    def size(self) -> int:
+        """The constraint's size: its key's UTF-8 bytes (what ``limits.GrammarLimits.max_bytes`` bounds)."""
+        return len(self.key.encode("utf-8", "surrogatepass"))

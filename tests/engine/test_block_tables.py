@@ -53,6 +53,28 @@ def test_random_traffic_with_few_rows_matches_the_lists():
         check(tables, batch, 12)
 
 
+def test_finished_sequences_are_let_go_at_the_next_step():
+    import gc
+    import weakref
+
+    from lockstep.engine.sequence import SequenceStatus
+
+    tables = DeviceBlockTables(num_rows=8, max_blocks=4, device=torch.device("cpu"))
+    seqs = [Sequence(str(i), [1]) for i in range(4)]
+    for s in seqs:
+        s.block_table = [0]
+    check(tables, seqs, 4)
+    finished, preempted = seqs[0], seqs[1]
+    finished.status = SequenceStatus.FINISHED
+    gone = weakref.ref(finished)
+    del seqs[0], finished
+    check(tables, seqs[1:], 4)  # the preempted one (not in this step) keeps its row ...
+    gc.collect()
+    assert gone() is None  # ... the finished one is no longer held
+    assert preempted in [row.seq for row in tables._rows if row is not None]
+    check(tables, seqs, 4)
+
+
 def test_harness_sees_a_stale_row():
     # Negative control: an in-place change that is not an append is exactly what the tables cannot see.
     tables = DeviceBlockTables(num_rows=2, max_blocks=4, device=torch.device("cpu"))

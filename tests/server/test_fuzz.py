@@ -236,6 +236,159 @@ def test_fuzzed_requests_never_get_a_5xx(guarded_server: Server) -> None:
     assert m["lockstep_kv_blocks_used"] == 0 and m["lockstep_num_requests_running"] == 0
 
 
+# -- Issue 25, items 2 and 5 (branch h25-grammar): structured-output constraints, deep, wide and unbounded ---------
+# Schemas nested past any limit (closed objects or not), wide ones (enums, optional and required properties,
+# alternatives, choices) around llguidance's 2000-item parser rows and the server's size and count limits, Lark
+# grammars without a base case or with huge rows, regexes with big repetitions, schemas as broken JSON text; each
+# in one of the parameters that carry a constraint. Whatever comes: no 5xx, and the grammar cache within its bytes.
+CONSTRAINT_EXAMPLES = 200  # 20-30 s on 2 shared CPU cores (600: 65 s, 0 x 5xx)
+
+
+def nested_schema(levels: int, shape: str) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        if shape == "object":
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        elif shape == "array":
+            schema = {"type": "array", "items": schema, "minItems": 1}
+        else:
+            schema = {"anyOf": [schema, {"type": "string"}]}
+    return schema
+
+
+def wide_schema(n: int, shape: str, width: int) -> dict:
+    names = [f"k{i:05d}" + "x" * width for i in range(n)]
+    if shape == "enum":
+        return {"enum": names}
+    if shape == "optional":
+        return {"type": "object", "properties": {k: {"type": "integer"} for k in names}}
+    if shape == "required":
+        return {"type": "object", "properties": {k: {"type": "integer"} for k in names}, "required": names}
+    return {"anyOf": [{"const": k} for k in names]}
+
+
+deep_schemas = st.builds(nested_schema, st.integers(1, 400), st.sampled_from(["object", "array", "anyOf"]))
+wide_sizes = st.one_of(st.integers(1, 50), st.integers(400, 600), st.integers(1900, 2100), st.integers(3000, 9000))
+wide_schemas = st.builds(
+    wide_schema, wide_sizes, st.sampled_from(["enum", "optional", "required", "anyOf"]), st.integers(0, 40)
+)
+schemas = st.one_of(deep_schemas, wide_schemas, st.just({"type": "object"}), st.just({"type": "frob"}))
+choice_lists = st.builds(
+    lambda n, prefix: [prefix + str(i) for i in range(n)],
+    st.one_of(st.integers(1, 10), st.integers(1990, 2010), st.integers(3000, 5000), st.integers(20_000, 30_000)),
+    st.sampled_from(["", "a", "option ", "x" * 200]),
+)
+lark_grammars = st.one_of(
+    st.sampled_from(
+        [
+            'start: x\nx: "a" x',  # no base case
+            'start: x\nx: x "a"',  # left recursive, no base case
+            'start: x\nx: "a" x | "b"',
+            'start: x\nx: x "a" | "b"',
+            'start: "a"{1000,2000}',
+            'start: x{300}\nx: y{300}\ny: "a" | "b"',
+            "start: /(a|b)*a(a|b){20}/",
+            "start: nowhere",
+            'root ::= "x" root',  # GBNF, no base case
+        ]
+    ),
+    st.builds(lambda n: "start: " + " | ".join(f'"opt {i}"' for i in range(n)), st.integers(1, 4000)),
+)
+regexes = st.one_of(
+    st.sampled_from(["a{1000,100000}", "((a|b){1,100}){1,100}", "(a|b)*a(a|b){25}", "[0-9", "[^\\x00-\\U0010FFFF]"]),
+    st.builds(lambda n: "(" + "|".join(f"w{i}" for i in range(n)) + ")", st.integers(1, 30_000)),
+)
+schema_texts = st.one_of(
+    schemas.map(json.dumps),
+    st.tuples(st.integers(1, 200_000)).map(lambda t: "[" * t[0] + "]" * t[0]),
+    st.sampled_from(['{"type": "object"', "[]", '"x"', "1e999"]),
+)
+
+
+@st.composite
+def constraint_requests(draw) -> tuple[str, bytes, dict]:
+    """A completion or chat body whose output is constrained by a drawn constraint, in a drawn parameter."""
+    where = draw(st.sampled_from(["structured_outputs", "guided", "response_format", "tools"]))
+    kind = draw(st.sampled_from(["json", "json_text", "choice", "grammar", "regex"]))
+    value = draw({"json": schemas, "json_text": schema_texts, "choice": choice_lists, "grammar": lark_grammars,
+                  "regex": regexes}[kind])  # fmt: skip
+    chat = where == "tools" or draw(st.booleans())
+    body: dict = {"model": "tiny", "max_tokens": draw(st.integers(1, 12)), "n": draw(st.sampled_from([1, 2, 16]))}
+    body |= {"temperature": draw(st.sampled_from([0.0, 1.0])), "seed": 1, "stream": draw(st.booleans())}
+    if where == "structured_outputs":
+        key = "json" if kind == "json_text" else kind
+        body["structured_outputs"] = {key: value, "disable_additional_properties": draw(st.booleans())}
+    elif where == "guided":
+        body[f"guided_{'json' if kind == 'json_text' else kind}"] = value
+    elif where == "response_format" or kind not in ("json", "json_text"):
+        schema = value if kind == "json" else {"type": "object"}
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    if where == "tools":
+        parameters = value if kind == "json" else {"type": "object"}
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+        body["tool_choice"] = draw(st.sampled_from(["required", {"type": "function", "function": {"name": "f"}}]))
+        body.pop("response_format", None)
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "x"
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return path, json.dumps(body).encode(), {"content-type": "application/json"}
+
+
+def test_fuzzed_constraints_never_get_a_5xx(guarded_server: Server) -> None:
+    s = guarded_server
+    client = httpx.Client(timeout=120)
+    tried = {"n": 0}
+    statuses_before = dict(CASES["by_status"])
+
+    @settings(
+        max_examples=CONSTRAINT_EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )
+    @given(constraint_requests())
+    def one(case: tuple[str, bytes, dict]) -> None:
+        tried["n"] += 1
+        send(client, s, *case)
+
+    start = time.perf_counter()
+    try:
+        one()
+    finally:
+        client.close()
+    seconds = time.perf_counter() - start
+    health = []
+    with httpx.Client() as c:
+        for _ in range(10):
+            t = time.perf_counter()
+            assert c.get(s.url + "/health", timeout=10).status_code == 200
+            health.append(1e3 * (time.perf_counter() - t))
+    health_ms = statistics.median(health)
+    deadline = time.monotonic() + 30
+    while True:
+        m = s.metrics()
+        if m["lockstep_kv_blocks_used"] == 0 and m["lockstep_num_requests_running"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    server_5xx = sum(v for k, v in m.items() if k.startswith('lockstep_requests_total{code="5'))
+    statuses = {k: v - statuses_before.get(k, 0) for k, v in sorted(CASES["by_status"].items())}
+    statuses = {k: v for k, v in statuses.items() if v}
+    cache_mib, entries = m["lockstep_grammar_cache_bytes"] / 2**20, m["lockstep_grammar_cache_entries"]
+    print(
+        f"\nconstraint fuzz: {tried['n']} cases in {seconds:.0f} s, statuses {statuses}, server-counted 5xx "
+        f"{server_5xx:g}, /health median {health_ms:.1f} ms, grammar cache {cache_mib:.1f} MiB in {entries:g} entries"
+    )
+    assert tried["n"] >= CONSTRAINT_EXAMPLES // 2
+    assert server_5xx == 0 and health_ms < 100
+    assert m["lockstep_grammar_cache_bytes"] <= 256 << 20  # serve's default --structured-output-cache-bytes
+    assert m["lockstep_kv_blocks_used"] == 0 and m["lockstep_num_requests_running"] == 0
+
+
+# -- end of issue 25's structured-output block ----------------------------------------------------------------------
+
+
 def test_negative_control_the_checks_see_a_5xx_and_a_bare_4xx() -> None:
     request = httpx.Request("POST", "http://127.0.0.1/v1/completions")
     for bad in (

@@ -8,14 +8,15 @@ import torch
 from tiny_models import TINY_EOS, TINY_VOCAB, save_char_tokenizer
 
 from lockstep.structured import StructuredOutputsParams as S
+from lockstep.structured.cache import GrammarCache
 from lockstep.structured.grammar import (
-    CACHE_SIZE,
     GrammarCompiler,
     GrammarError,
     _closed_objects,
     token_masks,
     unpack_bitmask,
 )
+from lockstep.structured.limits import MAX_SCHEMA_DEPTH, GrammarLimits, charge, depth
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +162,94 @@ def test_cache_is_keyed_by_the_constraint(compiler: GrammarCompiler) -> None:
     a = compiler.compile(S(json={"type": "object", "properties": {"k": {"type": "string"}}}))
     b = compiler.compile(S(json='{"properties": {"k": {"type": "string"}}, "type": "object"}'))
     assert a is b
-    for i in range(CACHE_SIZE + 1):
-        compiler.compile(S(regex=f"a{{{i + 1}}}"))
-    assert len(compiler._cache) == CACHE_SIZE
+
+
+def test_cache_is_bounded_by_bytes_least_recently_used_out() -> None:
+    cache = GrammarCache(100)
+    for key, charge_ in (("a", 40), ("b", 40), ("c", 10)):
+        cache.put(key, key.upper(), charge_)
+    assert cache.get("a") == "A" and cache.bytes == 90  # a is now the most recently used
+    cache.put("d", "D", 30)  # 120 > 100: b, the least recently used, goes
+    assert "b" not in cache and [k for k in "acd" if k in cache] == ["a", "c", "d"] and cache.bytes == 80
+    cache.put("a", "A2", 20)  # replaced, not counted twice
+    assert cache.get("a") == "A2" and cache.bytes == 60 and len(cache) == 3
+    cache.put("huge", "H", 101)  # larger than the budget: not kept, nothing dropped for it
+    assert "huge" not in cache and len(cache) == 3 and cache.bytes == 60
+
+
+def test_compiler_cache_holds_at_most_its_bytes(tok) -> None:
+    params = [S(regex=f"(x{i}|y{i}){{1,{i + 2}}}") for i in range(40)]
+    budget = 10 * charge(params[0].size)
+    compiler = GrammarCompiler(tok, TINY_VOCAB, [TINY_EOS], GrammarLimits(max_bytes=1000, cache_bytes=budget))
+    for p in params:
+        compiler.compile(p)
+    assert compiler.cache_bytes == sum(charge(p.size) for p in params[-compiler.cache_entries :])
+    assert compiler.cache_bytes <= budget and 8 <= compiler.cache_entries <= 10
+    kept = params[-1].key in compiler._cache and params[0].key not in compiler._cache
+    assert kept  # the oldest went first
+
+
+def test_limits_refuse_large_deep_and_many_before_compiling(tok) -> None:
+    compiler = GrammarCompiler(tok, TINY_VOCAB, [TINY_EOS], GrammarLimits(max_bytes=2000, max_choices=50))
+    with pytest.raises(GrammarError, match="2000 .*--max-structured-output-bytes"):
+        compiler.compile(S(json={"enum": [f"v{i}" for i in range(500)]}))
+    with pytest.raises(GrammarError, match="at most 50 .*--max-structured-output-choices"):
+        compiler.compile(S(choice=[f"c{i}" for i in range(51)]))
+    deep = {"type": "integer"}
+    for _ in range(300):  # 600 objects deep: json.dumps and a recursive walk would raise RecursionError
+        deep = {"type": "object", "properties": {"a": deep}}
+    assert depth(deep) == 601
+    for params in (S(json=deep), S(json=deep, disable_additional_properties=True)):
+        with pytest.raises(GrammarError, match=f"deeper than {MAX_SCHEMA_DEPTH}"):
+            compiler.compile(params)
+    compiler.compile(S(choice=[f"c{i}" for i in range(50)]))
+    assert compiler.cache_entries == 1  # nothing refused was kept
+    with pytest.raises(ValueError, match="nested too deeply"):
+        S(json="[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="must hold one constraint"):
+        GrammarLimits(max_bytes=1 << 20, cache_bytes=1 << 20)
+
+
+def test_closed_objects_at_any_depth_is_iterative() -> None:
+    deep = {"type": "integer"}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"a": deep}, "allOf": [{"type": "object"}]}
+    closed = _closed_objects(deep)
+    node, seen = closed, 0
+    while "properties" in node:
+        assert node["additionalProperties"] is False and node["allOf"][0]["additionalProperties"] is False
+        node, seen = node["properties"]["a"], seen + 1
+    assert seen == 5000 and node == {"type": "integer"} and "additionalProperties" not in deep
+
+
+@pytest.mark.parametrize(
+    "params, pattern",
+    [
+        (S(grammar='start: x\nx: "a" x'), "fails at its first step.*[Tt]oo many items"),  # no base case
+        # A rule of 3000 alternatives: llguidance's parser takes at most 2000 items a row, which shows once the
+        # tokens their shared prefix forces are in.
+        (S(grammar="start: " + " | ".join(f'"opt {i}"' for i in range(3000))), "first step.*3001 items"),
+        (S(regex="[^\\x00-\\U0010FFFF]"), "first step: NoExtension"),  # matches no text at all
+    ],
+)
+def test_constraints_failing_at_their_first_step_are_refused(tok, params: S, pattern: str) -> None:
+    compiler = GrammarCompiler(tok, TINY_VOCAB, [TINY_EOS])
+    with pytest.raises(GrammarError, match=re.compile(pattern, re.S)):
+        compiler.compile(params)
+    assert compiler.cache_entries == 0
+
+
+def test_choices_past_the_parser_row_limit_and_sharing_prefixes(tok, compiler: GrammarCompiler) -> None:
+    # A rule of 2000 alternatives fails llguidance's parser (at most 2000 items a row) once its first token is in;
+    # one terminal of alternatives does not, and still ends exactly at each choice.
+    many = compiler.start(S(choice=[f"ab{i}" for i in range(3000)]))
+    assert allowed_text(tok, many, ids(tok, "ab")) == set("0123456789")
+    assert allowed_text(tok, many, ids(tok, "ab29")) == set("0123456789") | {"EOS"}
+    nested = compiler.start(S(choice=["a", "ab", "abc"]))
+    assert allowed_text(tok, nested, ids(tok, "a")) == {"b", "EOS"}
+    assert allowed_text(tok, nested, ids(tok, "abc")) == {"EOS"}
+    prefix = compiler.start(S(choice=["x" * 60 + str(i) for i in range(3000)]))
+    assert allowed_text(tok, prefix, ids(tok, "x" * 60)) == set("0123456789")
 
 
 def test_no_tokenizer_or_eos_is_an_error() -> None:

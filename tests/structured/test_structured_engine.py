@@ -201,8 +201,13 @@ def test_bad_grammar_raises_and_the_engine_keeps_working(tiny_model_dir: Path) -
         llm.generate(["a", "b"], [ok, bad], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     # A constraint the tokenizer cannot write (a newline: this one writes it as <unk>, which llguidance takes at
-    # its word and allows) fails its request alone, saying why.
-    unwritable = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a\nb"), temperature=0)
+    # its word and allows) from its start is refused when it is added (its first step is checked then); one that
+    # reaches the newline later fails its request alone, saying why.
+    forced = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a\nb"), temperature=0)
+    with pytest.raises(GrammarError, match=r"request '\d+': invalid regex .* fails at its first step"):
+        llm.generate(["a"], forced, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    unwritable = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab]\nb"), temperature=0)
     outs = llm.generate(["a", "a"], [unwritable, ok], use_tqdm=False)
     assert outs[0].finish_reason == "abort" and "grammar rejects the output" in outs[0].outputs[0].error
     assert bits(outs[1]) == bits(before)
