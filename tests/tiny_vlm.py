@@ -236,16 +236,22 @@ def hf_vlm_logits(
 def hf_vlm_greedy(
     model, input_ids: list[int], pixel_values: torch.Tensor, grid_thw: torch.Tensor, max_new_tokens: int
 ) -> list[int]:
-    """transformers' greedy continuation (``generate``, no sampling, EOS ignored) of one image prompt."""
-    ids = torch.tensor([input_ids])
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        pixel_values=pixel_values,
-        image_grid_thw=grid_thw,
-        mm_token_type_ids=(ids == IMAGE_PAD).int(),
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        do_sample=False,
-    )
-    return out[0, len(input_ids) :].tolist()
+    """transformers' greedy continuation of one image prompt, EOS not special: a plain loop that runs the whole
+    sequence through the model each step (its own M-RoPE positions for the prompt and the tokens after it)."""
+    ids = list(input_ids)
+    for _ in range(max_new_tokens):
+        ids.append(int(hf_vlm_logits(model, ids, pixel_values, grid_thw)[-1].argmax()))
+    return ids[len(input_ids) :]
+
+
+# --- lockstep's side -------------------------------------------------------------------------------------------
+
+
+def mm_batch(input_ids: list[int], features: list, device="cpu"):
+    """The ``MultimodalBatch`` of one prompt laid out alone: its image-token rows, the images' features in order."""
+    from lockstep.models.multimodal import MultimodalBatch
+
+    rows = torch.tensor([i for i, t in enumerate(input_ids) if t == IMAGE_PAD], dtype=torch.int64, device=device)
+    embeds = torch.cat([f.embeds for f in features])
+    deep = None if features[0].deepstack is None else torch.cat([f.deepstack for f in features], dim=1)
+    return MultimodalBatch(rows, embeds, deep)

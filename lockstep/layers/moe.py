@@ -41,10 +41,14 @@ class ExpertNames:
     gate: str
     up: str
     down: str
+    # The checkpoint holds every expert in two tensors, ``{block}.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows
+    # first) and ``{block}.experts.down_proj`` ``[E, H, I]``, as transformers 5 keeps them (Qwen3-VL-MoE).
+    fused: bool = False
 
 
 QWEN3_MOE_NAMES = ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 MIXTRAL_NAMES = ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+QWEN3_VL_MOE_NAMES = ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", fused=True)
 
 
 def per_expert_tensors(name: str, tensor: torch.Tensor, names: ExpertNames) -> list[tuple[str, torch.Tensor]] | None:
@@ -54,7 +58,7 @@ def per_expert_tensors(name: str, tensor: torch.Tensor, names: ExpertNames) -> l
     ``save_pretrained`` writes the released per-expert names. The released names of one such tensor's parts (views),
     or None for a name that is not a fused one."""
     layer, _, leaf = name.rpartition(".mlp.")
-    if not layer:
+    if not layer or names.fused:  # a fused checkpoint's names are the fused ones
         return None
     block = f"{layer}.{names.block}"
     if leaf == "gate.weight":
@@ -138,6 +142,12 @@ class SparseMoeBlock(nn.Module):
             gate_up, down = Shard(0, *self.shard, full), Shard(1, *self.shard, full)
         yield f"{prefix}.gate.weight", self.gate.weight.detach(), None
         w13, w2 = self.w13.detach(), self.w2.detach()
+        if n.fused:
+            if self.shard is not None:
+                raise ValueError("fused expert checkpoints are not supported under tensor parallelism yet")
+            yield f"{prefix}.experts.gate_up_proj", w13, None
+            yield f"{prefix}.experts.down_proj", w2, None
+            return
         for e in range(self.num_experts):
             yield f"{prefix}.experts.{e}.{n.gate}.weight", w13[e, :i], gate_up
             yield f"{prefix}.experts.{e}.{n.up}.weight", w13[e, i:], gate_up

@@ -65,3 +65,38 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions]  # [num_tokens, head_dim // 2]
         sin = self.sin[positions]
         return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary embedding (M-RoPE, Qwen2.5-VL and Qwen3-VL): a position has three components (t, h, w)
+    and frequency ``j`` of a head rotates by component ``components[j]`` (``MultimodalConfig.mrope_components``).
+
+    cos/sin come from the 1-D table, gathered per frequency from the row of that frequency's component: a row whose
+    three components are equal reads exactly the entries the 1-D lookup reads, so text rows, and every decode
+    step, have the same bits whether their positions arrive as ``[n]`` or as ``[3, n]``.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        components: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__(head_dim, max_position, theta, None, dtype, device)
+        if len(components) != head_dim // 2 or not set(components) <= {0, 1, 2}:
+            raise ValueError(f"M-RoPE needs a component in (0, 1, 2) for each of {head_dim // 2} frequencies")
+        self.register_buffer("components", torch.tensor(components, device=device), persistent=False)
+        self.register_buffer("freq_index", torch.arange(head_dim // 2, device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions: [num_tokens]`` or ``[3, num_tokens]`` -> ``(cos, sin)``, each ``[num_tokens, 1, head_dim]``."""
+        if positions.dim() == 1:
+            return super().forward(positions)
+        # rows[i, j]: the table row frequency j of token i reads, its component's position.
+        rows = positions[self.components].T  # [num_tokens, head_dim // 2]
+        cos = self.cos[rows, self.freq_index]
+        sin = self.sin[rows, self.freq_index]
+        return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]

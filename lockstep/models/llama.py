@@ -19,6 +19,7 @@ parallelism"). With ``tp_invariant`` the row-parallel layers (and the experts' d
 the chunk tree, so the logits have the same bits at every N, one process included.
 """
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -30,9 +31,22 @@ from lockstep.layers.attention import Attention, AttentionMetadata
 from lockstep.layers.embedding import LMHead, VocabEmbedding
 from lockstep.layers.kernels import Kernels, get_kernels
 from lockstep.layers.linear import Linear, RowParallelLinear
-from lockstep.layers.moe import MIXTRAL_NAMES, QWEN3_MOE_NAMES, SparseMoeBlock, per_expert_tensors
+from lockstep.layers.moe import (
+    MIXTRAL_NAMES,
+    QWEN3_MOE_NAMES,
+    QWEN3_VL_MOE_NAMES,
+    SparseMoeBlock,
+    per_expert_tensors,
+)
 from lockstep.layers.norm import RMSNorm
 from lockstep.layers.rotary import ROPE_TYPES, RotaryEmbedding
+from lockstep.models.multimodal import (
+    VLM_TEXT_ARCHITECTURES,
+    MultimodalConfig,
+    VisionConfig,
+    multimodal_from_hf,
+    text_config_dict,
+)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -41,9 +55,14 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    *VLM_TEXT_ARCHITECTURES,  # vision-language models (models/qwen3_vl.py, qwen2_5_vl.py)
 )
 # How each mixture of experts names its MoE block's tensors in a checkpoint.
-_EXPERT_NAMES = {"Qwen3MoeForCausalLM": QWEN3_MOE_NAMES, "MixtralForCausalLM": MIXTRAL_NAMES}
+_EXPERT_NAMES = {
+    "Qwen3MoeForCausalLM": QWEN3_MOE_NAMES,
+    "MixtralForCausalLM": MIXTRAL_NAMES,
+    "Qwen3VLMoeForConditionalGeneration": QWEN3_VL_MOE_NAMES,
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Checkpoint matrices that this model stacks into one weight, in stacking order.
 _STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -79,6 +98,14 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to one
     dense_layers: tuple[int, ...] = ()
+    # A vision-language model: its vision tower and image-token settings (None for a text model).
+    vision: VisionConfig | None = None
+    multimodal: MultimodalConfig | None = None
+
+    @property
+    def text_architecture(self) -> str:
+        """The text family whose decoder layers this model has (the architecture itself for a text model)."""
+        return VLM_TEXT_ARCHITECTURES.get(self.architecture, self.architecture)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return self.num_experts > 0 and layer_idx not in self.dense_layers
@@ -98,6 +125,8 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; lockstep supports {', '.join(ROPE_TYPES)}")
+        if (self.architecture in VLM_TEXT_ARCHITECTURES) != (self.vision is not None and self.multimodal is not None):
+            raise ValueError(f"{self.architecture} with vision={self.vision} and multimodal={self.multimodal}")
         if (self.num_experts > 0) != (self.architecture in _EXPERT_NAMES):
             raise ValueError(f"{self.architecture} with num_experts={self.num_experts}")
         if self.num_experts > 0:
@@ -116,6 +145,11 @@ class ModelConfig:
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; lockstep runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if arch in VLM_TEXT_ARCHITECTURES:
+            # The decoder is the text family's, read as that family's config; the vision tower comes alongside.
+            text = cls.from_hf(text_config_dict(hf))
+            vision, mm = multimodal_from_hf(hf, text.head_dim)
+            return dataclasses.replace(text, architecture=arch, vision=vision, multimodal=mm)
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is implemented")
 
@@ -395,15 +429,24 @@ class LlamaForCausalLM(nn.Module):
         self.tp_invariant = tp_invariant
         self.dtype = dtype
         self.max_model_len = max_position
-        self.model = LlamaModel(config, self.kernels, dtype, device, max_position, self.tp, tp_invariant)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.model = self._build_model(config, dtype, device, max_position)
+        tied = self.language_model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(
             config.vocab_size, config.hidden_size, self.kernels, dtype, device, tied_to=tied, tp=self.tp
         )
 
+    def _build_model(self, config: ModelConfig, dtype: torch.dtype, device, max_position: int) -> nn.Module:
+        """What ``self.model`` holds: the decoder stack here (a vision-language model adds its vision tower)."""
+        return LlamaModel(config, self.kernels, dtype, device, max_position, self.tp, self.tp_invariant)
+
+    @property
+    def language_model(self) -> "LlamaModel":
+        """The decoder stack: embedding, layers, final norm."""
+        return self.model
+
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.lm_head.weight.device
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
@@ -428,7 +471,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_kv_heads(self) -> int:
         """KV heads this rank holds (all of them in one process)."""
-        return self.model.layers[0].self_attn.num_kv_heads
+        return self.language_model.layers[0].self_attn.num_kv_heads
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         return (num_blocks, block_size, self.num_kv_heads, self.config.head_dim)
@@ -464,6 +507,14 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in items:
             parts = None if names is None else per_expert_tensors(name, tensor, names)
             yield from [(name, tensor)] if parts is None else parts
+
+    def checkpoint_name(self, name: str) -> str:
+        """The ``checkpoint_tensors`` name of the tensor a checkpoint file calls ``name`` (the same, here)."""
+        return name
+
+    def checkpoint_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor read from a checkpoint file, in the layout of its ``checkpoint_tensors`` slot (as read, here)."""
+        return tensor
 
     def checkpoint_shards(self) -> dict[str, Shard]:
         """The slice of each checkpoint tensor this rank holds, for the tensors a rank holds only part of."""

@@ -11,6 +11,7 @@ missing tensor raises ``ValueError``. Pickled ``*.bin`` weights are never loaded
 
 import dataclasses
 import json
+import math
 import zlib
 from pathlib import Path
 
@@ -129,6 +130,19 @@ def _ignored(name: str, config: ModelConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The class that implements ``architecture`` (one of ``SUPPORTED_ARCHITECTURES``)."""
+    if architecture in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"):
+        from lockstep.models.qwen3_vl import Qwen3VLForConditionalGeneration
+
+        return Qwen3VLForConditionalGeneration
+    if architecture == "Qwen2_5_VLForConditionalGeneration":
+        from lockstep.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+        return Qwen2_5_VLForConditionalGeneration
+    return LlamaForCausalLM
+
+
 def load_model(
     path: str | Path,
     *,
@@ -157,7 +171,7 @@ def load_model(
             # A checkpoint without a head shares the embedding (what transformers does too).
             config = dataclasses.replace(config, tie_word_embeddings=True)
 
-    model = LlamaForCausalLM(
+    model = model_class(config.architecture)(
         config,
         kernels=kernels,
         dtype=dtype,
@@ -174,7 +188,8 @@ def load_model(
     loaded: set[str] = set()
     for file, names in names_by_file.items():
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in names:
+            for file_name in names:
+                name = model.checkpoint_name(file_name)
                 if _ignored(name, config):
                     continue
                 dest = slots.get(name)
@@ -185,9 +200,9 @@ def load_model(
                 shard = shards.get(name)
                 try:
                     if shard is None:
-                        tensor = f.get_tensor(name)
+                        tensor = model.checkpoint_layout(name, f.get_tensor(file_name))
                     else:
-                        source = f.get_slice(name)
+                        source = f.get_slice(file_name)
                         full = list(source.get_shape())
                         tensor = source[shard.index()]
                 except Exception as e:
@@ -224,7 +239,9 @@ def fill_random(model: LlamaForCausalLM, seed: int = 0) -> None:
             shape[shard.dim] = shard.full
         gen = torch.Generator(device=dest.device).manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
         full = torch.randn(shape, generator=gen, device=dest.device)
-        full = 1.0 + 0.1 * full if "norm" in name else full / shape[-1] ** 0.5
+        # A patch embedding ([D, C, T, P, P], a convolution's weight) reads C * T * P * P inputs.
+        fan_in = math.prod(shape[1:]) if len(shape) == 5 else shape[-1]
+        full = 1.0 + 0.1 * full if "norm" in name else full / fan_in**0.5
         dest.copy_(full if shard is None else full[shard.index()])
 
 

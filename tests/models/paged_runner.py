@@ -32,13 +32,23 @@ class PagedRunner:
             table.append(self.free.pop(0))
         return table
 
-    def forward(self, chunks: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
+    def forward(
+        self, chunks: list[tuple[str, list[int], int]], positions: torch.Tensor | None = None, mm=None
+    ) -> list[torch.Tensor]:
         """Run ``(seq_id, new_token_ids, start_position)`` chunks as one flattened batch, laid out by the engine's
         ``flatten_batch``. Returns each chunk's final hidden states, ``[len(new_token_ids), hidden_size]``.
+
+        A vision-language model may take the rows' M-RoPE ``positions`` (``[3, num_tokens]``, in place of the
+        cache positions) and ``mm`` (the batch's ``MultimodalBatch``).
         """
         layout = [(tokens, start, self._table(seq, start + len(tokens))) for seq, tokens, start in chunks]
         flat = flatten_batch(layout, self.block_size)
-        hidden = self.model(*flat.to(self.model.device, self.kv_caches))
+        input_ids, flat_positions, attn = flat.to(self.model.device, self.kv_caches)
+        if positions is None and mm is None:
+            hidden = self.model(input_ids, flat_positions, attn)
+        else:
+            positions = flat_positions if positions is None else positions.to(self.model.device)
+            hidden = self.model(input_ids, positions, attn, mm)
         starts = flat.query_start_loc
         return [hidden[starts[i] : starts[i + 1]] for i in range(len(chunks))]
 
