@@ -297,7 +297,10 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+                raise ValueError(
+                    f"unsupported type {part.get('type')!r} of a content part: text parts are supported, and "
+                    "image_url parts for a vision-language model"
+                )
             parts.append(part["text"])
         return "".join(parts)
 
