@@ -366,6 +366,11 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
         help="comma list (default 1,8,64,256; --local 1,8,32); LEVEL:N sends N requests at that level instead of -n",
     )
     p.add_argument("--chat", action="store_true", help="chat completions instead of completions")
+    p.add_argument(
+        "--image", default=None, metavar="FILE",
+        help="send this image with every target (a vision-language model; implies --chat); every other filler "
+        "request gets an image of its own",
+    )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=None, help="default 64 (--local 32)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -408,6 +413,7 @@ def run_audit(args: argparse.Namespace) -> int:
         filler=args.filler,
         logprobs=not args.no_logprobs,
         level_n=level_n,
+        image=args.image,
     )
     if args.local:
         report = audit_local(args.model, cfg, device=args.device, progress=not args.quiet)

@@ -150,3 +150,18 @@ def test_images_for_a_text_only_model(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         chat(server, image_message(png_url(tiny_image(32, 32))))
     assert "text-only" in e.value.message
+
+
+def test_image_audit_of_the_server_gives_one_completion(vlm_server: Server, media_dir: Path) -> None:
+    """``lockstep audit --image``'s experiment on the server: the same image and question, alone and 8 at once
+    among image and text fillers: one completion, the same logprob bits."""
+    from lockstep.audit.runner import AuditConfig, audit_endpoint
+
+    cfg = AuditConfig(
+        prompt="Describe this image.", n=8, concurrency=(1, 8), max_tokens=6, temperature=0.8, seed=3, filler=6,
+        image=str(media_dir / "a.png"),
+    )  # fmt: skip
+    report = asyncio.run(audit_endpoint(vlm_server.base_url, None, cfg, progress=False))
+    overall = report["overall"]
+    assert (overall["requests"], overall["errors"], overall["unique_completions"]) == (16, 0, 1)
+    assert overall["logprobs"]["bitwise_identical"]
