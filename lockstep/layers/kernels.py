@@ -168,9 +168,9 @@ INVARIANT = register_kernels(
         log_softmax_at=ops.log_softmax_at,
         moe_route=ops.moe_route,
         moe_experts=ops.moe_experts,
-        layer_norm=torch_kernels.torch_layer_norm,  # placeholders until the invariant ops land
-        gelu=torch_kernels.torch_gelu,
-        vision_attention=torch_kernels.torch_vision_attention,
+        layer_norm=ops.layer_norm,
+        gelu=ops.gelu,
+        vision_attention=ops.vision_attention,
     )
 )
 TORCH = register_kernels(

@@ -64,23 +64,31 @@ class VisionRotary(nn.Module):
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.int64).float() / spatial))
         self.cos = torch.empty(0, spatial // 2)
         self.sin = torch.empty(0, spatial // 2)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # copies of the tables
 
-    def _grow(self, size: int) -> None:
+    def _tables(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         while self.cos.shape[0] < size:
             start = self.cos.shape[0]
             freqs = torch.arange(start, start + self._BLOCK, dtype=torch.int64).float()[:, None] * self.inv_freq
             self.cos = torch.cat([self.cos, freqs.cos()])
             self.sin = torch.cat([self.sin, freqs.sin()])
+            self._on_device.clear()
+        if device not in self._on_device:
+            self._on_device[device] = (self.cos.to(device), self.sin.to(device))
+        return self._on_device[device]
 
     def forward(self, pos_hw: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``pos_hw: [n, 2]`` int64 (row, column) on the host -> fp32 ``(cos, sin)``, each ``[n, 1, head_dim]``."""
-        self._grow(int(pos_hw.max()) + 1 if pos_hw.numel() else 0)
+        """``pos_hw: [n, 2]`` int64 (row, column) on the host -> fp32 ``(cos, sin)`` on ``device``, each
+        ``[n, 1, head_dim]``."""
+        device = torch.device(device)
+        cos, sin = self._tables(int(pos_hw.max()) + 1 if pos_hw.numel() else 0, device)
+        pos = pos_hw.to(device)
 
         def gather(table: torch.Tensor) -> torch.Tensor:
-            half = torch.cat([table[pos_hw[:, 0]], table[pos_hw[:, 1]]], dim=-1)  # [n, head_dim // 2]
-            return torch.cat([half, half], dim=-1)[:, None, :].to(device)
+            half = torch.cat([table[pos[:, 0]], table[pos[:, 1]]], dim=-1)  # [n, head_dim // 2]
+            return torch.cat([half, half], dim=-1)[:, None, :]
 
-        return gather(self.cos), gather(self.sin)
+        return gather(cos), gather(sin)
 
 
 class VisionAttention(nn.Module):

@@ -9,6 +9,8 @@ import os
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 from lockstep.ops.attention import paged_attention, write_kv
+from lockstep.ops.gelu import gelu
+from lockstep.ops.layer_norm import layer_norm
 from lockstep.ops.matmul import addmm, bmm, linear, mm
 from lockstep.ops.moe import experts as moe_experts
 from lockstep.ops.moe import route as moe_route
@@ -16,10 +18,13 @@ from lockstep.ops.reduce import mean, sum
 from lockstep.ops.rms_norm import rms_norm, rms_norm_qk, rms_norm_with_rstd
 from lockstep.ops.rotary import rotary, rotary_torch, rotary_write_kv
 from lockstep.ops.softmax import log_softmax, log_softmax_at, softmax
+from lockstep.ops.vision_attention import vision_attention
 
 __all__ = [
     "addmm",
     "bmm",
+    "gelu",
+    "layer_norm",
     "linear",
     "log_softmax",
     "log_softmax_at",
@@ -36,5 +41,6 @@ __all__ = [
     "rotary_write_kv",
     "softmax",
     "sum",
+    "vision_attention",
     "write_kv",
 ]

@@ -1,5 +1,5 @@
 """Differentiable versions of the batch-invariant ops: ``linear``, ``tree_linear``, ``rms_norm``, ``log_softmax``,
-``moe_route``, ``moe_experts``.
+``moe_route``, ``moe_experts``, and the vision towers' ``layer_norm``, ``gelu``, ``vision_attention``.
 
 Each forward calls the op itself, so a trainer's forward values are the engine's bits. The backward passes are
 deterministic run to run and use no atomics:
@@ -15,6 +15,8 @@ deterministic run to run and use no atomics:
 - ``moe_experts`` and ``moe_experts_tree`` (the chunk tree over each expert's down projection, which orders the
   forward's sum only): recomputed in fp32 with plain torch ops (``ops.moe.experts_reference``) and
   differentiated by autograd, as the trainer's attention backward does (``rl/attention.py``).
+- ``layer_norm``, ``gelu`` and ``vision_attention`` likewise: recomputed in fp32 with ``F.layer_norm``, ``F.gelu``
+  and one ``F.scaled_dot_product_attention`` per segment, differentiated by autograd.
 
 Only the forward carries the bitwise contract; a backward's bits may follow the batch (its column sums run over
 the tokens of the micro-batch), but never the run.
@@ -22,6 +24,8 @@ the tokens of the micro-batch), but never the run.
 
 import torch
 
+from lockstep.ops.gelu import gelu as _gelu
+from lockstep.ops.layer_norm import layer_norm as _layer_norm
 from lockstep.ops.matmul import linear as _linear
 from lockstep.ops.matmul import mm
 from lockstep.ops.moe import experts as _moe_experts
@@ -31,8 +35,20 @@ from lockstep.ops.moe import route as _moe_route
 from lockstep.ops.rms_norm import rms_norm as _rms_norm
 from lockstep.ops.softmax import log_softmax as _log_softmax
 from lockstep.ops.tp_linear import tree_linear as _tree_linear
+from lockstep.ops.vision_attention import vision_attention as _vision_attention
 
-__all__ = ["linear", "log_softmax", "moe_experts", "moe_experts_tree", "moe_route", "rms_norm", "tree_linear"]
+__all__ = [
+    "gelu",
+    "layer_norm",
+    "linear",
+    "log_softmax",
+    "moe_experts",
+    "moe_experts_tree",
+    "moe_route",
+    "rms_norm",
+    "tree_linear",
+    "vision_attention",
+]
 
 
 class _Linear(torch.autograd.Function):
@@ -177,6 +193,95 @@ class _MoEExpertsTree(_MoEExperts):
     def forward(ctx, x, w13, w2, weights, ids):
         ctx.save_for_backward(x, w13, w2, weights, ids)
         return _moe_experts_tree(x, w13, w2, weights, ids)
+
+
+def _recomputed_grads(ctx, grad: torch.Tensor, reference, inputs: tuple, num_args: int) -> tuple:
+    # The gradients of ``reference(*inputs)`` (float tensors or None first, then other arguments), recomputed in
+    # fp32 from the saved inputs; None for inputs that need none. ``num_args``: the Function's argument count.
+    floats = [t.detach().float().requires_grad_() if isinstance(t, torch.Tensor) else t for t in inputs]
+    wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and ctx.needs_input_grad[i]]
+    with torch.enable_grad():
+        out = reference(*floats)
+    grads = torch.autograd.grad(out, [floats[i] for i in wanted], grad.float(), allow_unused=True)
+    result: list[torch.Tensor | None] = [None] * num_args
+    for i, g in zip(wanted, grads, strict=True):
+        result[i] = torch.zeros_like(inputs[i]) if g is None else g.to(inputs[i].dtype)
+    return tuple(result)
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.eps = eps
+        return _layer_norm(x, weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, bias = ctx.saved_tensors
+        eps = ctx.eps
+
+        def reference(x, weight, bias):
+            return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+        return _recomputed_grads(ctx, grad, reference, (x, weight, bias), 4)
+
+
+class _Gelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, approximate: str):
+        ctx.save_for_backward(x)
+        ctx.approximate = approximate
+        return _gelu(x, approximate)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        approximate = ctx.approximate
+        return _recomputed_grads(ctx, grad, lambda x: torch.nn.functional.gelu(x, approximate=approximate), (x,), 2)
+
+
+class _VisionAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale: float):
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.scale = scale
+        return _vision_attention(q, k, v, cu_seqlens, scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, cu_seqlens = ctx.saved_tensors
+        cu, scale = cu_seqlens.tolist(), ctx.scale
+
+        def reference(q, k, v):
+            # [L, heads, D] -> [heads, L, D] per segment, one SDPA call each
+            outs = [
+                torch.nn.functional.scaled_dot_product_attention(
+                    *(t[a:b].transpose(0, 1) for t in (q, k, v)), scale=scale
+                ).transpose(0, 1)
+                for a, b in zip(cu[:-1], cu[1:], strict=True)
+                if b > a
+            ]
+            return torch.cat(outs) if outs else q * 0
+
+        return _recomputed_grads(ctx, grad, reference, (q, k, v), 5)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``ops.layer_norm`` with autograd into ``x``, the weight and the bias."""
+    return _LayerNorm.apply(x, weight, bias, eps)
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``ops.gelu`` with autograd."""
+    return _Gelu.apply(x, approximate)
+
+
+def vision_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``ops.vision_attention`` with autograd into ``q``, ``k`` and ``v``."""
+    return _VisionAttention.apply(q, k, v, cu_seqlens, scale)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,6 +83,9 @@ TRAINABLE = Kernels(
     moe_route=autograd.moe_route,
     moe_experts=autograd.moe_experts,
     moe_experts_tree=autograd.moe_experts_tree,
+    layer_norm=autograd.layer_norm,
+    gelu=autograd.gelu,
+    vision_attention=autograd.vision_attention,
 )
 
 

@@ -47,3 +47,23 @@ def greedy(model, ids, pixel_values, grid_thw, max_new_tokens: int) -> list[int]
         hidden = runner.forward([("a", [out[-1]], index)], positions=torch.tensor([index + delta]))[0]
         out.append(int(model.compute_logits(hidden).argmax()))
     return out
+
+
+def half_precision_errors(folder: Path, hf32, dtype: torch.dtype, case) -> tuple[float, float]:
+    """``(ours, transformers')``: the largest logit error of the model run in ``dtype`` against transformers' fp32
+    logits, relative to their largest magnitude. Both models round the same way, so they should be close."""
+    from tiny_models import max_rel_err
+    from tiny_vlm import hf_vlm_logits
+    from transformers import AutoModelForImageTextToText
+
+    from lockstep.models.loader import load_model
+
+    ids, pixel_values, grid_thw = case
+    ref = hf_vlm_logits(hf32, ids, pixel_values, grid_thw)
+    model = load_model(folder, dtype=dtype)
+    features = model.encode_images(pixel_values, grid_thw)
+    assert all(f.embeds.dtype == dtype for f in features)
+    logits, _ = prefill(model, PagedRunner(model), "a", ids, pixel_values, grid_thw)
+    hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).eval()
+    theirs = hf_vlm_logits(hf, ids, pixel_values.to(dtype), grid_thw)
+    return max_rel_err(logits, ref), max_rel_err(theirs, ref)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from gradients import check_directional, randn
 
+from lockstep import ops
 from lockstep.ops import autograd, tp_linear
 
 
@@ -84,3 +85,36 @@ def test_moe_experts_grad():
         lambda x, a, b, w: moe.experts_reference(x, a, b, w, ids),
         [x, w13, w2, weights],
     )
+
+
+def _layer_norm_ref(x, w, b, eps=1e-6):
+    return (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps) * w + b
+
+
+def test_layer_norm_grad_and_forward_bits():
+    x, w, b = 2 * randn(17, 72) + 1, 1 + 0.1 * randn(72, seed=2), randn(72, seed=3)
+    assert torch.equal(autograd.layer_norm(x, w, b, 1e-6), ops.layer_norm(x, w, b, 1e-6))
+    check_directional(lambda x, w, b: autograd.layer_norm(x, w, b, 1e-6), _layer_norm_ref, [x, w, b])
+    check_directional(lambda x: autograd.layer_norm(x, None, None, 1e-6), lambda x: _layer_norm_ref(x, 1, 0), [x])
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_grad_and_forward_bits(approximate):
+    x = 3 * randn(7, 50)
+    assert torch.equal(autograd.gelu(x, approximate), ops.gelu(x, approximate))
+    check_directional(lambda x: autograd.gelu(x, approximate), lambda x: F.gelu(x, approximate=approximate), [x])
+
+
+def test_vision_attention_grad_and_forward_bits():
+    q, k, v = randn(30, 2, 16), randn(30, 2, 16, seed=2), randn(30, 2, 16, seed=3)
+    cu = torch.tensor([0, 7, 7, 30], dtype=torch.int32)
+    assert torch.equal(autograd.vision_attention(q, k, v, cu, 0.3), ops.vision_attention(q, k, v, cu, 0.3))
+
+    def ref(q, k, v):
+        parts = []
+        for a, b in ((0, 7), (7, 30)):
+            s = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * 0.3
+            parts.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v[a:b]))
+        return torch.cat(parts)
+
+    check_directional(lambda q, k, v: autograd.vision_attention(q, k, v, cu, 0.3), ref, [q, k, v])
