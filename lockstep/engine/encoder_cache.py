@@ -44,8 +44,3 @@ class EncoderCache:
         """Free every image of ``seq``."""
         for k in range(len(seq.mm.images)):
             self._features.pop((seq.request_id, k), None)
-
-    @property
-    def num_tokens(self) -> int:
-        """Image tokens whose features are held."""
-        return sum(f.embeds.shape[0] for f in self._features.values())

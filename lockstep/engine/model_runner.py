@@ -319,6 +319,10 @@ class ModelRunner:
             mm = e.seq.mm
             if mm is None:
                 continue
+            if e.start >= mm.num_prompt_tokens:  # output tokens only (a decode step): index + delta, no tensor
+                for row in range(starts[i], starts[i + 1]):
+                    flat.positions[row] += mm.delta
+                continue
             flat.positions[starts[i] : starts[i + 1]] = mm.text_positions(e.start, e.end)
             images = mm.overlapping(e.start, e.end)
             if not images:
