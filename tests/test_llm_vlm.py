@@ -300,10 +300,11 @@ def test_chat_with_image_parts_equals_generate(vlm_dir: Path, reference: list[tu
         assert bits(out) == reference[0]
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl"])
-def test_qwen2_5_vl_batch_and_chunk_invariance(tmp_path_factory: pytest.TempPathFactory, arch: str) -> None:
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])
+def test_other_vlms_batch_and_chunk_invariance(tmp_path_factory: pytest.TempPathFactory, arch: str) -> None:
+    """Qwen2.5-VL (window attention) and Qwen3-VL-MoE: two image targets alone, then chunked among others."""
     folder = save_tiny_vlm(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
-    # Patch 14, merge 2: 28-pixel units; windows of 56 pixels: several per image.
+    # Qwen2.5-VL: patch 14, merge 2, 28-pixel units, windows of 56 pixels (several per image).
     targets = [
         prompt_of(f"user: {PLACE}Describe.\nassistant:", [tiny_image(112, 84, 1)]),
         prompt_of(f"user: {PLACE}and{PLACE}?\nassistant:", [tiny_image(84, 56, 2), tiny_image(140, 112, 3)]),

@@ -79,6 +79,11 @@ def test_image_chat_equals_the_offline_llm(vlm_server: Server, vlm_dir: Path) ->
     [offline] = llm.chat([{"role": "user", "content": parts}], p, use_tqdm=False)
     assert r.usage.prompt_tokens == len(offline.prompt_token_ids)
     assert answer(r) == (offline.outputs[0].text, tuple(offline.outputs[0].token_logprobs))
+    stream = chat(vlm_server, image_message(png_url(image)), stream=True, extra_body={"ignore_eos": True})
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == offline.outputs[0].text
+    streamed = tuple(t.logprob for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content)
+    assert streamed == tuple(offline.outputs[0].token_logprobs)
 
 
 def test_same_image_alone_and_among_concurrent_requests(vlm_server: Server, media_dir: Path) -> None:
