@@ -123,3 +123,18 @@ def test_abort_mid_image_frees_its_features_and_blocks(vlm_dir: Path) -> None:
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         engine.add_request("t", ids, SamplingParams(truncate_prompt_tokens=5), mm=mm)
     assert held(engine) == (False, 0, 0)
+
+
+def test_warm_up_of_a_vision_language_engine(vlm_dir: Path) -> None:
+    """On CUDA the engine warms up at start: its random prompts must not hold a placeholder without an image, and
+    an image request of each warm-up size that fits runs (then nothing is left behind)."""
+    from lockstep.engine import warmup
+
+    llm = LLM(str(vlm_dir), block_size=4, num_kv_blocks=512, max_num_batched_tokens=512, max_num_seqs=16)
+    encoded = []
+    encode = llm.engine.runner.model.encode_images
+    llm.engine.runner.model.encode_images = lambda p, g: encoded.append(g.tolist()) or encode(p, g)
+    ran = warmup.warm_up(llm.engine, lengths=(1, 5, 100, 500))
+    # 224 x 224 is 14 x 14 patches of 16; the folder's processor caps 448 x 448 at 256 x 256 pixels (16 x 16).
+    assert encoded == [[[1, 14, 14]], [[1, 16, 16]]] and ran == 4 + 3 + 16 + 2 + 2
+    assert held(llm.engine) == (False, 0, 0) and not llm.engine.scheduler.block_manager.hash_to_block_id
