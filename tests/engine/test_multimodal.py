@@ -169,3 +169,22 @@ def test_prefix_cache_keys_blocks_by_the_image_pixels() -> None:
     finish(same)
     finish(other)
     assert same.num_cached_tokens == 12 and other.num_cached_tokens == 4
+
+
+def test_engine_config_checks_the_multimodal_fields() -> None:
+    import pytest
+
+    bad = [
+        ({"limit_mm_per_prompt": {"video": 1}}, "limit_mm_per_prompt"),
+        ({"limit_mm_per_prompt": {"image": -1}}, "limit_mm_per_prompt"),
+        ({"mm_processor_kwargs": {"fps": 1}}, "mm_processor_kwargs takes min_pixels, max_pixels"),
+        ({"mm_processor_kwargs": {"max_pixels": 0}}, "max_pixels"),
+        ({"max_num_encoder_tokens_per_step": 0}, "max_num_encoder_tokens_per_step"),
+        ({"max_image_pixels": 0}, "max_image_pixels"),
+        ({"allowed_media_domains": "example.com"}, "allowed_media_domains"),
+    ]
+    for kwargs, words in bad:
+        with pytest.raises(ValueError, match=words):
+            EngineConfig(**kwargs)
+    config = EngineConfig(limit_mm_per_prompt={"image": 0}, mm_processor_kwargs={"max_pixels": 4096})
+    assert config.limit_mm_per_prompt == {"image": 0} and config.max_num_encoder_tokens_per_step is None
