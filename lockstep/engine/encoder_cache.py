@@ -25,6 +25,10 @@ class EncoderCache:
     def __contains__(self, key: tuple[str, int]) -> bool:
         return key in self._features
 
+    def keys(self) -> list[tuple[str, int]]:
+        """The ``(request_id, image index)`` pairs held, in insertion order (for integrity checks)."""
+        return list(self._features)
+
     def put(self, request_id: str, index: int, features: Any) -> None:
         self._features[(request_id, index)] = features
 

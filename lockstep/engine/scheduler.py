@@ -370,6 +370,16 @@ class Scheduler:
             raise AssertionError(
                 f"Scheduler integrity: {len(self._requests)} known requests, {self.num_unfinished} queued"
             )
+        live = {
+            (s.request_id, k)
+            for s in self.running
+            if s.mm is not None
+            for k, image in enumerate(s.mm.images)
+            if image.end > s.num_computed_tokens
+        }
+        stale = [key for key in self.encoder_cache.keys() if key not in live]
+        if stale:
+            raise AssertionError(f"Scheduler integrity: the encoder cache holds {stale[:4]}, no running image's")
         self.block_manager.check_integrity(self.running)
 
 

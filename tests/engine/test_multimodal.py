@@ -188,3 +188,63 @@ def test_engine_config_checks_the_multimodal_fields() -> None:
             EngineConfig(**kwargs)
     config = EngineConfig(limit_mm_per_prompt={"image": 0}, mm_processor_kwargs={"max_pixels": 4096})
     assert config.limit_mm_per_prompt == {"image": 0} and config.max_num_encoder_tokens_per_step is None
+
+
+def test_random_image_workloads_keep_every_invariant() -> None:
+    """Random image and text requests on small token, encoder and cache budgets (chunks through images,
+    preemption): every chunk that reaches an image has it encoded (``run_step``), an image is encoded once per
+    admission, the encoder cache never holds a finished or computed image (``check_integrity``), and everything
+    is freed at the end."""
+    import random
+
+    preemptions = cut_images = 0
+    for seed in range(6):
+        rng = random.Random(seed)
+        sched = make_scheduler(
+            max_num_batched_tokens=rng.choice([8, 13, 32]),
+            max_num_seqs=8,
+            num_kv_blocks=rng.choice([24, 40]),
+            max_num_encoder_tokens_per_step=rng.choice([3, 8, 100]),
+            enable_prefix_caching=rng.random() < 0.5,
+        )
+        seqs = []
+        for i in range(12):
+            images = [(rng.randrange(1, 12), bytes([rng.randrange(4)])) for _ in range(rng.randrange(0, 3))]
+            before = [rng.randrange(2, 50) for _ in range(rng.randrange(0, 6))]
+            after = [rng.randrange(2, 50) for _ in range(rng.randrange(1, 6))]
+            seq = mm_seq(str(i), before, images, after, max_tokens=rng.randrange(1, 10))
+            if not images:
+                seq = Sequence(str(i), before + after, seq.params, block_size=BS)
+            sched.add(seq)
+            seqs.append(seq)
+        encodes: dict[tuple[str, int], int] = {}
+        for _ in range(2000):
+            if not sched.has_unfinished():
+                break
+            batch = run_step(sched)
+            preemptions += len(batch.preempted)
+            for e in batch.entries:
+                mm = e.seq.mm
+                cut_images += mm is not None and any(im.offset < e.end < im.end for im in mm.images)
+                for k in e.encode:
+                    encodes[(e.seq.request_id, k)] = encodes.get((e.seq.request_id, k), 0) + 1
+        assert not sched.has_unfinished() and len(sched.encoder_cache) == 0
+        for seq in seqs:
+            for k in range(len(seq.mm.images) if seq.mm else 0):
+                n = encodes.get((seq.request_id, k), 0)
+                assert n <= seq.num_preemptions + 1
+                assert n >= 1 or sched.config.enable_prefix_caching  # a prefix hit may cover a whole image
+    assert preemptions and cut_images  # the workloads did preempt, and cut chunks inside images
+
+
+def test_integrity_check_sees_a_leaked_image(monkeypatch) -> None:
+    """Negative control for the checks above: features kept past their image's tokens are caught."""
+    import pytest
+
+    from lockstep.engine.encoder_cache import EncoderCache
+
+    monkeypatch.setattr(EncoderCache, "free_computed", lambda self, seq: None)
+    sched = make_scheduler()
+    sched.add(mm_seq("a", [2], [(5, b"a")], [3]))
+    with pytest.raises(AssertionError, match="encoder cache holds"):
+        run_step(sched)
