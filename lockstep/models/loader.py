@@ -230,7 +230,8 @@ def fill_random(model: LlamaForCausalLM, seed: int = 0) -> None:
     """Random weights in place of a checkpoint's. Each checkpoint tensor is drawn whole on the model's device from a
     generator seeded by ``seed`` and its name, and each rank keeps its slice, so on one kind of device the model is
     the same at every tensor-parallel size. Norm weights are 1 + 0.1 N(0, 1), every other tensor N(0, 1) over the
-    square root of its last dimension: logits of order one, without the ties of vLLM's tiny uniform values."""
+    square root of its fan-in (the last dimension; a patch embedding's C * T * P * P): logits of order one, without
+    the ties of vLLM's tiny uniform values. Norm biases (LayerNorm's) count as norm weights too."""
     shards = model.checkpoint_shards()
     for name, dest in model.checkpoint_tensors().items():
         shape = list(dest.shape)
@@ -241,7 +242,8 @@ def fill_random(model: LlamaForCausalLM, seed: int = 0) -> None:
         full = torch.randn(shape, generator=gen, device=dest.device)
         # A patch embedding ([D, C, T, P, P], a convolution's weight) reads C * T * P * P inputs.
         fan_in = math.prod(shape[1:]) if len(shape) == 5 else shape[-1]
-        full = 1.0 + 0.1 * full if "norm" in name else full / fan_in**0.5
+        norm = "norm" in name or ".ln_" in name  # Qwen2.5-VL's merger calls its RMSNorm ln_q
+        full = 1.0 + 0.1 * full if norm else full / fan_in**0.5
         dest.copy_(full if shard is None else full[shard.index()])
 
 

@@ -62,12 +62,23 @@ class VLTextModel(LlamaModel):
 
 
 class _Body(nn.Module):
-    """``model``: the vision tower (``visual``) and the decoder stack (``language_model``), transformers' layout."""
+    """``model``: the vision tower (``visual``) and the decoder stack (``language_model``), transformers' layout.
+    Calling it runs the decoder, as a text model's ``model`` does (the RL trainer calls ``model.model`` to run the
+    forward with autograd, outside ``forward``'s inference mode)."""
 
     def __init__(self, visual: nn.Module, language_model: VLTextModel):
         super().__init__()
         self.visual = visual
         self.language_model = language_model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        mm: MultimodalBatch | None = None,
+    ) -> torch.Tensor:
+        return self.language_model(input_ids, positions, attn, mm)
 
 
 class VisionLanguageModel(LlamaForCausalLM):
