@@ -89,6 +89,19 @@ def test_cpu_invariant_across_call_chunks(monkeypatch):
     check_segment_invariance(vision_attention, 70, [40, 3, 100, 130])
 
 
+def test_cpu_invariant_to_the_thread_count():
+    q, k, v, cu = batch([segment(n, 4, 72, torch.float32, seed=n) for n in (300, 17, 129)])
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = vision_attention(q, k, v, cu, 0.1)
+        torch.set_num_threads(2)
+        two = vision_attention(q, k, v, cu, 0.1)
+    finally:
+        torch.set_num_threads(previous)
+    assert same_bits(one, two)
+
+
 def test_empty_segments_and_checks():
     seg = segment(9, 2, 16, torch.float32, seed=1)
     q, k, v, _ = batch([seg])
