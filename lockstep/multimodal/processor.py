@@ -50,6 +50,11 @@ class ImageProcessor:
     def image_token_id(self) -> int:
         return self.mm_config.image_token_id
 
+    @property
+    def max_pixels(self) -> int:
+        """The largest image area (pixels) images are resized to without a request's own options."""
+        return self.defaults.get("max_pixels", self.hf.size.longest_edge)
+
     def process(
         self, prompt_token_ids: Sequence[int], images: Sequence, mm_processor_kwargs: dict | None = None
     ) -> tuple[list[int], MultimodalInputs]:

@@ -36,10 +36,12 @@ def check_image_count(state: ServerState, num_images: int) -> None:
 
 
 def image_prompt(
-    state: ServerState, ids: list[int], sources: list[object]
+    state: ServerState, ids: list[int], sources: list[object], mm_processor_kwargs: dict | None = None
 ) -> tuple[list[int], MultimodalInputs | None]:
     """The prompt's token ids with its image placeholders expanded, and its images' inputs (None without images);
-    400 for a bad image or placeholders that do not match the images."""
+    400 for a bad image or placeholders that do not match the images. ``mm_processor_kwargs``: the request's
+    min/max pixels, at most the server's own maximum (a client cannot make its images larger than the server
+    would)."""
     engine = state.engine.engine
     if not engine.is_multimodal:
         return ids, None
@@ -49,9 +51,34 @@ def image_prompt(
             raise APIError(400, "the prompt holds an image placeholder (<|image_pad|>) but no image", param="messages")
         return ids, None
     check_image_count(state, len(sources))
+    kwargs = _request_kwargs(state, mm_processor_kwargs)
     policy = engine.media_policy
     try:
         images = [load_image(source, policy) for source in sources]
-        return engine.process_images(ids, images)
+        return engine.process_images(ids, images, kwargs)
     except ValueError as e:  # MediaError included
         raise APIError(400, f"invalid image: {e}", param="messages") from None
+
+
+def _request_kwargs(state: ServerState, kwargs: dict | None) -> dict | None:
+    """A request's ``mm_processor_kwargs``, checked: ``min_pixels`` / ``max_pixels`` as integers >= 1, neither above
+    the largest image area the server's processor resizes to."""
+    if not kwargs:
+        return None
+    if not isinstance(kwargs, dict):
+        raise APIError(400, "mm_processor_kwargs must be an object", param="mm_processor_kwargs")
+    processor = state.engine.engine.image_processor
+    most = processor.max_pixels
+    for name, value in kwargs.items():
+        if name not in ("min_pixels", "max_pixels"):
+            raise APIError(
+                400, f"mm_processor_kwargs takes min_pixels and max_pixels, not {name!r}", param="mm_processor_kwargs"
+            )
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+            raise APIError(
+                400,
+                f"mm_processor_kwargs.{name} must be an integer in [1, {most}] (the server's max_pixels), "
+                f"got {value!r}",
+                param="mm_processor_kwargs",
+            )
+    return kwargs

@@ -426,5 +426,5 @@ def _chat_prompt(
     if req.truncate_prompt_tokens is None:
         _check_chars(state, len(text), "messages")
     tail = text.rstrip()
-    ids, mm = image_prompt(state, list(tok.encode(text, add_special_tokens=False)), images)
+    ids, mm = image_prompt(state, list(tok.encode(text, add_special_tokens=False)), images, req.mm_processor_kwargs)
     return ids, tail.endswith(ReasoningStream.START), tail.endswith(ReasoningStream.END), mm

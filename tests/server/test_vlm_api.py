@@ -113,6 +113,19 @@ def test_same_image_alone_and_among_concurrent_requests(vlm_server: Server, medi
     assert [answer(r) for r in outs[-3:]] == [alone] * 3
 
 
+def test_mm_processor_kwargs_per_request(vlm_server: Server) -> None:
+    """vLLM's per-request min/max pixels: a smaller max_pixels makes fewer image tokens; more than the server's
+    own maximum is a 400."""
+    messages = image_message(png_url(tiny_image(160, 128, 4)))  # 20 image tokens at the server's sizes
+    full = chat(vlm_server, messages, max_tokens=1).usage.prompt_tokens
+    small = chat(vlm_server, messages, max_tokens=1, extra_body={"mm_processor_kwargs": {"max_pixels": 4096}})
+    assert full - small.usage.prompt_tokens == 20 - 2
+    for kwargs, words in [({"max_pixels": 1 << 30}, "the server's max_pixels"), ({"fps": 2}, "takes min_pixels")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(vlm_server, messages, extra_body={"mm_processor_kwargs": kwargs})
+        assert words in e.value.message and e.value.body["param"] == "mm_processor_kwargs"
+
+
 def test_tokenize_counts_the_image_tokens(vlm_server: Server) -> None:
     messages = image_message(png_url(tiny_image(160, 128, 4)))  # 5 x 4 = 20 image tokens
     r = chat(vlm_server, messages, max_tokens=1)
