@@ -74,6 +74,53 @@ def engine_args(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
+def add_multimodal_args(p: argparse.ArgumentParser) -> None:
+    """serve's options for vision-language models (vLLM's names)."""
+    p.add_argument(
+        "--limit-mm-per-prompt", default=None, metavar="JSON",
+        help='the most images one prompt may hold, e.g. \'{"image": 4}\' (default: no limit)',
+    )  # fmt: skip
+    p.add_argument(
+        "--mm-processor-kwargs", default=None, metavar="JSON",
+        help='the image processor\'s min_pixels / max_pixels, e.g. \'{"max_pixels": 1003520}\'',
+    )  # fmt: skip
+    p.add_argument(
+        "--allowed-local-media-path", default=None, metavar="FOLDER",
+        help="image_url parts may name file:// images under this folder (default: no local files)",
+    )  # fmt: skip
+    p.add_argument(
+        "--allowed-media-domains", default=None, metavar="HOSTS",
+        help="comma-separated hosts that http(s) image URLs may be fetched from (default: none; nothing is fetched)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-num-encoder-tokens-per-step", type=int, default=None,
+        help="image tokens the vision encoder takes per step (default: --max-num-batched-tokens)",
+    )  # fmt: skip
+    p.add_argument("--max-image-pixels", type=int, default=None, help="larger images are refused before decoding")
+
+
+def multimodal_args(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields ``add_multimodal_args`` parsed (those given)."""
+    import json
+
+    out: dict = {}
+    for name in ("limit_mm_per_prompt", "mm_processor_kwargs"):
+        value = getattr(args, name)
+        if value is not None:
+            try:
+                out[name] = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--{name.replace('_', '-')} must be a JSON object: {e}") from None
+    if args.allowed_local_media_path is not None:
+        out["allowed_local_media_path"] = args.allowed_local_media_path
+    if args.allowed_media_domains is not None:
+        out["allowed_media_domains"] = [d.strip() for d in args.allowed_media_domains.split(",") if d.strip()]
+    for name in ("max_num_encoder_tokens_per_step", "max_image_pixels"):
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    return out
+
+
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
@@ -161,6 +208,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_kernel_args(p)
     add_engine_args(p)
+    add_multimodal_args(p)
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     hosts_help = "Host names to accept, comma-separated, '*' for any (default: loopback names on a loopback --host)"
     p.add_argument("--allowed-hosts", default=None, help=hosts_help)
@@ -302,6 +350,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     chat = chat_args(args)
+    multimodal = multimodal_args(args)
     if args.model is None and args.revision is not None:
         raise ValueError("--revision needs a Hugging Face model id")
     check_device(args.device)
@@ -319,6 +368,7 @@ def run_serve(args: argparse.Namespace) -> int:
             grammar_limits=grammars,
             **kernel_args(args),
             **engine_args(args),
+            **multimodal,
         )
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         print(
@@ -352,6 +402,11 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
         help="comma list (default 1,8,64,256; --local 1,8,32); LEVEL:N sends N requests at that level instead of -n",
     )
     p.add_argument("--chat", action="store_true", help="chat completions instead of completions")
+    p.add_argument(
+        "--image", default=None, metavar="FILE",
+        help="send this image with every target (a vision-language model; implies --chat); every other filler "
+        "request gets an image of its own",
+    )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=None, help="default 64 (--local 32)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -394,6 +449,7 @@ def run_audit(args: argparse.Namespace) -> int:
         filler=args.filler,
         logprobs=not args.no_logprobs,
         level_n=level_n,
+        image=args.image,
     )
     if args.local:
         report = audit_local(args.model, cfg, device=args.device, progress=not args.quiet)

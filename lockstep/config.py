@@ -9,6 +9,9 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")  # EngineConfig.load_format
 # 2-core CPU machines 256 tokens of SmolLM2-135M take 4-15 s (the attention grows with the context), on an H200
 # 8192 tokens of an 8B model well under a second.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 256, "cuda": 8192}
+# The most pixels an image may have before it is decoded (its header says how many): 8192 x 8192, ~200 MB as RGB.
+DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
+MM_PROCESSOR_KWARGS = ("min_pixels", "max_pixels")  # what mm_processor_kwargs may set
 
 
 def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
@@ -89,6 +92,16 @@ class EngineConfig:
     generation_config: str = "auto"
     # "auto" reads the checkpoint's weights; "dummy" draws them at random from config.json's shape (benchmarks).
     load_format: str = "auto"
+    # Vision-language models (README, "Vision-language models"). Images per prompt (vLLM's {"image": N}; None: no
+    # limit), the image processor's min/max pixels, image tokens the vision encoder takes per step (None: the
+    # step's token budget), the folder under which requests may name local image files (None: none), the hosts
+    # images may be fetched from over http(s) (None: nothing is fetched) and the pixel cap checked before decoding.
+    limit_mm_per_prompt: dict[str, int] | None = None
+    mm_processor_kwargs: dict[str, int] | None = None
+    max_num_encoder_tokens_per_step: int | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -127,6 +140,7 @@ class EngineConfig:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        self._check_multimodal()
         self._resolve_kernels()
         self._resolve_tp()
         if self.async_scheduling is None:
@@ -144,6 +158,28 @@ class EngineConfig:
                     f"num_kv_blocks * block_size = {self.num_kv_blocks} * {self.block_size} = {capacity} KV "
                     f"slots cannot hold one sequence of max_model_len={self.max_model_len} tokens"
                 )
+
+    def _check_multimodal(self) -> None:
+        limits = self.limit_mm_per_prompt
+        if limits is not None:
+            if not isinstance(limits, dict) or set(limits) - {"image"}:
+                raise ValueError(f'limit_mm_per_prompt must be a dict like {{"image": 4}}, got {limits!r}')
+            for name, value in limits.items():
+                _check_int(f"limit_mm_per_prompt[{name!r}]", value, 0)
+        kwargs = self.mm_processor_kwargs
+        if kwargs is not None:
+            if not isinstance(kwargs, dict) or set(kwargs) - set(MM_PROCESSOR_KWARGS):
+                raise ValueError(f"mm_processor_kwargs takes {', '.join(MM_PROCESSOR_KWARGS)}, got {kwargs!r}")
+            for name, value in kwargs.items():
+                _check_int(f"mm_processor_kwargs[{name!r}]", value, 1)
+        _check_int("max_num_encoder_tokens_per_step", self.max_num_encoder_tokens_per_step, 1, optional=True)
+        _check_int("max_image_pixels", self.max_image_pixels, 1)
+        if self.allowed_local_media_path is not None and not isinstance(self.allowed_local_media_path, str):
+            raise ValueError(f"allowed_local_media_path must be a folder path, got {self.allowed_local_media_path!r}")
+        domains = self.allowed_media_domains
+        names_ok = isinstance(domains, list) and all(isinstance(d, str) and d for d in domains)
+        if domains is not None and not names_ok:
+            raise ValueError(f"allowed_media_domains must be a list of host names, got {domains!r}")
 
     def _resolve_kernels(self) -> None:
         from lockstep.layers.kernels import get_kernels  # imports torch and the kernels: only when a config is made

@@ -6,17 +6,35 @@ from typing import Any
 
 from lockstep.config import EngineConfig
 from lockstep.engine.llm_engine import LLMEngine
+from lockstep.engine.multimodal import MultimodalInputs
 from lockstep.outputs import CompletionOutput, OutputKind, RequestOutput
 from lockstep.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
-Prompt = str | list[int] | dict  # dict: vLLM's {"prompt": text} or {"prompt_token_ids": ids}
-Message = dict[str, str]
+# dict: vLLM's {"prompt": text} or {"prompt_token_ids": ids}, with "multi_modal_data" ({"image": images}) and
+# "mm_processor_kwargs" for a vision-language model.
+Prompt = str | list[int] | dict
+Message = dict[str, Any]  # content: a string, or OpenAI content parts (text, image_url, image)
+_Item = tuple[str | None, list[int], MultimodalInputs | None]  # a prompt's text, token ids and images
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
 
 
 def _is_token_ids(x: object) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _images_of(i: int, mm_data: object) -> list | None:
+    """The images of a prompt's ``multi_modal_data`` (``{"image": image or [images]}``), or None."""
+    if mm_data is None:
+        return None
+    if not isinstance(mm_data, dict) or set(mm_data) - {"image"}:
+        kinds = sorted(mm_data) if isinstance(mm_data, dict) else type(mm_data).__name__
+        raise ValueError(f'prompt {i}: multi_modal_data takes {{"image": image or list of images}}, got {kinds}')
+    images = mm_data.get("image")
+    if images is None:
+        return None
+    return (list(images) if isinstance(images, (list, tuple)) else [images]) or None
 
 
 class LLM:
@@ -32,6 +50,11 @@ class LLM:
     ``num_kv_blocks=None`` sizes the KV cache from free memory times ``gpu_memory_utilization`` (CUDA) or a
     fixed budget (CPU). ``seed`` makes the seeds drawn for sampled requests without one reproducible (each
     output reports the seed it used).
+
+    Vision-language models (Qwen3-VL, Qwen2.5-VL) take images: ``generate({"prompt": ..., "multi_modal_data":
+    {"image": image_or_images}})`` and ``chat`` with ``image_url`` content parts (data URLs; ``file://`` URLs under
+    ``allowed_local_media_path``). ``limit_mm_per_prompt={"image": N}``, ``mm_processor_kwargs={"min_pixels": ...,
+    "max_pixels": ...}``, ``max_num_encoder_tokens_per_step`` and ``max_image_pixels`` are engine arguments too.
 
     ``tensor_parallel_size=N`` shards the model over N processes (one GPU each, ``cuda:0`` to ``cuda:N-1``; gloo
     processes on the CPU) that this process starts and stops: the token ids and logprobs are the same bits at
@@ -81,29 +104,52 @@ class LLM:
         max_new_tokens as max_tokens; ``generation_config="vllm"`` ignores the file, a folder reads another's)."""
         return SamplingParams(**self.engine.default_sampling)
 
-    def _prompts(self, prompts: Prompt | list[Prompt]) -> list[tuple[str | None, list[int]]]:
+    def _prompts(self, prompts: Prompt | list[Prompt]) -> list[_Item]:
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts) and prompts:
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC):
             raise TypeError(f"prompts must be a prompt or a list of them, got {prompts!r}")
-        out: list[tuple[str | None, list[int]]] = []
+        out: list[_Item] = []
         for i, p in enumerate(prompts):
+            mm_data = mm_kwargs = None
             if isinstance(p, dict):  # vLLM's TextPrompt / TokensPrompt
-                if set(p) == {"prompt"}:
-                    p = p["prompt"]
-                elif set(p) == {"prompt_token_ids"}:
-                    p = p["prompt_token_ids"]
-                else:
-                    raise TypeError(f"prompt {i}: a dict prompt takes 'prompt' or 'prompt_token_ids' alone, got {p!r}")
+                keys = set(p)
+                if keys - _PROMPT_KEYS or len(keys & {"prompt", "prompt_token_ids"}) != 1:
+                    raise TypeError(
+                        f"prompt {i}: a dict prompt takes 'prompt' or 'prompt_token_ids' (and 'multi_modal_data', "
+                        f"'mm_processor_kwargs'), got keys {sorted(keys)}"
+                    )
+                mm_data, mm_kwargs = p.get("multi_modal_data"), p.get("mm_processor_kwargs")
+                p = p["prompt"] if "prompt" in p else p["prompt_token_ids"]
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("this model folder has no tokenizer: pass prompts as token-id lists")
-                out.append((p, list(self.tokenizer.encode(p))))
+                text, ids = p, list(self.tokenizer.encode(p))
             elif _is_token_ids(p):
-                out.append((None, list(p)))
+                text, ids = None, list(p)
             else:
                 raise TypeError(f"prompt {i} must be a string or a list of token ids, got {p!r}")
+            out.append(self._with_images(i, text, ids, _images_of(i, mm_data), mm_kwargs))
         return out
+
+    def _with_images(
+        self, i: int, text: str | None, ids: list[int], sources: list | None, mm_kwargs: dict | None
+    ) -> _Item:
+        """A prompt's item, its images loaded and processed (placeholders expanded); ValueError naming prompt ``i``
+        for a bad image, an image to a text-only model, or placeholders that do not match the images."""
+        if sources is None:
+            return text, ids, None
+        from lockstep.multimodal.media import load_image
+
+        try:
+            if not self.engine.is_multimodal:
+                raise ValueError("the model is text-only: it takes no images")
+            policy = self.engine.media_policy
+            images = [load_image(source, policy) for source in sources]
+            ids, mm = self.engine.process_images(ids, images, mm_kwargs)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+        return text, ids, mm
 
     def generate(
         self,
@@ -124,7 +170,7 @@ class LLM:
 
     def _generate(
         self,
-        items: list[tuple[str | None, list[int]]],
+        items: list[_Item],
         sampling_params: SamplingParams | list[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
@@ -137,13 +183,14 @@ class LLM:
         groups: list[list[str]] = []  # per prompt, the engine request of each of its n choices
         ids: list[str] = []
         try:
-            for (text, token_ids), p in zip(items, params, strict=True):
+            for (text, token_ids, mm), p in zip(items, params, strict=True):
                 groups.append([])
                 for i in range(p.n):
                     rid = str(self._next_id)
                     self._next_id += 1
                     choice = p.for_choice(i)
-                    self.engine.add_request(rid, token_ids, choice, prompt=text, output_kind=OutputKind.FINAL_ONLY)
+                    kind = OutputKind.FINAL_ONLY
+                    self.engine.add_request(rid, token_ids, choice, prompt=text, output_kind=kind, mm=mm)
                     groups[-1].append(rid)
                     ids.append(rid)
         except Exception:
@@ -202,15 +249,31 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
         rendered with the tokenizer's chat template and the generation prompt added. ``tools`` (OpenAI function
-        definitions) and ``chat_template_kwargs`` go to the template, as in vLLM's ``LLM.chat``."""
+        definitions) and ``chat_template_kwargs`` go to the template, as in vLLM's ``LLM.chat``. A message's content
+        may be OpenAI content parts: text, and for a vision-language model ``image_url`` parts (a data URL, or a
+        ``file://`` URL under ``allowed_local_media_path``) or ``{"type": "image", "image": PIL.Image}``."""
+        from lockstep.multimodal.chat import has_images, split_content
+
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model folder has no tokenizer")
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         extra = dict(chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
-        texts = [self.apply_chat_template(conv, chat_template, **extra) for conv in messages]
-        # The template already holds the special tokens it wants (vLLM does the same).
-        items = [(t, list(self.tokenizer.encode(t, add_special_tokens=False))) for t in texts]
+        items = []
+        for i, conv in enumerate(messages):
+            if not isinstance(conv, list) or not all(isinstance(m, dict) for m in conv):
+                raise TypeError(f"a conversation must be a list of message dicts, got {conv!r}")
+            rendered, sources = [], []
+            for m in conv:
+                if has_images(m.get("content")):
+                    content, found = split_content(m["content"])
+                    m = {**m, "content": content}
+                    sources += found
+                rendered.append(m)
+            text = self.apply_chat_template(rendered, chat_template, **extra)
+            # The template already holds the special tokens it wants (vLLM does the same).
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            items.append(self._with_images(i, text, ids, sources or None, None))
         return self._generate(items, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[Message], chat_template: str | None = None, **kwargs) -> str:

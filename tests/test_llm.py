@@ -406,7 +406,9 @@ def test_bad_inputs_raise_and_the_engine_keeps_working(tiny_llm: LLM) -> None:
         LLM(tiny_llm.engine.config.model, gpu_memory_utilization=1.5)
     assert tiny_llm.get_tokenizer() is tiny_llm.tokenizer
     with pytest.raises(TypeError, match="prompt 1: a dict prompt"):
-        tiny_llm.generate(["a", {"prompt": "b", "multi_modal_data": {}}], ok, use_tqdm=False)
+        tiny_llm.generate(["a", {"prompt": "b", "images": []}], ok, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 1: the model is text-only"):  # images: tests/test_llm_vlm.py
+        tiny_llm.generate(["a", {"prompt": "b", "multi_modal_data": {"image": [object()]}}], ok, use_tqdm=False)
     assert not tiny_llm.engine.has_unfinished_requests()
     [after] = tiny_llm.generate([[1, 2, 3]], ok, use_tqdm=False)
     assert bits(after) == bits(before)

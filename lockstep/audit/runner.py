@@ -5,11 +5,18 @@ for each concurrency level it sends ``n`` identical requests (plus ``filler`` di
 the server batches the target with other work), at most ``concurrency`` in flight at once. ``audit_local``
 runs the same experiment in-process on an ``LLM``, with batch invariance on and off: requests go through the
 engine in waves of ``concurrency``, so a wave is one batch.
+
+With ``image`` (a vision-language model) every target is a chat message holding that image and the prompt, and
+every other filler request holds an image of its own (random pixels of the same size): the same image described
+among other image and text requests.
 """
 
 import asyncio
+import base64
+import io
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lockstep.audit.report import Sample, analyze
 
@@ -40,6 +47,7 @@ class AuditConfig:
     filler: int = 0
     logprobs: bool = True
     level_n: dict[int, int] = field(default_factory=dict)  # a different request count for some levels
+    image: str | None = None  # an image file sent with every target (chat completions)
 
     def n_at(self, level: int) -> int:
         return self.level_n.get(level, self.n)
@@ -47,9 +55,18 @@ class AuditConfig:
     def __post_init__(self) -> None:
         if self.n < 1 or self.filler < 0 or not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("n and every concurrency level must be >= 1, filler >= 0")
+        self.image_url: str | None = None
+        self.image_size: tuple[int, int] | None = None
+        if self.image is not None:
+            from PIL import Image
+
+            data = Path(self.image).read_bytes()
+            self.image_size = Image.open(io.BytesIO(data)).size
+            self.image_url = "data:image/png;base64," + base64.b64encode(_as_png(data)).decode()
+            self.chat = True
 
     def params(self) -> dict:
-        keys = ("prompt", "n", "chat", "max_tokens", "temperature", "seed", "filler")
+        keys = ("prompt", "n", "chat", "max_tokens", "temperature", "seed", "filler", "image")
         return {k: getattr(self, k) for k in keys} | {"requests_per_level": {c: self.n_at(c) for c in self.concurrency}}
 
 
@@ -59,9 +76,38 @@ def filler_prompts(count: int) -> list[str]:
     return [f"Write {rng.choice(words)} words about {rng.choice(FILLER_TOPICS)} (#{i})." for i in range(count)]
 
 
-def _schedule(cfg: AuditConfig, level: int) -> list[tuple[bool, str]]:
-    """(is_target, prompt) in send order: the targets with the fillers shuffled in (fixed per level)."""
-    items = [(True, cfg.prompt)] * cfg.n_at(level) + [(False, p) for p in filler_prompts(cfg.filler)]
+def _as_png(data: bytes) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(data)).convert("RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def filler_image_url(i: int, size: tuple[int, int]) -> str:
+    """Filler ``i``'s image: random pixels of ``size``, the same every run."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(i).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _content(prompt: str, image_url: str | None) -> str | list[dict]:
+    if image_url is None:
+        return prompt
+    return [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": prompt}]
+
+
+def _schedule(cfg: AuditConfig, level: int) -> list[tuple[bool, str | list[dict]]]:
+    """(is_target, prompt or chat content) in send order: the targets with the fillers shuffled in (fixed per
+    level). With an image, the targets hold it and every other filler an image of its own."""
+    fillers = filler_prompts(cfg.filler)
+    if cfg.image_url is not None:
+        fillers = [_content(p, filler_image_url(i, cfg.image_size) if i % 2 else None) for i, p in enumerate(fillers)]
+    items = [(True, _content(cfg.prompt, cfg.image_url))] * cfg.n_at(level) + [(False, p) for p in fillers]
     random.Random(level).shuffle(items)
     return items
 
@@ -69,7 +115,7 @@ def _schedule(cfg: AuditConfig, level: int) -> list[tuple[bool, str]]:
 # -- a remote endpoint -------------------------------------------------------------------------------------------
 
 
-async def _one(client, model: str, cfg: AuditConfig, prompt: str, want: bool) -> Sample:
+async def _one(client, model: str, cfg: AuditConfig, prompt: str | list[dict], want: bool) -> Sample:
     kw = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature}
     if cfg.seed is not None:
         kw["seed"] = cfg.seed
@@ -146,7 +192,7 @@ async def audit_endpoint(
                 total=len(items), desc=f"concurrency {level}", unit="req", dynamic_ncols=True, disable=not progress
             )
 
-            async def send(target: bool, prompt: str, gate=gate, bar=bar) -> Sample | None:
+            async def send(target: bool, prompt: str | list[dict], gate=gate, bar=bar) -> Sample | None:
                 async with gate:
                     sample = await _one(client, model, cfg, prompt, target)
                 bar.update(1)

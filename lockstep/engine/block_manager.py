@@ -2,8 +2,9 @@
 
 A block is a run of ``block_size`` KV slots. A sequence's ``block_table`` lists its blocks in position order.
 Prefix caching: once every slot of a block holds computed KV, the block is keyed by a hash chaining the previous
-block's hash with the block's token ids, so another sequence with the same prefix can reuse it. A freed block
-keeps its hash, and stays findable, until the free list hands its id out again.
+block's hash with the block's token ids (and the pixel hashes of the images whose tokens it holds), so another
+sequence with the same prefix can reuse it. A freed block keeps its hash, and stays findable, until the free list
+hands its id out again.
 
 Determinism: free ids live in a deque (taken from the left, returned on the right), so the same calls on a fresh
 manager hand out the same ids. Hashes are blake2b over fixed-width little-endian token bytes: stable across
@@ -18,11 +19,21 @@ from collections.abc import Iterable
 from lockstep.engine.sequence import Sequence
 
 
-def hash_block(prev_hash: bytes, token_ids: list[int]) -> bytes:
-    """Hash of a full block: its predecessor's hash (``b""`` for the first block) chained with its tokens."""
+def hash_block(prev_hash: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """Hash of a full block: its predecessor's hash (``b""`` for the first block) chained with its tokens, and
+    ``extra`` (the pixels' hashes of the images whose tokens the block holds: ``MultimodalInputs.block_extra``)."""
     h = hashlib.blake2b(prev_hash, digest_size=16)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra:
+        h.update(extra)
     return h.digest()
+
+
+def hash_seq_block(prev_hash: bytes, seq: Sequence, i: int) -> bytes:
+    """``hash_block`` of block ``i`` of ``seq``: its tokens, and for a block that covers image tokens the images'
+    pixel hashes (an image placeholder's token ids are the same for every image)."""
+    extra = seq.mm.block_extra(i, seq.block_size) if seq.mm is not None else b""
+    return hash_block(prev_hash, seq.block_token_ids(i), extra)
 
 
 class Block:
@@ -79,7 +90,7 @@ class BlockManager:
         hits: list[int] = []
         prev = b""
         for i in range((seq.num_tokens - 1) // self.block_size):
-            prev = hash_block(prev, seq.block_token_ids(i))
+            prev = hash_seq_block(prev, seq, i)
             block_id = self.hash_to_block_id.get(prev)
             if block_id is None:
                 break
@@ -166,7 +177,7 @@ class BlockManager:
                 continue
             prev = self.blocks[seq.block_table[i - 1]].hash if i else b""
             assert prev is not None, f"{seq.request_id!r}: block {i - 1} is full but was never hashed"
-            block.hash = hash_block(prev, seq.block_token_ids(i))
+            block.hash = hash_seq_block(prev, seq, i)
             # If an identical block is already registered (computed by a sequence admitted in the same step),
             # that one stays the cache entry; this one is just an unregistered duplicate.
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
@@ -267,6 +278,6 @@ class BlockManager:
                     if block.hash is not None:
                         fail(f"{seq.request_id!r} block {i} (id {block_id}) is hashed before its KV is computed")
                     continue
-                prev = hash_block(prev, seq.block_token_ids(i))
+                prev = hash_seq_block(prev, seq, i)
                 if block.hash != prev:
                     fail(f"{seq.request_id!r} block {i} (id {block_id}) has a hash that does not match its tokens")

@@ -8,6 +8,10 @@ Under tensor parallelism (``config.tensor_parallel_size > 1``) the engine's proc
 ranks' worker processes (``tp_workers.WorkerPool``) and runs every step with them; ``close()`` stops them. A
 worker's death raises ``WorkerError`` naming the rank, and the engine cannot run further steps.
 
+A vision-language model's requests bring their images preprocessed: ``process_images`` (the model folder's image
+processor, placeholder expansion, M-RoPE positions; safe to call from other threads) gives the prompt's token ids
+and the ``MultimodalInputs`` that ``add_request`` takes as ``mm``.
+
 A fault that belongs to one request (a row the sampler could not sample, its detokenising or stop-string check
 raising) finishes that request alone, with finish reason "abort" and ``CompletionOutput.error`` saying why; its
 blocks are freed and every other request of the step carries on with the bits it would have had anyway. A fault
@@ -25,12 +29,14 @@ from lockstep.distributed import TPGroup
 from lockstep.engine.detokenizer import IncrementalDetokenizer, decode, find_stop
 from lockstep.engine.logprobs import LogprobDicts
 from lockstep.engine.model_runner import ModelRunner
+from lockstep.engine.multimodal import MultimodalInputs
 from lockstep.engine.scheduler import ScheduledBatch, Scheduler
 from lockstep.engine.sequence import FinishReason, Sequence
 from lockstep.engine.token_feed import TokenFeed
 from lockstep.engine.tp_workers import WorkerPool
 from lockstep.engine.warmup import compiled_kernels, warm_up
 from lockstep.layers.sampler import PendingSample, Sampled
+from lockstep.multimodal.processor import placeholder_runs
 from lockstep.outputs import CompletionOutput, Logprob, OutputKind, PromptLogprobs, RequestOutput
 from lockstep.sampling_params import SamplingParams
 from lockstep.structured.grammar import GrammarCompiler, GrammarError
@@ -114,7 +120,8 @@ class LLMEngine:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids = eos
         self.runner.sampler.eos_token_ids = eos  # what min_tokens holds back
-        self.scheduler = Scheduler(self.config, eos_token_ids=eos)
+        self.scheduler = Scheduler(self.config, eos_token_ids=eos, encoder_cache=self.runner.encoder_cache)
+        self._image_processor = None
         seed = config.seed
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom(secrets.randbits(64))
         self._requests: dict[str, _Request] = {}  # lookup only; batch order comes from the scheduler
@@ -156,6 +163,40 @@ class LLMEngine:
         return self.runner.vocab_size
 
     @property
+    def is_multimodal(self) -> bool:
+        """Whether the model takes images."""
+        return self.runner.is_multimodal
+
+    @property
+    def media_policy(self):
+        """Where request images may come from and how large they may be (``multimodal.media.MediaPolicy``)."""
+        from lockstep.multimodal.media import MediaPolicy
+
+        c = self.config
+        return MediaPolicy(c.allowed_local_media_path, tuple(c.allowed_media_domains or ()), c.max_image_pixels)
+
+    @property
+    def image_processor(self):
+        """The model's preprocessing (``multimodal.processor.ImageProcessor``); ValueError for a text-only model."""
+        if not self.is_multimodal:
+            raise ValueError(f"the model ({self.runner.model.config.architecture}) is text-only: it takes no images")
+        if self._image_processor is None:
+            from lockstep.multimodal.processor import ImageProcessor
+
+            limit = (self.config.limit_mm_per_prompt or {}).get("image")
+            model = self.runner.model
+            self._image_processor = ImageProcessor(self.config.model, model, limit, self.config.mm_processor_kwargs)
+        return self._image_processor
+
+    def process_images(
+        self, prompt_token_ids: list[int], images: list, mm_processor_kwargs: dict | None = None
+    ) -> tuple[list[int], MultimodalInputs]:
+        """A prompt with one image placeholder per image, made ready for ``add_request(..., mm=...)``: the token ids
+        with each placeholder expanded to its image's tokens, and the images' ``MultimodalInputs``. ``images`` are
+        decoded PIL images (``multimodal.media.load_image``). Raises ValueError naming the problem."""
+        return self.image_processor.process(prompt_token_ids, images, mm_processor_kwargs)
+
+    @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
@@ -168,9 +209,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt: str | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        mm: MultimodalInputs | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (naming the request and the problem) for one that cannot run;
-        nothing is queued then.
+        nothing is queued then. ``mm``: the prompt's images (``process_images``), whose tokens the prompt holds.
 
         ``output_kind`` (``OutputKind``): the whole output at every step (the default), only what is new since the
         request's previous output in ``token_ids``, ``token_logprobs`` and ``logprobs`` (``DELTA``: a consumer that
@@ -211,10 +253,12 @@ class LLMEngine:
             )
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if mm is not None or self.is_multimodal:
+            self._check_images(request_id, ids, mm, params)
         if params.seed is None and not params.greedy:
             # The request's noise comes from its own seed alone (the output reports it).
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
-        seq = Sequence(request_id, ids, params, block_size=self.config.block_size)
+        seq = Sequence(request_id, ids, params, block_size=self.config.block_size, mm=mm)
         if params.structured_outputs is not None:
             try:
                 seq.grammar = self.grammars.start(params.structured_outputs)
@@ -222,6 +266,23 @@ class LLMEngine:
                 raise GrammarError(f"request {request_id!r}: {e}") from None
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(seq, prompt, ids, kind=output_kind)
+
+    def _check_images(self, request_id: str, ids: list[int], mm: MultimodalInputs | None, params) -> None:
+        """ValueError unless the prompt's image tokens are exactly its images' placeholders."""
+        if not self.is_multimodal:
+            raise ValueError(f"request {request_id!r}: the model is text-only; it takes no images")
+        if mm is not None and params.truncate_prompt_tokens is not None:
+            raise ValueError(f"request {request_id!r}: truncate_prompt_tokens would cut its images")
+        image_token = self.runner.model.mm_config.image_token_id
+        expected = [] if mm is None else [(im.offset, im.num_tokens) for im in mm.images]
+        if image_token in ids or expected:
+            if placeholder_runs(ids, image_token) != expected:
+                raise ValueError(
+                    f"request {request_id!r}: the prompt's image placeholder tokens ({image_token}) do not match its "
+                    f"{len(expected)} image(s): every placeholder needs an image (process_images expands them)"
+                )
+            if mm is not None and mm.num_prompt_tokens != len(ids):
+                raise ValueError(f"request {request_id!r}: its images were processed for another prompt")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its output so far (since its previous one, for DELTA), finished with reason

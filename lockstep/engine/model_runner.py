@@ -22,6 +22,7 @@ from lockstep.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from lockstep.distributed import ControlChannel, TPGroup
 from lockstep.engine.block_tables import DeviceBlockTables, TableUpdate
 from lockstep.engine.cuda_graph import DecodeGraphs
+from lockstep.engine.encoder_cache import EncoderCache
 from lockstep.engine.scheduler import ScheduledBatch
 from lockstep.engine.sequence import Sequence
 from lockstep.engine.token_feed import FedRows, TokenFeed
@@ -78,6 +79,9 @@ class ForwardStep:
     logit_rows: list[list[int]]
     use_graphs: bool
     fed: tuple[list[int], list[int], int] | None = None
+    # A vision-language step with image rows: ``(positions [3, num_tokens], MultimodalBatch)`` on the device.
+    # Rank 0 only (not part of the message: such models do not run under tensor parallelism yet).
+    mm: tuple[torch.Tensor, object] | None = None
 
     def encode(self) -> torch.Tensor:
         """The control message: ``[STEP, num_tokens, num_seqs, num_table_entries, use_graphs, num_fed,
@@ -157,6 +161,13 @@ class ModelRunner:
             tp_invariant=config.tp_invariant,
             load_format=config.load_format,
         )
+        self.is_multimodal = bool(getattr(self.model, "is_multimodal", False))
+        if self.is_multimodal and self.tp.size > 1:
+            raise ValueError(
+                f"{config.model}: vision-language models do not run under tensor parallelism yet "
+                f"(tensor_parallel_size={config.tensor_parallel_size}); use tensor_parallel_size=1"
+            )
+        self.encoder_cache = EncoderCache()  # the scheduler decides what it holds (engine/encoder_cache.py)
         limit = self.model.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit} positions")
@@ -267,6 +278,7 @@ class ModelRunner:
             ((e.token_ids, e.start, e.seq.block_table) for e in entries), self.block_size, tables=False
         )
         tables = self.block_tables.plan([e.seq for e in entries])
+        mm = self._multimodal_step(batch, flat) if self.is_multimodal else None
         prompt = self._prompt_logprob_rows(batch, flat.query_start_loc)
         groups = [prompt.rows[j : j + PROMPT_LOGPROB_ROWS] for j in range(0, len(prompt.rows), PROMPT_LOGPROB_ROWS)]
         samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
@@ -277,6 +289,7 @@ class ModelRunner:
             groups + ([[row for _, row in samplers]] if samplers else []),
             self.use_graphs,
             None if fed is None else (fed.dst, fed.src, len(fed.tokens)),
+            mm,
         )
         if self.channel is not None:
             self.channel.send(step.encode())
@@ -289,6 +302,64 @@ class ModelRunner:
         params = [e.seq.params for e, _ in samplers]
         histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e, _ in samplers]
         return self.sampler.launch(logits[-1], params, [e.end for e, _ in samplers], histories, self._masks(samplers))
+
+    def _multimodal_step(self, batch: ScheduledBatch, flat: FlatBatch) -> tuple[torch.Tensor, object] | None:
+        """Encode the images the step asks for, put every vision-language row's M-RoPE position into
+        ``flat.positions`` (the ``[n]`` form: exact for text rows, whose three components are equal), and, when the
+        step holds image tokens, return ``(positions [3, n], MultimodalBatch)``."""
+        from lockstep.models.multimodal import MultimodalBatch
+
+        self._encode(batch)
+        starts = flat.query_start_loc
+        rows: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        deepstack: list[torch.Tensor] = []
+        spans: list[tuple[int, int, int, object]] = []  # (first row, start, end, inputs) of entries with image rows
+        for i, e in enumerate(batch.entries):
+            mm = e.seq.mm
+            if mm is None:
+                continue
+            if e.start >= mm.num_prompt_tokens:  # output tokens only (a decode step): index + delta, no tensor
+                for row in range(starts[i], starts[i + 1]):
+                    flat.positions[row] += mm.delta
+                continue
+            flat.positions[starts[i] : starts[i + 1]] = mm.text_positions(e.start, e.end)
+            images = mm.overlapping(e.start, e.end)
+            if not images:
+                continue
+            spans.append((starts[i], e.start, e.end, mm))
+            for k, image in images:
+                lo, hi = max(e.start, image.offset), min(e.end, image.end)
+                features = self.encoder_cache.get(e.seq.request_id, k)
+                first = starts[i] + lo - e.start
+                rows.append(torch.arange(first, first + hi - lo, dtype=torch.int64))
+                embeds.append(features.embeds[lo - image.offset : hi - image.offset])
+                if features.deepstack is not None:
+                    deepstack.append(features.deepstack[:, lo - image.offset : hi - image.offset])
+        if not rows:
+            return None
+        positions = torch.tensor(flat.positions, dtype=torch.int64).expand(3, -1).clone()
+        for first, start, end, mm in spans:
+            positions[:, first : first + end - start] = mm.positions_of(start, end)
+        mm_batch = MultimodalBatch(
+            rows=torch.cat(rows).to(self.device),
+            embeds=torch.cat(embeds),
+            deepstack=torch.cat(deepstack, dim=1) if deepstack else None,
+        )
+        return positions.to(self.device), mm_batch
+
+    def _encode(self, batch: ScheduledBatch) -> None:
+        """Run the vision encoder once over every image the step's entries ask for, in batch order, and keep each
+        image's features in the encoder cache (an image's bits do not depend on the others in the call)."""
+        todo = [(e.seq, k) for e in batch.entries for k in e.encode]
+        if not todo:
+            return
+        images = [seq.mm.images[k] for seq, k in todo]
+        pixel_values = torch.cat([im.pixel_values for im in images]).to(self.device)
+        grid_thw = torch.tensor([im.grid_thw for im in images], dtype=torch.int64, device=self.device)
+        features = self.model.encode_images(pixel_values, grid_thw)
+        for (seq, k), f in zip(todo, features, strict=True):
+            self.encoder_cache.put(seq.request_id, k, f)
 
     def _masks(self, samplers: list) -> tuple[list[int], torch.Tensor] | None:
         """The tokens each structured-output row may choose, from its grammar state and its own output tokens (EOS
@@ -310,13 +381,16 @@ class ModelRunner:
         tables = self.block_tables.gather(
             self.block_tables.apply(step.tables), _table_width(-(-max(flat.seq_lens) // self.block_size))
         )
-        if step.use_graphs and self.graphs is not None and self.graphs.can_run(flat):
+        if step.use_graphs and step.mm is None and self.graphs is not None and self.graphs.can_run(flat):
             hidden = self.graphs.run(flat, tables, fed)
         else:
             input_ids, positions, attn = flat.to(self.device, self.kv_caches, tables)
             if fed is not None:
                 fed.write(input_ids)
-            hidden = self.model(input_ids, positions, attn)  # [num_tokens, hidden_size]
+            if step.mm is not None:
+                hidden = self.model(input_ids, step.mm[0], attn, step.mm[1])  # positions [3, num_tokens]
+            else:
+                hidden = self.model(input_ids, positions, attn)  # [num_tokens, hidden_size]
         return [self.model.compute_logits(self._hidden_rows(hidden, rows)) for rows in step.logit_rows]
 
     def _hidden_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -10,6 +10,12 @@ One step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
    then waiting sequences admitted first-in first-out while blocks, sequence slots and token budget allow. A
    prompt longer than the budget left is chunked; the rest follows in later steps.
 
+A vision-language request's prefill chunk that reaches image tokens encodes those images first, in the same step
+(``ScheduledSeq.encode``), within the step's encoder budget (``max_num_encoder_tokens_per_step`` image tokens): a
+chunk that reaches an image the budget cannot take ends before it, and the image waits for a later step (one larger
+than the whole budget is encoded alone in a step of its own). Encoded features wait in the ``EncoderCache`` until
+the image's tokens are all computed.
+
 Everything is kept in lists and deques, and every choice is a function of the calls made so far, so the same
 calls give the same batches. The batch layout never decides the result's bits; the kernels see to that.
 """
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 
 from lockstep.config import EngineConfig
 from lockstep.engine.block_manager import BlockManager
+from lockstep.engine.encoder_cache import EncoderCache
 from lockstep.engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus, TokenLogprobs
 
 
@@ -28,13 +35,16 @@ class ScheduledSeq:
     """Compute tokens ``[start, start + num_new_tokens)`` of ``seq`` this step.
 
     ``sample`` is True when the chunk reaches the end of the sequence's tokens, so its last position's logits
-    give the next token; a chunk that ends mid-prompt samples nothing. Valid until ``Scheduler.postprocess``.
+    give the next token; a chunk that ends mid-prompt samples nothing. ``encode``: the indices of the images of
+    ``seq.mm`` that the step encodes (into the ``EncoderCache``) before its forward. Valid until
+    ``Scheduler.postprocess``.
     """
 
     seq: Sequence
     num_new_tokens: int
     start: int
     sample: bool
+    encode: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -79,10 +89,19 @@ class Scheduler:
     ``apply_tokens(batch, ...)`` once the tokens are read back.
     """
 
-    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+        encoder_cache: EncoderCache | None = None,
+    ) -> None:
         if config.num_kv_blocks is None or config.max_num_batched_tokens is None:
             raise ValueError("Scheduler needs config.num_kv_blocks and max_num_batched_tokens; resolve them first")
         self.config = config
+        # The runner's cache (it holds the features); the scheduler decides what goes in and frees it.
+        self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache()
+        self.encoder_budget = config.max_num_encoder_tokens_per_step or config.max_num_batched_tokens
+        self._encoder_left = self.encoder_budget  # this step's
         self.eos_token_ids = tuple(eos_token_ids)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
@@ -154,6 +173,8 @@ class Scheduler:
         if seq.has_pending_token:  # async scheduling: ended before its pending token was read; it never comes
             seq.token_ids.pop()
         self.block_manager.free(seq)
+        if seq.mm is not None:
+            self.encoder_cache.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._requests[seq.request_id]
@@ -162,6 +183,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if seq.mm is not None:
+            self.encoder_cache.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -191,8 +214,12 @@ class Scheduler:
 
         # 2. The batch: decodes, then running prefill chunks, then admissions.
         budget = self.config.max_num_batched_tokens
+        self._encoder_left = self.encoder_budget
         for seq in self.running:
             if seq.num_pending_tokens == 1 and budget > 0:
+                if seq.mm is not None:  # the one token left may be an image's (a prompt that ends in one)
+                    budget -= self._schedule_chunk(batch, seq, 1)
+                    continue
                 batch.entries.append(ScheduledSeq(seq, 1, seq.num_computed_tokens, True))
                 budget -= 1
         for seq in self.running:
@@ -212,11 +239,30 @@ class Scheduler:
                 budget -= self._schedule_chunk(batch, seq, budget)
         return batch
 
-    @staticmethod
-    def _schedule_chunk(batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+    def _schedule_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         n = min(seq.num_pending_tokens, budget)
-        batch.entries.append(ScheduledSeq(seq, n, seq.num_computed_tokens, n == seq.num_pending_tokens))
+        encode: tuple[int, ...] = ()
+        if seq.mm is not None:
+            n, encode = self._fit_images(seq, n)
+            if n == 0:
+                return 0
+        batch.entries.append(ScheduledSeq(seq, n, seq.num_computed_tokens, n == seq.num_pending_tokens, encode))
         return n
+
+    def _fit_images(self, seq: Sequence, n: int) -> tuple[int, tuple[int, ...]]:
+        """The next ``n`` tokens of ``seq`` cut short before the first image among them that is neither encoded
+        nor within what is left of the step's encoder budget, and the images the chunk must encode. An image
+        larger than the whole budget goes when nothing else was encoded this step, so it never waits forever."""
+        start = seq.num_computed_tokens
+        encode = []
+        for k, image in seq.mm.overlapping(start, start + n):
+            if (seq.request_id, k) in self.encoder_cache:
+                continue
+            if image.num_tokens > self._encoder_left and self._encoder_left < self.encoder_budget:
+                return max(0, image.offset - start), tuple(encode)
+            self._encoder_left = max(0, self._encoder_left - image.num_tokens)
+            encode.append(k)
+        return n, tuple(encode)
 
     def postprocess(
         self,
@@ -258,6 +304,8 @@ class Scheduler:
                     f"{seq.num_computed_tokens} computed tokens (schedule called twice without postprocess?)"
                 )
             self.block_manager.mark_computed(seq, entry.num_new_tokens)
+            if seq.mm is not None:
+                self.encoder_cache.free_computed(seq)
             if pending and entry.sample and not self._ends_by_length(seq):
                 seq.token_ids.append(PENDING_TOKEN)
                 assumed[seq] = k
@@ -322,6 +370,16 @@ class Scheduler:
             raise AssertionError(
                 f"Scheduler integrity: {len(self._requests)} known requests, {self.num_unfinished} queued"
             )
+        live = {
+            (s.request_id, k)
+            for s in self.running
+            if s.mm is not None
+            for k, image in enumerate(s.mm.images)
+            if image.end > s.num_computed_tokens
+        }
+        stale = [key for key in self.encoder_cache.keys() if key not in live]
+        if stale:
+            raise AssertionError(f"Scheduler integrity: the encoder cache holds {stale[:4]}, no running image's")
         self.block_manager.check_integrity(self.running)
 
 

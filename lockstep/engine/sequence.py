@@ -1,9 +1,13 @@
 """One request as the engine sees it: its tokens, where its KV lives, and how far it has got."""
 
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from lockstep.layers.sampler import TokenLogprobs
 from lockstep.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lockstep.engine.multimodal import MultimodalInputs
 
 # Async scheduling: the stand-in for a sampled token the host has not read back yet (the device feeds the real one
 # to the next step). Never a token id; the engine replaces it before anything reads the sequence's tokens.
@@ -38,6 +42,7 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         block_size: int = 16,
+        mm: "MultimodalInputs | None" = None,
     ) -> None:
         self.request_id = request_id
         self.params = params if params is not None else SamplingParams()
@@ -63,6 +68,8 @@ class Sequence:
         # With params.structured_outputs: the request's place in its grammar (a GrammarState, set by the engine),
         # a function of output_token_ids alone, so preemption keeps it valid.
         self.grammar = None
+        # A vision-language request's images and M-RoPE positions (engine/multimodal.py); None for text.
+        self.mm = mm
 
     def __repr__(self) -> str:
         return (

@@ -7,7 +7,10 @@ stall of seconds in the middle of serving (or tens of milliseconds from the disk
 prompt of each length in ``WARMUP_LENGTHS`` that one step can hold, greedy and sampled with the sampler's options,
 through the engine's own path (the scheduler, every tensor-parallel rank, the sampler), then forgets the prefix
 cache those prompts filled. Every request has its own seed, so the engine's draw of seeds is untouched, and the
-K/V they leave in free blocks is never read: the bits of later requests are what a fresh engine gives.
+K/V they leave in free blocks is never read: the bits of later requests are what a fresh engine gives. A
+vision-language engine's random prompts leave out the image placeholder token, and requests with one image of each
+size in ``WARMUP_IMAGE_SIZES`` that fits compile the vision tower's kernels (other image sizes may still compile
+while serving: its kernels see the patch count).
 
 ``compiled_kernels`` lists the in-memory kernel-cache misses of this process through Triton's post-compile hook
 (each as Triton describes it: the kernel's name, launch options and argument specialisations);
@@ -26,6 +29,7 @@ from lockstep.sampling_params import SamplingParams
 # 512, 2048) and Triton's divisible-by-16 specialisation, up to a CUDA engine's default step budget.
 WARMUP_LENGTHS = (1, 5, 16, 17, 33, 64, 100, 128, 250, 256, 500, 512, 1000, 2048, 3000, 4096, 8192)
 WARMUP_OUTPUT = 3  # tokens each warm-up request generates: its prefill, then decode steps
+WARMUP_IMAGE_SIZES = ((224, 224), (448, 448))  # (width, height) of a vision-language engine's warm-up images
 
 _compiled: list[str] = []
 _installed = False
@@ -71,13 +75,19 @@ def warm_up(engine, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> int:
         dict(temperature=1.0, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1),
     ]
     ran = 0
+    vocab = engine.runner.vocab_size
+    image_token = engine.runner.model.mm_config.image_token_id if engine.is_multimodal else None
 
-    def add(n: int, option: int | None = None) -> None:
+    def add(n: int, option: int | None = None, image=None) -> None:
         nonlocal ran
         option = ran % len(options) if option is None else option
         params = SamplingParams(max_tokens=WARMUP_OUTPUT, ignore_eos=True, seed=ran, **options[option])
-        prompt = [rng.randrange(engine.runner.vocab_size) for _ in range(n)]
-        engine.add_request(f"lockstep-warmup-{ran}", prompt, params, output_kind=OutputKind.FINAL_ONLY)
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        prompt = [(t + 1) % vocab if t == image_token else t for t in prompt]  # no placeholder without an image
+        mm = None
+        if image is not None:
+            prompt, mm = engine.process_images(prompt + [image_token], [image])
+        engine.add_request(f"lockstep-warmup-{ran}", prompt, params, output_kind=OutputKind.FINAL_ONLY, mm=mm)
         ran += 1
 
     def finish() -> None:
@@ -111,5 +121,19 @@ def warm_up(engine, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> int:
             for _ in range(count):
                 add(64, option=0)
             finish()
+    if image_token is not None:
+        for width, height in WARMUP_IMAGE_SIZES:
+            image = _noise_image(width, height)
+            num_tokens = len(engine.process_images([image_token], [image])[0])
+            if 4 + num_tokens <= room:
+                add(4, option=0, image=image)
+                finish()
     engine.scheduler.block_manager.reset_prefix_cache()
     return ran
+
+
+def _noise_image(width: int, height: int):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8))

@@ -140,7 +140,7 @@ class ServingLimits:
 @dataclass
 class _Add:
     group: "RequestGroup"
-    requests: list[tuple[str, list[int], SamplingParams]]
+    requests: list[tuple]  # (request_id, prompt_token_ids, params[, mm])
     done: Future = field(default_factory=Future)
 
 
@@ -237,9 +237,10 @@ class AsyncEngine:
         self._next_id += 1
         return f"{prefix}-{self._next_id}"
 
-    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> "RequestGroup":
-        """Queue one call's ``(request_id, prompt_token_ids, params)`` requests (all, or none: a ValueError from
-        the engine for any of them rejects the lot) and return the group whose outputs stream back together.
+    async def submit(self, requests: list[tuple]) -> "RequestGroup":
+        """Queue one call's ``(request_id, prompt_token_ids, params)`` requests, each optionally with its images'
+        ``MultimodalInputs`` as a fourth element (all, or none: a ValueError from the engine for any of them rejects
+        the lot) and return the group whose outputs stream back together.
 
         Raises ValueError for a call that could never be queued, ``EngineOverloadedError`` when the queue is full
         now, ``ShuttingDownError`` while draining and ``EngineDeadError`` once the engine is dead."""
@@ -308,7 +309,7 @@ class AsyncEngine:
         if not cmd.done.set_running_or_notify_cancel():
             return  # its submit was cancelled before the command got here: nothing was added, nobody waits
         limits, num_seqs = self.limits, len(cmd.requests)
-        num_tokens = sum(len(ids) for _, ids, _ in cmd.requests)
+        num_tokens = sum(len(request[1]) for request in cmd.requests)
         if self._drain_deadline is not None:
             cmd.done.set_exception(ShuttingDownError("the server is shutting down", retry_after=limits.retry_after))
             return
@@ -331,8 +332,9 @@ class AsyncEngine:
             return
         added = []
         try:
-            for request_id, prompt_token_ids, params in cmd.requests:
-                self.engine.add_request(request_id, prompt_token_ids, params, output_kind=OutputKind.DELTA)
+            for request_id, prompt_token_ids, params, *mm in cmd.requests:
+                kind, mm_inputs = OutputKind.DELTA, mm[0] if mm else None
+                self.engine.add_request(request_id, prompt_token_ids, params, output_kind=kind, mm=mm_inputs)
                 added.append(request_id)
         except Exception as e:  # a rejected request: its handler answers 400
             for request_id in added:
@@ -571,7 +573,7 @@ class RequestGroup:
         self.deadline = deadline
         self.request_ids = [r[0] for r in requests]
         self.num_live = 0  # the engine thread's count of its unfinished requests
-        self._outputs = {rid: _Output(rid, ids, p.logprobs is not None) for rid, ids, p in requests}
+        self._outputs = {rid: _Output(rid, ids, p.logprobs is not None) for rid, ids, p, *_ in requests}
         self._unfinished = dict.fromkeys(self.request_ids)  # insertion-ordered
         self._items: deque = deque()  # delivered, not yet read: deltas, then maybe one EngineError
         self._ready = asyncio.Event()

@@ -73,7 +73,6 @@ CHAT_UNHONOURED = UNHONOURED | {
     "add_special_tokens": (False,),
     "chat_template": (),
     "documents": (),
-    "mm_processor_kwargs": ({},),
 }
 COMPLETION_UNHONOURED = UNHONOURED | {"add_special_tokens": (True,)}
 
@@ -297,7 +296,10 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+                raise ValueError(
+                    f"unsupported type {part.get('type')!r} of a content part: text parts are supported, and "
+                    "image_url parts for a vision-language model"
+                )
             parts.append(part["text"])
         return "".join(parts)
 
@@ -340,5 +342,7 @@ class ChatCompletionRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    # vLLM's: the image processor's min_pixels / max_pixels for this request's images (server/images.py bounds them)
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     unhonoured: ClassVar[dict[str, tuple]] = CHAT_UNHONOURED

@@ -10,8 +10,11 @@ from typing import NamedTuple, TypeVar
 
 from pydantic import ValidationError
 
+from lockstep.engine.multimodal import MultimodalInputs
+from lockstep.multimodal.chat import has_images, split_content, text_chars
 from lockstep.sampling_params import SamplingParams
 from lockstep.server.chat_format import ChatFormat
+from lockstep.server.images import check_image_count, image_prompt
 from lockstep.server.json_body import decode_object
 from lockstep.server.protocol import GENERATION_FIELDS, APIError, ChatCompletionRequest, CompletionRequest
 from lockstep.server.state import ServerState
@@ -33,6 +36,7 @@ class ChoiceSpec(NamedTuple):
     chat_format: ChatFormat | None = None
     prompt_text: str | None = None  # a completion prompt's text, for echo (decoded from prompt_ids if given as ids)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs asked for (the reply's top N of each position)
+    mm: MultimodalInputs | None = None  # the prompt's images (a vision-language model's chat), shared by its choices
 
 
 def parse_call(state: ServerState, body: bytes, chat: bool) -> tuple[AnyRequest, list[ChoiceSpec]]:
@@ -144,7 +148,9 @@ def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpe
             "(max_tokens is the older name of max_completion_tokens)",
             param="max_completion_tokens",
         )
-    prompt, opened, closed = _chat_prompt(state, req)
+    prompt, opened, closed, mm = _chat_prompt(state, req)
+    if mm is not None and req.truncate_prompt_tokens is not None:
+        raise APIError(400, "truncate_prompt_tokens would cut the prompt's images", param="truncate_prompt_tokens")
     prompt = _truncate(state, req, prompt)
     if fmt.reasoning:
         fmt = ChatFormat(fmt.tool_mode, fmt.function, fmt.parser, True, opened)
@@ -166,6 +172,7 @@ def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpe
             ),
             fmt,
             prompt_logprobs=req.prompt_logprobs,
+            mm=mm,
         )
         for i in range(req.n)
     ]
@@ -372,10 +379,16 @@ def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list
     return [p] if isinstance(p[0], int) else p
 
 
-def template_message(m) -> dict:
+def template_message(m, images: list | None = None) -> dict:
     """One request message as the chat template reads it: tool calls' arguments as objects (what Hugging Face
-    templates expect; vLLM does the same), tool results with their call's id."""
-    out: dict = {"role": m.role, "content": m.text()}
+    templates expect; vLLM does the same), tool results with their call's id. With ``images``, image content parts
+    become ``{"type": "image"}`` parts and their sources (URLs) are appended to it; without, they are refused."""
+    if images is not None and has_images(m.content):
+        content, sources = split_content(m.content)
+        images += sources
+    else:
+        content = m.text()
+    out: dict = {"role": m.role, "content": content}
     if m.name is not None:
         out["name"] = m.name
     if m.tool_call_id is not None:
@@ -392,18 +405,22 @@ def template_message(m) -> dict:
     return out
 
 
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool, bool]:
-    """The templated conversation's token ids, and whether the text ends inside an open ``<think>`` (opened) or
-    right after a ``</think>`` (closed: the reply is not to reason)."""
+def _chat_prompt(
+    state: ServerState, req: ChatCompletionRequest
+) -> tuple[list[int], bool, bool, MultimodalInputs | None]:
+    """The templated conversation's token ids (image placeholders expanded), whether the text ends inside an open
+    ``<think>`` (opened) or right after a ``</think>`` (closed: the reply is not to reason), and its images."""
     tok = state.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+    images: list = []
     try:
-        messages = [template_message(m) for m in req.messages]
+        messages = [template_message(m, images) for m in req.messages]
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
+    check_image_count(state, len(images))
     if req.truncate_prompt_tokens is None:
-        _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
+        _check_chars(state, sum(text_chars(m["content"]) for m in messages), "messages")
     extra = dict(req.chat_template_kwargs or {})
     if req.tools:
         extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
@@ -414,5 +431,5 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[i
     if req.truncate_prompt_tokens is None:
         _check_chars(state, len(text), "messages")
     tail = text.rstrip()
-    ids = list(tok.encode(text, add_special_tokens=False))
-    return ids, tail.endswith(ReasoningStream.START), tail.endswith(ReasoningStream.END)
+    ids, mm = image_prompt(state, list(tok.encode(text, add_special_tokens=False)), images, req.mm_processor_kwargs)
+    return ids, tail.endswith(ReasoningStream.START), tail.endswith(ReasoningStream.END), mm

@@ -266,7 +266,9 @@ async def respond(
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     ids = [f"{response_id}-{i}" for i in range(len(specs))]
     try:
-        group = await state.engine.submit([(rid, s.prompt_ids, s.params) for rid, s in zip(ids, specs, strict=True)])
+        group = await state.engine.submit(
+            [(rid, s.prompt_ids, s.params, s.mm) for rid, s in zip(ids, specs, strict=True)]
+        )
     except ValueError as e:
         raise APIError(400, str(e)) from None
     echo = not chat and req.echo

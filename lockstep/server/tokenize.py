@@ -4,7 +4,8 @@
 prompt gets them) or chat ``messages`` (rendered with the model's chat template, as chat completions render them:
 ``add_generation_prompt`` default true, ``continue_final_message``, ``add_special_tokens`` default false, ``tools``,
 ``chat_template_kwargs``; tool calls and tool results in the messages) and
-answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs`` with ``return_token_strs``).
+answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (image content parts, for a vision-language
+model, counted as the image tokens each expands to) (``token_strs`` with ``return_token_strs``).
 ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``, special tokens kept. Both run in a worker thread, and a
 text longer than any prompt that fits the context is refused before it is tokenized (``ServerState
 .max_prompt_chars``), as the completion routes refuse it.
@@ -14,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
+from lockstep.multimodal.chat import text_chars
+from lockstep.server.images import check_image_count, image_prompt
 from lockstep.server.protocol import STRICT, APIError, ChatMessage, Tool
 from lockstep.server.requests import _check_chars, check_token_ids, parse_body, template_message
 from lockstep.server.state import ServerState
@@ -72,14 +75,16 @@ def tokenize(state: ServerState, body: bytes) -> dict:
     req = parse_body(body, TokenizeRequest)
     req.check(state)
     tok = state.tokenizer
+    images: list = []
     if req.messages is not None:
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template: tokenize a prompt instead", param="messages")
         try:
-            messages = [template_message(m) for m in req.messages]
+            messages = [template_message(m, images) for m in req.messages]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
+        check_image_count(state, len(images))
+        _check_chars(state, sum(text_chars(m["content"]) for m in messages), "messages")
         extra = dict(req.chat_template_kwargs or {})
         if req.tools:
             extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
@@ -100,6 +105,8 @@ def tokenize(state: ServerState, body: bytes) -> dict:
         _check_chars(state, len(text), "prompt")
         special = req.add_special_tokens is not False
     ids = list(tok.encode(text, add_special_tokens=special))
+    if images:  # a vision-language model's image parts: counted as the image tokens they expand to
+        ids, _ = image_prompt(state, ids, images)
     return {
         "count": len(ids),
         "max_model_len": state.max_model_len,
