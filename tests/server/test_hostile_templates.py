@@ -38,7 +38,7 @@ def test_a_client_cannot_send_a_template(guarded_server: Server) -> None:
             body = chat_body(s, chat_template_kwargs={"chat_template": template})
             t = time.perf_counter()
             err = assert_error(post(s, path, json.dumps(body)), 400, "chat template")
-            assert err["param"] == "chat_template_kwargs" and time.perf_counter() - t < 2
+            assert err["param"] == "chat_template_kwargs" and time.perf_counter() - t < 5  # main: minutes
         for key in ("documents", "bos_token", "tokenize"):  # refused at the top level, or no template variable
             err = assert_error(post(s, path, json.dumps(chat_body(s, chat_template_kwargs={key: []}))), 400, key)
             assert err["param"] == "chat_template_kwargs"
@@ -86,7 +86,7 @@ def test_a_normal_chat_stays_fast_while_templates_arrive(guarded_server: Server)
         for t in threads:
             t.join()
     assert attacks and {status for status, _ in attacks} == {400}
-    assert max(seconds for _, seconds in attacks) < 2
+    assert max(seconds for _, seconds in attacks) < 5
     assert statistics.median(during) < max(5 * alone, 1.0), (alone, during)
 
 
@@ -125,7 +125,7 @@ def test_a_stream_that_nearly_matches_long_stop_strings(guarded_server: Server) 
                         texts[choice["index"]] += choice["text"]
         timings[name] = time.perf_counter() - t
         assert texts == ["a" * 600] * 2, name
-    assert timings["stops"] < 2 * timings["plain"] + 2, timings
+    assert timings["stops"] < 3 * timings["plain"] + 5, timings  # loose: the machine's load moves both
 
 
 def test_a_logit_bias_key_that_is_no_token_id(guarded_server: Server) -> None:
