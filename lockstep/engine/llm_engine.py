@@ -52,6 +52,7 @@ class _Request:
     detokenizer: IncrementalDetokenizer | None = None  # made on the first stop-string check
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # vLLM's dicts, built as tokens arrive
     stop_from: int | None = None  # min_tokens: a stop string must end after this many characters of the text
+    stop_checked: int = 0  # characters of the (growing) text already searched for stop strings
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's dicts, built once the prompt's are all computed
     kind: OutputKind = OutputKind.CUMULATIVE  # what its outputs hold (add_request)
     num_sent: int = 0  # output tokens already reported, for DELTA
@@ -455,7 +456,11 @@ class LLMEngine:
             if request.stop_from is None:  # the text of the first min_tokens tokens cannot hold a stop
                 request.stop_from = len(decode(self.tokenizer, seq.output_token_ids[: params.min_tokens], *options))
             # The earliest stop string ends the text (and the request), like vLLM; kept if the request says so.
-            hit = find_stop(text, stops, request.stop_from)
+            # The text only grows until the request finishes, and no stop ends in what was searched before: each
+            # step searches the new characters (with the overlap a stop string needs), not the whole text.
+            start = request.stop_from if seq.is_finished else max(request.stop_from, request.stop_checked)
+            request.stop_checked = len(text)
+            hit = find_stop(text, stops, start)
             if hit is not None:
                 text = text[: hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)]
                 if not seq.is_finished:

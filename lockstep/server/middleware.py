@@ -1,7 +1,8 @@
 """The ASGI layer around the FastAPI app: Host, API key, Content-Type, the request body, errors, counting.
 
 Being outside the app, it refuses a request before any routing or parsing, in this order: a ``Host`` that is not
-allowed (400: DNS rebinding), a missing or wrong API key on any path but ``/health`` (401), a POST whose body is
+allowed (400: DNS rebinding), more than one ``Authorization`` header (400: no guessing which counts), a missing
+or wrong API key on any path but ``/health`` (401), a POST whose body is
 not ``application/json`` (415: a web page cannot send one cross-site without a CORS preflight, and the server
 answers no preflight), a body over the size limit, by Content-Length or counted as it arrives, chunked or not
 (413), a body not complete within the body timeout (408). Then the app gets the whole body at once. A client that
@@ -85,6 +86,8 @@ class Gatekeeper:
         cfg = self.state.http
         if not cfg.host_allowed(headers.get(b"host")):
             raise _Refusal(400, "invalid Host header", "invalid_host")
+        if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:  # which one counts is ambiguous
+            raise _Refusal(400, "more than one Authorization header", "duplicate_header")
         if scope["path"] not in OPEN_PATHS and not authorized(self.state, headers):
             given = given_key(headers)
             msg = "Incorrect API key provided." if given else "No API key provided (Authorization: Bearer)."

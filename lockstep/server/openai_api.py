@@ -17,6 +17,7 @@ import gc
 import json
 import math
 import socket
+import threading
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -27,7 +28,7 @@ from lockstep.server.listener import bind_socket, listen_with
 from lockstep.server.middleware import ERROR_ID_KEY, Gatekeeper, authorized, new_error_id, server_error_body
 from lockstep.server.protocol import APIError, error_body
 from lockstep.server.requests import parse_call
-from lockstep.server.responses import respond
+from lockstep.server.responses import DISCONNECT_POLL_SECONDS, respond
 from lockstep.server.state import ServerState
 from lockstep.server.tokenize import detokenize, tokenize
 
@@ -65,7 +66,7 @@ def build_app(state: ServerState) -> FastAPI:
         request.scope[ERROR_ID_KEY] = error_id = new_error_id()
         return json_response(server_error_body(error_id), 500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the same status, no body (load balancers probe so)
     async def health(request: Request) -> Response:
         status = state.engine.status  # "ok", "shutting down", or why the engine cannot serve
         body = {"status": status}
@@ -89,16 +90,32 @@ def build_app(state: ServerState) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    async def call(request: Request, chat: bool) -> Response:
+    async def while_connected(request: Request, handler, *args):
+        """``handler(state, body, *args, cancelled)`` in a worker; None if the client leaves first (the handler is
+        told, through ``cancelled``, to stop rendering its chat template)."""
         body = await request.body()
-        loop = asyncio.get_running_loop()
-        req, specs = await loop.run_in_executor(state.workers, parse_call, state, body, chat)
+        cancelled = threading.Event()
+        job = asyncio.get_running_loop().run_in_executor(state.workers, handler, state, body, *args, cancelled)
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned job's error is not news
+        while True:
+            done, _ = await asyncio.wait({job}, timeout=DISCONNECT_POLL_SECONDS)
+            gone = await request.is_disconnected()
+            if gone:
+                cancelled.set()
+                return None
+            if done:
+                return job.result()
+
+    async def call(request: Request, chat: bool) -> Response:
+        parsed = await while_connected(request, parse_call, chat)
+        if parsed is None:  # nothing was submitted: a departed client's call costs the engine nothing
+            return Response(status_code=499)
+        req, specs = parsed
         return await respond(state, request, req, specs, chat=chat)
 
     async def in_worker(request: Request, handler) -> Response:
-        body = await request.body()
-        answer = await asyncio.get_running_loop().run_in_executor(state.workers, handler, state, body)
-        return json_response(answer)
+        answer = await while_connected(request, handler)
+        return Response(status_code=499) if answer is None else json_response(answer)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:

@@ -16,6 +16,13 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+# Stop conditions are checked at every step of a request (the strings on the event loop, the ids on the engine
+# thread): OpenAI's 4 strings, each at most 1024 characters (the text held back while it might begin one is
+# bounded by it), and at most 1024 stop token ids.
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: no vocabulary has 10**10 tokens
 INT64_MAX = 2**63 - 1
 STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
@@ -149,7 +156,7 @@ class _Request(BaseModel):
     guided_grammar: str | None = None
     # vLLM's other sampling extensions, with SamplingParams' meanings.
     min_tokens: int = Field(0, ge=0, le=INT64_MAX)
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -171,8 +178,11 @@ class _Request(BaseModel):
     @classmethod
     def _check_stop(cls, v):
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop must be a non-empty string or a list of at most 4 of them")
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
+        long = next((s for s in stops if len(s) > MAX_STOP_CHARS), None)
+        if long is not None:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {len(long)}")
         return stops
 
     @field_validator("truncate_prompt_tokens")
@@ -185,9 +195,10 @@ class _Request(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, v):
-        # OpenAI's keys are token ids written as strings.
-        if v is not None and not all(k.isdigit() for k in v):
-            raise ValueError("logit_bias keys must be token ids (strings of digits)")
+        # OpenAI's keys are token ids written as strings: ASCII digits ("²".isdigit() is true, int() refuses it).
+        for k in v or {}:
+            if not (k.isascii() and k.isdigit() and len(k) <= MAX_TOKEN_ID_DIGITS):
+                raise ValueError(f"logit_bias keys must be token ids (strings of digits 0-9), got {k[:50]!r}")
         return v
 
     @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", mode="before")

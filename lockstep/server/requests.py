@@ -6,13 +6,15 @@ All of it runs in a worker thread (``ServerState.workers``), never on the event 
 
 import dataclasses
 import json
-from typing import NamedTuple, TypeVar
+import threading
+from typing import Any, NamedTuple, TypeVar
 
 from pydantic import ValidationError
 
 from lockstep.engine.multimodal import MultimodalInputs
 from lockstep.multimodal.chat import has_images, split_content, text_chars
 from lockstep.sampling_params import SamplingParams
+from lockstep.server import chat_template
 from lockstep.server.chat_format import ChatFormat
 from lockstep.server.images import check_image_count, image_prompt
 from lockstep.server.json_body import decode_object
@@ -39,12 +41,15 @@ class ChoiceSpec(NamedTuple):
     mm: MultimodalInputs | None = None  # the prompt's images (a vision-language model's chat), shared by its choices
 
 
-def parse_call(state: ServerState, body: bytes, chat: bool) -> tuple[AnyRequest, list[ChoiceSpec]]:
+def parse_call(
+    state: ServerState, body: bytes, chat: bool, cancelled: threading.Event | None = None
+) -> tuple[AnyRequest, list[ChoiceSpec]]:
     """A /v1/completions (or, with ``chat``, /v1/chat/completions) body as its request and engine requests;
-    APIError for anything the client got wrong. Blocking: run it in ``state.workers``."""
+    APIError for anything the client got wrong. Blocking: run it in ``state.workers``; set ``cancelled`` when the
+    client leaves (the chat template stops rendering: ``chat_template.RenderCancelled``)."""
     if chat:
         req = parse_body(body, ChatCompletionRequest)
-        return req, chat_specs(state, req)
+        return req, chat_specs(state, req, cancelled)
     req = parse_body(body, CompletionRequest)
     return req, completion_specs(state, req)
 
@@ -128,9 +133,12 @@ def _echo_texts(state: ServerState, req: CompletionRequest, prompts: list[list[i
     return [state.tokenizer.decode(ids) for ids in prompts]
 
 
-def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpec]:
+def chat_specs(
+    state: ServerState, req: ChatCompletionRequest, cancelled: threading.Event | None = None
+) -> list[ChoiceSpec]:
     """A /v1/chat/completions call's engine requests: the ``n`` choices of the templated conversation."""
     _check_common(state, req)
+    check_template_kwargs(req.chat_template_kwargs)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     fmt, forced = _tool_format(state, req)
@@ -148,7 +156,7 @@ def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[ChoiceSpe
             "(max_tokens is the older name of max_completion_tokens)",
             param="max_completion_tokens",
         )
-    prompt, opened, closed, mm = _chat_prompt(state, req)
+    prompt, opened, closed, mm = _chat_prompt(state, req, cancelled)
     if mm is not None and req.truncate_prompt_tokens is not None:
         raise APIError(400, "truncate_prompt_tokens would cut the prompt's images", param="truncate_prompt_tokens")
     prompt = _truncate(state, req, prompt)
@@ -405,8 +413,51 @@ def template_message(m, images: list | None = None) -> dict:
     return out
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """400 naming the first ``chat_template_kwargs`` key a client may not set (``chat_template.TEMPLATE_KWARGS``)."""
+    why = chat_template.check_template_kwargs(kwargs or {})
+    if why is not None:
+        raise APIError(400, why, param="chat_template_kwargs")
+
+
+def render_chat(
+    state: ServerState,
+    messages: list[dict],
+    *,
+    tools: list[dict] | None,
+    kwargs: dict[str, Any] | None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    truncating: bool = False,
+    cancelled: threading.Event | None = None,
+) -> str:
+    """The model's chat template over ``messages``, bounded in time and characters (``chat_template.render``): at
+    most ``max_prompt_chars`` (a longer text cannot fit the context), or twice the body limit when the prompt is
+    to be truncated; 400 past a bound or when the template refuses the conversation."""
+    limit = state.max_prompt_chars or 2 * state.http.max_body_bytes
+    if truncating:
+        limit = max(limit, 2 * state.http.max_body_bytes)
+    try:
+        return chat_template.render(
+            state.tokenizer,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            kwargs=kwargs,
+            max_chars=limit,
+            cancelled=cancelled,
+        )
+    except chat_template.RenderLimitError as e:
+        if e.kind == "size" and not truncating:
+            raise _too_long(state, "messages", f"more characters once templated: {e}") from None
+        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+    except chat_template.TemplateError as e:  # a template that rejects the conversation
+        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+
+
 def _chat_prompt(
-    state: ServerState, req: ChatCompletionRequest
+    state: ServerState, req: ChatCompletionRequest, cancelled: threading.Event | None = None
 ) -> tuple[list[int], bool, bool, MultimodalInputs | None]:
     """The templated conversation's token ids (image placeholders expanded), whether the text ends inside an open
     ``<think>`` (opened) or right after a ``</think>`` (closed: the reply is not to reason), and its images."""
@@ -419,16 +470,14 @@ def _chat_prompt(
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     check_image_count(state, len(images))
-    if req.truncate_prompt_tokens is None:
+    truncating = req.truncate_prompt_tokens is not None
+    if not truncating:
         _check_chars(state, sum(text_chars(m["content"]) for m in messages), "messages")
-    extra = dict(req.chat_template_kwargs or {})
-    if req.tools:
-        extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-    try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
-    except Exception as e:  # a template that rejects the conversation
-        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-    if req.truncate_prompt_tokens is None:
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    text = render_chat(
+        state, messages, tools=tools, kwargs=req.chat_template_kwargs, truncating=truncating, cancelled=cancelled
+    )
+    if not truncating:
         _check_chars(state, len(text), "messages")
     tail = text.rstrip()
     ids, mm = image_prompt(state, list(tok.encode(text, add_special_tokens=False)), images, req.mm_processor_kwargs)

@@ -31,12 +31,43 @@ DISCONNECT_POLL_SECONDS = 0.25
 log = logging.getLogger("uvicorn.error")
 
 
+class _StopPrefix:
+    """How long a prefix of ``stop`` the text fed so far ends with, short of the whole string: the text to hold
+    back, since it may begin the stop string. Knuth-Morris-Pratt: each character is fed once, so a stream's
+    checks cost O(its text + the stop string), not the O(text x stop) of trying every prefix at every chunk."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop, self.k = stop, 0
+        # border[i]: the longest proper prefix of stop[: i + 1] that is also its suffix
+        self.border = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.border[k - 1]
+            k += stop[i] == stop[k]
+            self.border[i] = k
+
+    def feed(self, chars: str) -> int:
+        stop, border, k = self.stop, self.border, self.k
+        for c in chars:
+            if k == len(stop):  # the whole stop string (the engine ends the text there): go on from its border
+                k = border[k - 1]
+            while k and stop[k] != c:
+                k = border[k - 1]
+            k += stop[k] == c
+        self.k = k
+        return border[k - 1] if k == len(stop) else k
+
+
 class _TextStream:
     """Incremental text of one choice: holds back a trailing partial UTF-8 character and any tail that could
     begin a stop string, so the deltas add up to the final (stop-cut) text."""
 
     def __init__(self, tokenizer, stops: list[str], options: tuple[bool, bool] = (True, True)) -> None:
         self.stops, self.sent = stops, ""
+        self.prefixes = [_StopPrefix(s) for s in stops]
+        self.fed = 0  # characters of the text fed to the prefixes
+        self.held = 0  # characters at the end of the text that may begin a stop string
         self.num_tokens = 0  # tokens whose logprobs were sent
         self.echoed = False  # the prompt was sent (completions with echo)
         # options: skip_special_tokens, spaces_between_special_tokens, as the engine decodes the final text
@@ -48,20 +79,19 @@ class _TextStream:
         if out.finished:
             text = out.text
         else:
-            # With stop strings the engine keeps the text up to date; otherwise decode only the newest tokens.
-            # Either way a partial UTF-8 character is held back until its last byte arrives.
+            # With stop strings the engine keeps the text up to date (it only grows until the request finishes);
+            # otherwise decode only the newest tokens. Either way a partial UTF-8 character is held back until its
+            # last byte arrives.
             if self.stops:
                 text = out.text
+                if len(text) > self.fed:
+                    new = text[self.fed :]
+                    self.held = max(p.feed(new) for p in self.prefixes)
+                    self.fed = len(text)
+                text = text[: len(text) - self.held]
             else:
                 self.detokenizer.update(out.token_ids)
                 text = self.detokenizer.text
-            keep = len(text)
-            for s in self.stops:
-                for k in range(min(len(s) - 1, keep), 0, -1):
-                    if text[keep - k : keep] == s[:k]:
-                        keep -= k
-                        break
-            text = text[:keep]
         if not text.startswith(self.sent):
             return ""
         piece, self.sent = text[len(self.sent) :], text

@@ -3,14 +3,15 @@
 ``/tokenize`` takes a ``prompt`` (``add_special_tokens``, default true, adds BOS and the like as a completion
 prompt gets them) or chat ``messages`` (rendered with the model's chat template, as chat completions render them:
 ``add_generation_prompt`` default true, ``continue_final_message``, ``add_special_tokens`` default false, ``tools``,
-``chat_template_kwargs``; tool calls and tool results in the messages) and
-answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (image content parts, for a vision-language
-model, counted as the image tokens each expands to) (``token_strs`` with ``return_token_strs``).
+``chat_template_kwargs``, the keys ``chat_template.TEMPLATE_KWARGS`` allows; tool calls and tool results in the
+messages) and answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (image content parts, for a
+vision-language model, counted as the image tokens each expands to) (``token_strs`` with ``return_token_strs``).
 ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``, special tokens kept. Both run in a worker thread, and a
 text longer than any prompt that fits the context is refused before it is tokenized (``ServerState
 .max_prompt_chars``), as the completion routes refuse it.
 """
 
+import threading
 from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
@@ -18,7 +19,14 @@ from pydantic import BaseModel, Field, model_validator
 from lockstep.multimodal.chat import text_chars
 from lockstep.server.images import check_image_count, image_prompt
 from lockstep.server.protocol import STRICT, APIError, ChatMessage, Tool
-from lockstep.server.requests import _check_chars, check_token_ids, parse_body, template_message
+from lockstep.server.requests import (
+    _check_chars,
+    check_template_kwargs,
+    check_token_ids,
+    parse_body,
+    render_chat,
+    template_message,
+)
 from lockstep.server.state import ServerState
 
 _UNSUPPORTED = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
@@ -70,10 +78,12 @@ class DetokenizeRequest(_TokenizerRequest):
     tokens: list[int]
 
 
-def tokenize(state: ServerState, body: bytes) -> dict:
-    """A /tokenize body's answer; APIError for anything the client got wrong. Blocking: run it in a worker."""
+def tokenize(state: ServerState, body: bytes, cancelled: threading.Event | None = None) -> dict:
+    """A /tokenize body's answer; APIError for anything the client got wrong. Blocking: run it in a worker (set
+    ``cancelled`` when the client leaves: the chat template stops rendering)."""
     req = parse_body(body, TokenizeRequest)
     req.check(state)
+    check_template_kwargs(req.chat_template_kwargs)
     tok = state.tokenizer
     images: list = []
     if req.messages is not None:
@@ -85,19 +95,16 @@ def tokenize(state: ServerState, body: bytes) -> dict:
             raise APIError(400, str(e), param="messages") from None
         check_image_count(state, len(images))
         _check_chars(state, sum(text_chars(m["content"]) for m in messages), "messages")
-        extra = dict(req.chat_template_kwargs or {})
-        if req.tools:
-            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-        try:
-            text = tok.apply_chat_template(
-                messages,
-                **extra,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                tokenize=False,
-            )
-        except Exception as e:  # a template that rejects the conversation
-            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        text = render_chat(
+            state,
+            messages,
+            tools=tools,
+            kwargs=req.chat_template_kwargs,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            cancelled=cancelled,
+        )
         _check_chars(state, len(text), "messages")
         special = bool(req.add_special_tokens)
     else:
@@ -115,7 +122,7 @@ def tokenize(state: ServerState, body: bytes) -> dict:
     }
 
 
-def detokenize(state: ServerState, body: bytes) -> dict:
+def detokenize(state: ServerState, body: bytes, cancelled: threading.Event | None = None) -> dict:
     """A /detokenize body's answer: the text of its token ids, special tokens kept (vLLM's)."""
     req = parse_body(body, DetokenizeRequest)
     req.check(state)

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from lockstep.server.chat_template import TEMPLATE_KWARGS
+
 from .conftest import Server
 
 MAX_EXAMPLES = 2000  # 40-70 s on 2 shared CPU cores
@@ -111,6 +113,59 @@ CHAT = {
     "top_logprobs": st.integers(0, 5),
     "max_completion_tokens": st.integers(1, 8),
 }
+
+
+# -- Issue 25, items 1 and 4 (branch h25-templates): chat_template_kwargs and stop strings --------------------------
+# Keys a template reads, keys refused (a template, documents, the request's own fields, anything else) and values
+# from plain data to the issue's hostile templates; stop strings up to the 1024-character bound and past it (the issue's
+# 1.9 MB ones are in test_hostile_templates.py), in the tiny model's alphabet so that its text nearly matches them.
+TEMPLATES = st.sampled_from(
+    [
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "{% set s = 'xxxxxxxxxx' %}{% set s = s*100 %}{% set s = s*100 %}{% set s = s*100 %}{{ s*1000 }}",
+        "{{ messages }}",
+        "{{ raise_exception('no') }}",
+        "",
+    ]
+)
+TEMPLATE_KEYS = st.one_of(
+    st.sampled_from(sorted(TEMPLATE_KWARGS)),
+    st.sampled_from(["chat_template", "documents", "add_generation_prompt", "tools", "messages", "bos_token"]),
+    st.text(max_size=8),
+)
+template_values = st.one_of(
+    scalars,
+    TEMPLATES,
+    st.lists(scalars, max_size=3),
+    st.dictionaries(st.text(max_size=5), scalars, max_size=3),
+    huge_text,
+)
+template_kwargs = st.dictionaries(TEMPLATE_KEYS, template_values, max_size=3)
+stop_text = st.text(alphabet="ab ", min_size=1, max_size=1100)
+long_stop = st.tuples(st.sampled_from("ab"), st.integers(1000, 200_000)).map(lambda t: t[0] * t[1])
+stops = st.one_of(stop_text, st.lists(st.one_of(stop_text, long_stop), min_size=1, max_size=5))
+SAMPLING["stop"] = st.one_of(SAMPLING["stop"], stops)
+CHAT["chat_template_kwargs"] = st.one_of(st.none(), template_kwargs)
+TOKENIZE = {
+    "messages": CHAT["messages"],
+    "chat_template_kwargs": CHAT["chat_template_kwargs"],
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
+    "add_special_tokens": st.booleans(),
+    "return_token_strs": st.booleans(),
+}
+
+
+@st.composite
+def tokenize_requests(draw) -> bytes:
+    """A /tokenize body with chat messages, its template options drawn (hostile now and then)."""
+    names = ["messages", *(n for n in TOKENIZE if n != "messages" and draw(st.integers(0, 1)))]
+    hostile_names = draw(st.sampled_from([[], [draw(st.sampled_from(names))]]))
+    body = {n: draw(field(TOKENIZE[n]) if n in hostile_names else TOKENIZE[n]) for n in names}
+    return to_json({"model": "tiny", **body}).encode("utf-8", "surrogatepass")
+
+
+# -- end of issue 25's block -------------------------------------------------------------------------------------
 
 
 def poisons_the_sampler(body: dict) -> bool:
@@ -403,3 +458,34 @@ def test_negative_control_the_checks_see_a_5xx_and_a_bare_4xx() -> None:
     with pytest.raises(AssertionError):
         check_reply(httpx.Response(200, request=request), ['data: {"error": {}}', "data: [DONE]"])
     check_reply(httpx.Response(200, request=request), ['data: {"choices": []}', "data: [DONE]"])
+
+
+def test_fuzzed_tokenize_template_options_never_get_a_5xx(guarded_server: Server) -> None:
+    # Issue 25's block: /tokenize renders the chat template without generating, so its options are fuzzed alone.
+    s, seen = guarded_server, {}
+    client = httpx.Client(timeout=60)
+
+    @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(tokenize_requests())
+    def one(raw: bytes) -> None:
+        r = client.post(s.url + "/tokenize", content=raw, headers={**s.headers, "content-type": "application/json"})
+        check_reply_tokenize(r)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+
+    try:
+        one()
+    finally:
+        client.close()
+    print(f"\ntokenize fuzz: statuses {dict(sorted(seen.items()))}")
+    assert set(seen) <= {200, 400, 413} and seen.get(200, 0) > 10 and seen.get(400, 0) > 10
+    assert httpx.get(s.url + "/health", timeout=5).status_code == 200
+
+
+def check_reply_tokenize(r: httpx.Response) -> None:
+    assert r.status_code < 500, r.text[:1000]
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    else:
+        body = r.json()
+        assert body["count"] == len(body["tokens"]) > 0
