@@ -156,7 +156,10 @@ class ModelRunner:
             tp=self.tp,
             tp_invariant=config.tp_invariant,
             load_format=config.load_format,
+            quantization=config.quantization,
         )
+        if config.kv_cache_dtype != "auto":  # "fp8": e4m3 caches (ops.attention: written saturated, read exactly)
+            self.model.kv_cache_dtype = torch.float8_e4m3fn
         limit = self.model.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit} positions")
