@@ -19,7 +19,7 @@ needs no reading. Every FP8 layer keeps ``weight_scale: [N, KB]`` fp32, one row 
 scales repeated over their 128 rows, so stacked q/k/v or gate/up parts of any width keep their own) and runs
 ``ops.fp8.fp8_linear``. The experts of a mixture of experts (stacked ``w13``/``w2``, run by ``ops.moe``) are not
 FP8 yet: an FP8 checkpoint's experts are dequantized into the model dtype as they load, and online quantization
-leaves them as they are. The LM head and the embedding stay in the model dtype. Tensor parallelism is not
+rounds them through e4m3 the same way (the FP8 weights' values, not yet their memory or speed). The LM head and the embedding stay in the model dtype. Tensor parallelism is not
 supported with FP8 layers yet.
 """
 
@@ -225,27 +225,39 @@ def conform(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(1) if tensor.dim() == 0 else tensor
 
 
+def _quantize(w: torch.Tensor, scheme: Fp8Scheme, parts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    # w: [N, K] with stacked parts of these widths (each quantized on its own, as a checkpoint stores it)
+    # -> (w8 [N, K], row scales [N, KB])
+    out, start = [], 0
+    for width in parts:
+        part = w[start : start + width]
+        start += width
+        if scheme.weight == "block":
+            w8, s = fp8.quantize_weight(part, scheme.block)
+            out.append((w8, fp8.expand_block_scale(s, width, scheme.block[0])))
+        elif scheme.weight == "channel":
+            out.append(fp8.quantize_weight(part))
+        else:
+            w8, s = fp8.quantize_weight(part.reshape(1, -1))
+            out.append((w8.view(part.shape), s.expand(width, 1)))
+    return torch.cat([p[0] for p in out]), torch.cat([p[1] for p in out])
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
     """Quantize a loaded full-precision model's linear layers in place (online FP8, or a dummy-weight model in a
-    checkpoint's layout): the scales of each output row (or block) from its weights alone."""
+    checkpoint's layout): the scales of each output row (or block) from its weights alone. The experts' matrices
+    are rounded through e4m3 the same way and kept dequantized, as an FP8 checkpoint's experts load."""
     _check_tp(model)
     for _, module, _parts in _linears(model):
         w = module.weight.detach()
-        if scheme.weight == "block":
-            # Each stacked part blocked on its own, as a checkpoint stores it.
-            edges = getattr(module, "out_parts", (w.shape[0],))
-            parts, start = [], 0
-            for width in edges:
-                w8, s = fp8.quantize_weight(w[start : start + width], scheme.block)
-                parts.append((w8, fp8.expand_block_scale(s, width, scheme.block[0])))
-                start += width
-            w8, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        elif scheme.weight == "channel":
-            w8, scale = fp8.quantize_weight(w)
-        else:
-            w8, scale = fp8.quantize_weight(w.reshape(1, -1))
-            w8, scale = w8.view(w.shape), scale.expand(w.shape[0], 1)
+        w8, scale = _quantize(w, scheme, getattr(module, "out_parts", (w.shape[0],)))
         _make_fp8(module, scheme)
         module.weight.copy_(w8)
         module.weight_scale.copy_(scale)
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            for e in range(module.num_experts):
+                w13, w2 = module.w13[e], module.w2[e]
+                w13.copy_(fp8.dequantize(*_quantize(w13, scheme, (w13.shape[0] // 2,) * 2), w13.dtype))
+                w2.copy_(fp8.dequantize(*_quantize(w2, scheme, (w2.shape[0],)), w2.dtype))
