@@ -16,9 +16,9 @@ LAYOUTS = ("fp8-block", "ct-channel", "ct-tensor")
 
 def _quantized(name: str, t: torch.Tensor) -> bool:
     # The linear layers' matrices; not the embedding, the head, the norms or a router ("...gate.weight").
-    return name.endswith(".weight") and t.dim() == 2 and "embed" not in name and "lm_head" not in name and not (
-        name.endswith(".gate.weight")
-    )
+    if not name.endswith(".weight") or name.endswith(".gate.weight") or t.dim() != 2:
+        return False
+    return "embed" not in name and "lm_head" not in name
 
 
 def _ct_config(strategy: str) -> dict:

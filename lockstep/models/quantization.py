@@ -19,8 +19,8 @@ needs no reading. Every FP8 layer keeps ``weight_scale: [N, KB]`` fp32, one row 
 scales repeated over their 128 rows, so stacked q/k/v or gate/up parts of any width keep their own) and runs
 ``ops.fp8.fp8_linear``. The experts of a mixture of experts (stacked ``w13``/``w2``, run by ``ops.moe``) are not
 FP8 yet: an FP8 checkpoint's experts are dequantized into the model dtype as they load, and online quantization
-rounds them through e4m3 the same way (the FP8 weights' values, not yet their memory or speed). The LM head and the embedding stay in the model dtype. Tensor parallelism is not
-supported with FP8 layers yet.
+rounds them through e4m3 the same way (the FP8 weights' values, not yet their memory or speed). The LM head and
+the embedding stay in the model dtype. Tensor parallelism is not supported with FP8 layers yet.
 """
 
 from dataclasses import dataclass
