@@ -85,3 +85,34 @@ def test_fp8_results_differ_from_full_precision(folders, variant) -> None:
     if name == "fp8_kv":
         default = run_mixed(make_llm(folder, **settings, batch_invariant=False), 31, 1)
         assert [bits(o) for o in default] != refs
+
+
+def test_llm_quantizes_online_and_the_cli_takes_the_flags(folders) -> None:
+    from lockstep.cli import build_parser, kernel_args
+    from lockstep.config import EngineConfig
+
+    llm = make_llm(folders["full"], quantization="fp8", kv_cache_dtype="fp8")
+    assert llm.engine.runner.model.model.layers[1].mlp.down_proj.weight.dtype == fp8.FP8
+    [out] = llm.generate([TARGET_PROMPTS[0]], TARGET_PARAMS[0], use_tqdm=False)
+    assert len(out.token_ids) == TARGET_PARAMS[0].max_tokens
+    args = build_parser().parse_args(["generate", "--quantization", "fp8", "--kv-cache-dtype", "fp8", "hi"])
+    assert kernel_args(args)["quantization"] == "fp8"
+    assert kernel_args(args)["kv_cache_dtype"] == "fp8"
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        EngineConfig(kv_cache_dtype="fp16")
+
+
+def test_bench_fp8_check_runs_on_the_cpu(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "fp8_check.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "fp8_check.json").read_text())
+    assert report["failures"] == [] and report["fused_write_ok"]
+    assert all(r["fp8_equals_dequantized_bf16"] and r["alone_equals_batched"] for r in report["kv"])
