@@ -2,6 +2,7 @@
 
     python bench/fp8_check.py --out DIR          # H200: Qwen3-8B shapes (about 3 minutes)
     python bench/fp8_check.py --tiny --out DIR   # small shapes; without a GPU the checks run on the CPU path
+    python bench/fp8_check.py --sweep --out DIR  # also time a set of tiles per shape and M (for fp8_config)
 
 (a) Bits: ``ops.fp8.fp8_linear`` row m of an M-row call must equal row m of the 512-row call for every M in
     1..512, with 128 x 128 block weights (activations per 128-column group) and per-channel weights (activations
@@ -142,6 +143,34 @@ def time_linear(k: int, n: int, ms: list[int]) -> list[dict]:
     return rows
 
 
+SWEEP = [Fp8Config(bm, bn, bk, num_warps=w, num_stages=st)
+         for bm, bn, bk, w, st in [(16, 32, 128, 4, 5), (16, 64, 128, 4, 5), (16, 32, 64, 4, 6), (16, 128, 128, 4, 4),
+                                   (32, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3),
+                                   (128, 64, 128, 8, 4), (128, 128, 128, 8, 3), (128, 128, 64, 8, 4),
+                                   (128, 256, 64, 8, 3)]]  # fmt: skip
+
+
+def sweep(k: int, n: int, ms: list[int]) -> list[dict]:
+    """Every SWEEP tile timed (block weights), each checked against the table's bits: for choosing the table."""
+    w8, ws = weight(n, k, "block")
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+        a8, a_s = fp8.quantize_rows(x, 128)
+        want = _fp8_mm_triton(a8, a_s, w8, ws, None, torch.bfloat16)
+        times = {}
+        for cfg in SWEEP:
+            if not same(_fp8_mm_triton(a8, a_s, w8, ws, None, torch.bfloat16, cfg), want):
+                fail(f"sweep K={k} N={n} M={m} {cfg}: other bits")
+            times[str(cfg)] = bench(lambda cfg=cfg: _fp8_mm_triton(a8, a_s, w8, ws, None, torch.bfloat16, cfg))
+        best = min(times, key=times.get)
+        key = str(fp8_config(m, n, k))
+        table = times[key] if key in times else bench(lambda: _fp8_mm_triton(a8, a_s, w8, ws, None, torch.bfloat16))
+        print(f"  K={k:5d} N={n:6d} M={m:5d}  table {table:8.1f} us  best {times[best]:8.1f} us  {best}")
+        rows.append({"K": k, "N": n, "M": m, "table_us": table, "times": times})
+    return rows
+
+
 def check_kv(hq: int, hkv: int, d: int, page: int, ctx: int, batch: int) -> dict:
     dtype = torch.bfloat16
     blocks_per_seq = -(-ctx // page)
@@ -206,6 +235,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tiny", action="store_true", help="small shapes (the default without a GPU)")
+    parser.add_argument("--sweep", action="store_true", help="also time every SWEEP tile (GPU, a few more minutes)")
     args = parser.parse_args()
     tiny = args.tiny or not CUDA
     if tiny:
@@ -225,6 +255,9 @@ def main() -> None:
         ratios = [r["ratio"] for r in result["speed"]]
         result["geomean_gemm_over_scaled_mm"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
         print(f"  geomean ours gemm / _scaled_mm: {result['geomean_gemm_over_scaled_mm']:.3f}")
+    if args.sweep and CUDA:
+        print("(b') tile sweep")
+        result["sweep"] = [row for k, n in shapes for row in sweep(k, n, [1, 16, 64, 256, 1024, 8192])]
     print("(c) FP8 KV cache")
     heads, points = kv
     result["kv"] = [check_kv(**heads, ctx=ctx, batch=b) for ctx, b in points]

@@ -207,8 +207,9 @@ class Fp8Config:
 def fp8_config(m: int, n: int, k: int) -> Fp8Config:
     """The tile for one problem, from N and a bucket of M; the reduction order never depends on it.
 
-    Not yet swept on the H200 (bench/fp8_check.py --sweep times the candidates). Small M reads the weights: enough
-    tiles to cover the SMs (N / BN programs). Large M is compute-bound: 128-row tiles, a 128-column block per step.
+    Not yet swept on the H200 (bench/fp8_check.py --sweep times candidates and checks their bits). Small M reads the
+    weights: enough tiles to cover the SMs (N / BN programs). Large M is compute-bound: bigger tiles, a 128-column
+    block per step.
     """
     C = Fp8Config
     if m <= 16:
