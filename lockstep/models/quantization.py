@@ -17,10 +17,10 @@ Three checkpoint layouts, read from ``config.json``'s ``quantization_config``:
 A layer is FP8 where the checkpoint stores a scale for it, so a checkpoint's ignore list (the router, the LM head)
 needs no reading. Every FP8 layer keeps ``weight_scale: [N, KB]`` fp32, one row of scales per output row (block
 scales repeated over their 128 rows, so stacked q/k/v or gate/up parts of any width keep their own) and runs
-``ops.fp8.fp8_linear``. The experts of a mixture of experts (stacked ``w13``/``w2``, run by ``ops.moe``) are not
-FP8 yet: an FP8 checkpoint's experts are dequantized into the model dtype as they load, and online quantization
-rounds them through e4m3 the same way (the FP8 weights' values, not yet their memory or speed). The LM head and
-the embedding stay in the model dtype. Tensor parallelism is not supported with FP8 layers yet.
+``ops.fp8.fp8_linear``. The experts of a mixture of experts likewise hold ``w13``/``w2`` in e4m3 with row scales
+``[E, 2I, KB]``/``[E, H, KB]`` and run ``ops.moe_fp8``; the LM head, the embedding and the router stay in the model
+dtype. A full-precision destination of an FP8 matrix (a checkpoint that quantizes the router) gets the dequantized
+values. Tensor parallelism is not supported with FP8 layers yet.
 """
 
 from dataclasses import dataclass
@@ -135,8 +135,30 @@ def _make_fp8(module: nn.Module, scheme: Fp8Scheme) -> None:
     module.act_group = scheme.act_group
 
 
+def _make_experts_fp8(block: SparseMoeBlock, scheme: Fp8Scheme) -> None:
+    # w13 [E, 2I, H] and w2 [E, H, I] become e4m3 with row scales [E, 2I, KB_H] and [E, H, KB_I] (ops.moe_fp8).
+    if block.tree:
+        raise ValueError("FP8 experts through the chunk tree (tp_invariant) are not supported yet")
+    for name in ("w13", "w2"):
+        w = getattr(block, name)
+        e, n, k = w.shape
+        kb = -(-k // fp8.GROUP_K) if scheme.weight == "block" else 1
+        setattr(block, name, nn.Parameter(torch.empty(e, n, k, dtype=fp8.FP8, device=w.device), requires_grad=False))
+        scale = torch.empty(e, n, kb, dtype=torch.float32, device=w.device)
+        setattr(block, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+    block.act_group = scheme.act_group
+
+
+def _expert_blocks(model: nn.Module):
+    """``(block, its checkpoint prefix)`` for every sparse MoE block."""
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoeBlock):
+            yield module, f"{name.rpartition('.')[0]}.{module.names.block}"
+
+
 def prepare_checkpoint(model: nn.Module, scheme: Fp8Scheme, names: set[str]) -> None:
-    """Turn the linear layers the checkpoint stores scales for (``names``: its tensor names) into FP8 layers."""
+    """Turn the linear layers and experts the checkpoint stores scales for (``names``: its tensor names) into FP8
+    layers."""
     _check_tp(model)
     for name, module, parts in _linears(model):
         has = [f"{p}.{scheme.scale_name}" in names for p in parts]
@@ -144,6 +166,9 @@ def prepare_checkpoint(model: nn.Module, scheme: Fp8Scheme, names: set[str]) -> 
             raise ValueError(f"{name}: the checkpoint quantizes some of {parts} to FP8 but not all")
         if all(has):
             _make_fp8(module, scheme)
+    for block, prefix in _expert_blocks(model):
+        if f"{prefix}.experts.0.{block.names.gate}.{scheme.scale_name}" in names:
+            _make_experts_fp8(block, scheme)
 
 
 class _Slot:
@@ -255,9 +280,11 @@ def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
         _make_fp8(module, scheme)
         module.weight.copy_(w8)
         module.weight_scale.copy_(scale)
-    for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
-            for e in range(module.num_experts):
-                w13, w2 = module.w13[e], module.w2[e]
-                w13.copy_(fp8.dequantize(*_quantize(w13, scheme, (w13.shape[0] // 2,) * 2), w13.dtype))
-                w2.copy_(fp8.dequantize(*_quantize(w2, scheme, (w2.shape[0],)), w2.dtype))
+    for block, _prefix in _expert_blocks(model):
+        w13, w2 = block.w13.detach(), block.w2.detach()
+        q13 = [_quantize(w, scheme, (w.shape[0] // 2,) * 2) for w in w13]  # gate and up: parts of their own
+        q2 = [_quantize(w, scheme, (w.shape[0],)) for w in w2]
+        _make_experts_fp8(block, scheme)
+        for dest, dest_scale, q in ((block.w13, block.w13_scale, q13), (block.w2, block.w2_scale, q2)):
+            dest.copy_(torch.stack([p[0] for p in q]))
+            dest_scale.copy_(torch.stack([p[1] for p in q]))

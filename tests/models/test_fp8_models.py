@@ -1,5 +1,5 @@
-"""FP8 checkpoints and online FP8, dense and mixture of experts: each layout loads its bits into FP8 layers (the
-experts dequantized), the model tracks the dequantized full-precision model it stands for, online quantization
+"""FP8 checkpoints and online FP8, dense and mixture of experts: each layout loads its bits into FP8 layers and
+experts, the model tracks the dequantized full-precision model it stands for, online quantization
 equals a per-channel checkpoint of the same weights, dummy weights take a checkpoint's layout, bad configs fail."""
 
 import json
@@ -49,12 +49,14 @@ def test_fp8_checkpoint_loads_its_bits_and_tracks_the_dequantized_model(full_dir
     scales = [_row_scales(tensors, n, layout, tensors[f"{n}.weight"].shape[0]) for n in names]
     assert torch.equal(qkv.weight_scale, torch.cat(scales))
     assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
-    if hasattr(layer.mlp, "w13"):  # the experts: dequantized into the model dtype; the router as it was
-        assert layer.mlp.gate.weight.dtype == torch.float32 and layer.mlp.w13.dtype == torch.float32
+    if hasattr(layer.mlp, "w13"):  # the experts in e4m3 with their row scales; the router as it was
+        assert layer.mlp.gate.weight.dtype == torch.float32 and layer.mlp.w13.dtype == fp8.FP8
         e1 = "model.layers.0.mlp.experts.1.up_proj"
-        rows = tensors[f"{e1}.weight"].shape[0]
-        up = fp8.dequantize(tensors[f"{e1}.weight"], _row_scales(tensors, e1, layout, rows))
-        assert torch.equal(layer.mlp.w13[1, up.shape[0] :], up)
+        up, rows = tensors[f"{e1}.weight"], tensors[f"{e1}.weight"].shape[0]
+        assert torch.equal(layer.mlp.w13[1, rows:].view(torch.uint8), up.view(torch.uint8))
+        assert torch.equal(layer.mlp.w13_scale[1, rows:], _row_scales(tensors, e1, layout, rows))
+        e2 = "model.layers.2.mlp.experts.5.down_proj"
+        assert torch.equal(model.model.layers[2].mlp.w2[5].view(torch.uint8), tensors[f"{e2}.weight"].view(torch.uint8))
     else:
         assert layer.mlp.down_proj.weight.dtype == fp8.FP8
     # Against the full-precision model of the dequantized weights: only the activations' e4m3 rounding differs.
