@@ -1,4 +1,5 @@
-"""The invariance matrix with FP8: weights from a Qwen3-style block-FP8 checkpoint, an FP8 KV cache, and both. A
+"""The invariance matrix with FP8: weights from a Qwen3-style block-FP8 checkpoint, an FP8 KV cache, both, and both
+on a mixture of experts (FP8 experts). A
 request's tokens, logprobs and prompt logprobs are the same bits alone, batched, chunked, after a prefix-cache hit
 and after preemption; on the default kernels an FP8 cache does not protect them (the negative control)."""
 
@@ -15,6 +16,7 @@ from test_llm import (
     run_mixed,
     run_preempted,
 )
+from tiny_models import save_tiny_moe
 
 from lockstep.ops import fp8
 
@@ -23,6 +25,7 @@ VARIANTS = {
     "fp8_weights": ("fp8", {}),
     "fp8_kv": ("full", {"kv_cache_dtype": "fp8"}),
     "fp8_both": ("fp8", {"kv_cache_dtype": "fp8"}),
+    "fp8_moe_both": ("moe_fp8", {"kv_cache_dtype": "fp8"}),  # Qwen3-MoE: FP8 experts (ops.moe_fp8) too
 }
 CASES = {
     "batch_of_34": ({}, 31, 1),
@@ -33,7 +36,13 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def folders(tiny_model_dir: Path, tmp_path_factory) -> dict[str, Path]:
-    return {"full": tiny_model_dir, "fp8": save_fp8(tiny_model_dir, tmp_path_factory.mktemp("fp8"), "fp8-block")}
+    moe = save_tiny_moe(tmp_path_factory.mktemp("moe"), "qwen3_moe")
+    return {
+        "full": tiny_model_dir,
+        "fp8": save_fp8(tiny_model_dir, tmp_path_factory.mktemp("fp8"), "fp8-block"),
+        "moe": moe,
+        "moe_fp8": save_fp8(moe, tmp_path_factory.mktemp("moe-fp8"), "fp8-block"),
+    }
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -80,7 +89,7 @@ def test_fp8_results_differ_from_full_precision(folders, variant) -> None:
     # The FP8 variants compute something else than the full-precision model (the harness is not comparing a
     # model with itself), and on the default kernels an FP8 cache leaves the batch in the bits.
     name, folder, settings, refs = variant
-    full = [bits(o) for o in run_mixed(make_llm(folders["full"]), 2, 0)]
+    full = [bits(o) for o in run_mixed(make_llm(folders["moe" if "moe" in name else "full"]), 2, 0)]
     assert full != refs
     if name == "fp8_kv":
         default = run_mixed(make_llm(folder, **settings, batch_invariant=False), 31, 1)
