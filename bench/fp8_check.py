@@ -11,7 +11,9 @@
 (b) Speed: the FP8 linear (activation quantization + matmul, and the matmul alone) against ``torch._scaled_mm``
     (cuBLASLt, per-row activation and per-column weight scales, bf16 out) and bf16 ``F.linear`` (cuBLAS), M 1..8192,
     timed in CUDA graphs over weight copies that defeat the L2; the geometric mean of ours / _scaled_mm.
-(c) FP8 KV: paged decode attention over an e4m3 cache must give exactly the bits of the same attention over a bf16
+(c) FP8 experts: a token's bits alone and in a batch, values against the bf16 experts of the dequantized weights,
+    time against the bf16 grouped matmul, at Qwen3-30B-A3B's expert shape.
+(d) FP8 KV: paged decode attention over an e4m3 cache must give exactly the bits of the same attention over a bf16
     cache holding the e4m3 values (the kernel reads e4m3 into bf16 exactly), a sequence's rows the same bits alone
     and in a batch of 64, the fused rotary_write_kv kernel the bytes of rotary + write_kv; decode times side by side.
 
@@ -171,6 +173,43 @@ def sweep(k: int, n: int, ms: list[int]) -> list[dict]:
     return rows
 
 
+def check_experts(num_experts: int, top_k: int, hidden: int, inter: int, max_n: int, time_ns: list[int]) -> dict:
+    """FP8 experts (``ops.moe_fp8``, 128 x 128 blocks): a token's bits alone vs in the batch, values against the
+    dequantized bf16 experts, time against the bf16 grouped matmul (``ops.moe.experts``)."""
+    from lockstep.ops import moe
+    from lockstep.ops.moe_fp8 import experts_fp8
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEV, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=DEV, generator=g) / inter**0.5
+
+    def quantized(w):
+        parts = [fp8.quantize_weight(m, (128, 128)) for m in w]
+        scales = [fp8.expand_block_scale(s, w.shape[1], 128) for _, s in parts]
+        return torch.stack([p[0] for p in parts]), torch.stack(scales)
+
+    (q13, s13), (q2, s2) = quantized(w13), quantized(w2)
+    b13 = torch.stack([fp8.dequantize(w, s, torch.bfloat16) for w, s in zip(q13, s13, strict=True)])
+    b2 = torch.stack([fp8.dequantize(w, s, torch.bfloat16) for w, s in zip(q2, s2, strict=True)])
+    x = torch.randn(max_n, hidden, device=DEV, generator=g).to(torch.bfloat16)
+    weights, ids = moe.route(torch.randn(max_n, num_experts, device=DEV, generator=g), top_k, True)
+    run = lambda n: experts_fp8(x[:n], q13, s13, q2, s2, weights[:n], ids[:n], 128)  # noqa: E731
+    full = run(max_n)
+    bad = [n for n in (1, 2, 7, 64, max_n // 2) if not same(run(n), full[:n])]
+    ref = moe.experts(x, b13, b2, weights, ids)
+    rel = ((full.double() - ref.double()).norm() / ref.double().norm()).item()
+    if bad:
+        fail(f"FP8 experts: tokens differ alone vs batched at n = {bad}")
+    row = {"ns_differing": bad, "rel_err_vs_bf16_dequantized": rel, "times": []}
+    print(f"  E={num_experts} top {top_k} H={hidden} I={inter}: n differing {bad}, rel err vs bf16 {rel:.2e}")
+    for n in time_ns if CUDA else []:
+        t8 = bench(lambda n=n: run(n))
+        t16 = bench(lambda n=n: moe.experts(x[:n], b13, b2, weights[:n], ids[:n]))
+        row["times"].append({"tokens": n, "fp8_us": t8, "bf16_us": t16})
+        print(f"    {n:5d} tokens  fp8 {t8:8.1f} us  bf16 {t16:8.1f} us")
+    return row
+
+
 def check_kv(hq: int, hkv: int, d: int, page: int, ctx: int, batch: int) -> dict:
     dtype = torch.bfloat16
     blocks_per_seq = -(-ctx // page)
@@ -258,7 +297,12 @@ def main() -> None:
     if args.sweep and CUDA:
         print("(b') tile sweep")
         result["sweep"] = [row for k, n in shapes for row in sweep(k, n, [1, 16, 64, 256, 1024, 8192])]
-    print("(c) FP8 KV cache")
+    print("(c) FP8 experts")
+    if tiny:
+        result["experts"] = check_experts(6, 2, 160, 136, 24, [])
+    else:  # Qwen3-30B-A3B's experts
+        result["experts"] = check_experts(128, 8, 2048, 768, 512, [1, 64, 512])
+    print("(d) FP8 KV cache")
     heads, points = kv
     result["kv"] = [check_kv(**heads, ctx=ctx, batch=b) for ctx, b in points]
     result["fused_write_ok"] = check_fused_write(heads["hq"], heads["hkv"], heads["d"])
