@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from lockstep.ops import fp8
 
-LAYOUTS = ("fp8-block", "ct-channel", "ct-tensor")
+LAYOUTS = ("fp8-block", "ct-channel", "ct-tensor", "ct-block")
 
 
 def _quantized(name: str, t: torch.Tensor) -> bool:
@@ -22,7 +22,9 @@ def _quantized(name: str, t: torch.Tensor) -> bool:
 
 
 def _ct_config(strategy: str) -> dict:
-    # The layout llm-compressor writes for its FP8_DYNAMIC scheme (strategy "tensor" for the per-tensor variant).
+    # The layout llm-compressor writes for its FP8_DYNAMIC scheme (strategy "tensor" for the per-tensor variant,
+    # "block" for FP8_BLOCK: 128 x 128 weight blocks, activations per 128-column group).
+    block = strategy == "block"
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -33,9 +35,11 @@ def _ct_config(strategy: str) -> dict:
             "group_0": {
                 "targets": ["Linear"],
                 "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-                            "strategy": strategy, "group_size": None, "block_structure": None, "observer": "minmax"},
+                            "strategy": strategy, "group_size": None, "observer": "minmax",
+                            "block_structure": [128, 128] if block else None},
                 "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
-                                      "strategy": "token", "group_size": None, "observer": None},
+                                      "strategy": "group" if block else "token", "group_size": 128 if block else None,
+                                      "observer": None},
                 "output_activations": None,
             }
         },
@@ -59,6 +63,8 @@ def save_fp8(src: Path, dst: Path, layout: str) -> Path:
         prefix = name.removesuffix(".weight")
         if layout == "fp8-block":
             out[name], out[f"{prefix}.weight_scale_inv"] = fp8.quantize_weight(t, (128, 128))
+        elif layout == "ct-block":
+            out[name], out[f"{prefix}.weight_scale"] = fp8.quantize_weight(t, (128, 128))
         elif layout == "ct-channel":
             w8, s = fp8.quantize_weight(t)
             out[name], out[f"{prefix}.weight_scale"] = w8, s.to(t.dtype)
@@ -95,7 +101,7 @@ def save_dequantized(fp8_folder: Path, dst: Path) -> Path:
             continue
         prefix = name.removesuffix(".weight")
         scale = tensors.get(f"{prefix}.weight_scale_inv", tensors.get(f"{prefix}.weight_scale")).float()
-        if qc.get("weight_block_size"):
+        if qc.get("weight_block_size") or qc.get("config_groups", {}).get("group_0", {})["weights"]["block_structure"]:
             scale = fp8.expand_block_scale(scale, t.shape[0], 128)
         else:
             scale = scale.reshape(-1, 1).expand(t.shape[0], 1)

@@ -32,6 +32,8 @@ def _logits(model) -> torch.Tensor:
 def _row_scales(tensors: dict, prefix: str, layout: str, rows: int) -> torch.Tensor:
     if layout == "fp8-block":
         return fp8.expand_block_scale(tensors[f"{prefix}.weight_scale_inv"], rows, 128)
+    if layout == "ct-block":
+        return fp8.expand_block_scale(tensors[f"{prefix}.weight_scale"], rows, 128)
     return tensors[f"{prefix}.weight_scale"].float().reshape(-1, 1).expand(rows, 1)
 
 
@@ -43,7 +45,7 @@ def test_fp8_checkpoint_loads_its_bits_and_tracks_the_dequantized_model(full_dir
     layer = model.model.layers[0]
     qkv = layer.self_attn.qkv_proj
     names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
-    assert qkv.weight.dtype == fp8.FP8 and qkv.act_group == (128 if layout == "fp8-block" else None)
+    assert qkv.weight.dtype == fp8.FP8 and qkv.act_group == (128 if layout.endswith("block") else None)
     want = torch.cat([tensors[f"{n}.weight"] for n in names])
     assert torch.equal(qkv.weight.view(torch.uint8), want.view(torch.uint8))
     scales = [_row_scales(tensors, n, layout, tensors[f"{n}.weight"].shape[0]) for n in names]
