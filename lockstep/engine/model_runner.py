@@ -213,6 +213,8 @@ class ModelRunner:
         Raises ValueError for an unknown name or a wrong shape before anything is copied. Under tensor parallelism
         the tensors are whole checkpoint tensors: rank 0 broadcasts each one and every rank keeps its slice.
         """
+        if any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters()):
+            raise ValueError("load_weights into FP8 layers is not supported yet (they would need quantizing)")
         slots = self.model.checkpoint_tensors()
         shards = self.model.checkpoint_shards()
         items = list(self.model.released_names(weights.items() if isinstance(weights, Mapping) else weights))
