@@ -9,8 +9,9 @@
     per token), and every tile of the config table (``FP8_CONFIGS``) and a few others must give the same bits;
     values (fp32 out) against an fp64 reference of the dequantized math.
 (b) Speed: the FP8 linear (activation quantization + matmul, and the matmul alone) against ``torch._scaled_mm``
-    (cuBLASLt, per-row activation and per-column weight scales, bf16 out) and bf16 ``F.linear`` (cuBLAS), M 1..8192,
-    timed in CUDA graphs over weight copies that defeat the L2; the geometric mean of ours / _scaled_mm.
+    (cuBLASLt, per-row activation and per-column weight scales, bf16 out) and bf16 ``F.linear`` (cuBLAS), M 1..8192
+    (1, 16, 128, 1024, 8192), timed in CUDA graphs over weight copies that defeat the L2; the geometric mean of
+    ours / _scaled_mm.
 (c) FP8 experts: a token's bits alone and in a batch, values against the bf16 experts of the dequantized weights,
     time against the bf16 grouped matmul, at Qwen3-30B-A3B's expert shape.
 (d) FP8 KV: paged decode attention over an e4m3 cache must give exactly the bits of the same attention over a bf16
@@ -45,7 +46,7 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 L2_BYTES = 60 * 2**20
 # Extra tiles beyond the table's for the bit check (BK 64 too: two MMA steps a scale block).
-EXTRA_CONFIGS = [Fp8Config(16, 64, 64), Fp8Config(32, 32), Fp8Config(128, 64, num_warps=8), Fp8Config(64, 256, 64)]
+EXTRA_CONFIGS = [Fp8Config(16, 64, 64), Fp8Config(128, 64, num_warps=8)]
 
 
 def fail(msg: str) -> None:
@@ -132,10 +133,15 @@ def time_linear(k: int, n: int, ms: list[int]) -> list[dict]:
                     for (w, _), cs in zip(chan, col_scales, strict=True)
                 ]
 
-            cublas = bench(scaled) / copies
+            try:
+                cublas = bench(scaled) / copies
+            except RuntimeError as e:  # a torch without row-wise scaling: the rest still runs
+                print(f"  torch._scaled_mm failed: {e}")
+                cublas = float("nan")
             wb = [fp8.dequantize(w, s, torch.bfloat16) for w, s in chan]
             bf16 = bench(lambda: [F.linear(x, w) for w in wb]) / copies
-            row |= {"ours_gemm_us": gemm, "scaled_mm_us": cublas, "bf16_cublas_us": bf16, "ratio": gemm / cublas}
+            row |= {"ours_gemm_us": gemm, "scaled_mm_us": cublas, "bf16_cublas_us": bf16, "ratio": gemm / cublas,
+                    "ratio_with_quantization": ours_chan / cublas}  # fmt: skip
             ours = f"ours {ours_chan:8.1f} (gemm {gemm:8.1f}, block {ours_block:8.1f}) us"
             print(f"  K={k:5d} N={n:6d} M={m:5d}  {ours}  _scaled_mm {cublas:8.1f}  bf16 cuBLAS {bf16:8.1f}  "
                   f"gemm/_scaled_mm {gemm / cublas:5.2f}")  # fmt: skip
@@ -283,7 +289,7 @@ def main() -> None:
     else:
         # Qwen3-8B: o_proj, fused qkv_proj, fused gate_up_proj, down_proj (K, N).
         shapes, max_m = [(4096, 4096), (4096, 6144), (4096, 24576), (12288, 4096)], 512
-        check_ms, time_ms = list(range(1, 513)), [1, 16, 64, 256, 1024, 4096, 8192]
+        check_ms, time_ms = list(range(1, 513)), [1, 16, 128, 1024, 8192]
         kv = dict(hq=32, hkv=8, d=128, page=16), [(1024, 1), (1024, 64), (8192, 1), (8192, 64)]
     result: dict = {"device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__}
     print("(a) FP8 linear bits")
@@ -291,7 +297,7 @@ def main() -> None:
     print("(b) FP8 linear speed")
     result["speed"] = [row for k, n in shapes for row in time_linear(k, n, time_ms)]
     if CUDA:
-        ratios = [r["ratio"] for r in result["speed"]]
+        ratios = [r["ratio"] for r in result["speed"] if r["ratio"] == r["ratio"]] or [float("nan")]
         result["geomean_gemm_over_scaled_mm"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
         print(f"  geomean ours gemm / _scaled_mm: {result['geomean_gemm_over_scaled_mm']:.3f}")
     if args.sweep and CUDA:
