@@ -149,7 +149,7 @@ def _fp8_mm_kernel(
     stride_am, stride_ak, stride_asm, stride_asg,
     stride_bk, stride_bn, stride_bsn, stride_bsg,
     stride_cm, stride_cn, num_programs,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -184,7 +184,7 @@ def _fp8_mm_kernel(
                 if UPCAST:  # the interpreter has no e4m3 dot: the same values in fp32 (exact)
                     part = tl.dot(a.to(tl.float32), b.to(tl.float32), part, input_precision="ieee")
                 else:
-                    part = tl.dot(a, b, part)
+                    part = tl.dot(a, b, part, max_num_imprecise_acc=IMPRECISE_ACC)
             sa = tl.load(as_ptr + offs_m * stride_asm + g * stride_asg, mask=m_ok, other=0.0)
             sb = tl.load(bs_ptr + offs_n * stride_bsn + g * stride_bsg, mask=n_ok, other=0.0)
             acc += part * (sa[:, None] * sb[None, :])
@@ -202,6 +202,11 @@ class Fp8Config:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
+    # tl.dot's max_num_imprecise_acc: None is Triton's default (on sm_90 the wgmma chain of a block accumulates in
+    # the tensor core's reduced-precision accumulator until the block's fp32 add); 0 promotes after every MMA. Not
+    # part of the tile: it can change the bits, so every entry of the table must use one value (bench/fp8_check.py
+    # --sweep times both).
+    imprecise_acc: int | None = None
 
 
 def fp8_config(m: int, n: int, k: int) -> Fp8Config:
@@ -250,7 +255,7 @@ def _fp8_mm_triton(
         a8.stride(0), a8.stride(1), a_scale.stride(0), a_scale.stride(1) if a_scale.shape[1] > 1 else 0,
         w8.stride(1), w8.stride(0), w_scale.stride(0), w_scale.stride(1) if w_scale.shape[1] > 1 else 0,
         c.stride(0), c.stride(1), programs,
-        HAS_BIAS=bias is not None, UPCAST=interpreting(),
+        HAS_BIAS=bias is not None, UPCAST=interpreting(), IMPRECISE_ACC=cfg.imprecise_acc,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a8),
     )  # fmt: skip
