@@ -46,7 +46,7 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 L2_BYTES = 60 * 2**20
 # Extra tiles beyond the table's for the bit check (BK 64 too: two MMA steps a scale block).
-EXTRA_CONFIGS = [Fp8Config(16, 64, 64), Fp8Config(128, 64, num_warps=8)]
+EXTRA_CONFIGS = [Fp8Config(64, 64, 64), Fp8Config(128, 64, num_warps=8)]
 
 
 def fail(msg: str) -> None:
@@ -172,9 +172,11 @@ def sweep(k: int, n: int, ms: list[int]) -> list[dict]:
         times, precise_bits = {}, {}
         for cfg in SWEEP + SWEEP_PRECISE:
             matches = same(_fp8_mm_triton(a8, a_s, w8, ws, None, torch.bfloat16, cfg), want)
-            if cfg.imprecise_acc is None and not matches:
+            # Tiles on the table's numerics (wgmma, Triton's accumulation) must match; 16-row tiles (mma.sync) and
+            # the promote-every-MMA ones are other instructions or numerics: whether they match is recorded.
+            if cfg.imprecise_acc is None and cfg.bm >= 64 and not matches:
                 fail(f"sweep K={k} N={n} M={m} {cfg}: other bits")
-            if cfg.imprecise_acc is not None:
+            else:
                 precise_bits[str(cfg)] = matches
             times[str(cfg)] = bench(lambda cfg=cfg: _fp8_mm_triton(a8, a_s, w8, ws, None, torch.bfloat16, cfg))
         best = min(times, key=times.get)
@@ -182,7 +184,7 @@ def sweep(k: int, n: int, ms: list[int]) -> list[dict]:
         table = times[key] if key in times else bench(lambda: _fp8_mm_triton(a8, a_s, w8, ws, None, torch.bfloat16))
         print(f"  K={k:5d} N={n:6d} M={m:5d}  table {table:8.1f} us  best {times[best]:8.1f} us  {best}")
         rows.append({"K": k, "N": n, "M": m, "table_us": table, "times": times,
-                     "precise_matches_table": precise_bits})  # fmt: skip
+                     "other_numerics_match_table": precise_bits})  # fmt: skip
     return rows
 
 

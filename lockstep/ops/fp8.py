@@ -202,27 +202,28 @@ class Fp8Config:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
-    # tl.dot's max_num_imprecise_acc: None is Triton's default (on sm_90 the wgmma chain of a block accumulates in
-    # the tensor core's reduced-precision accumulator until the block's fp32 add); 0 promotes after every MMA. Not
-    # part of the tile: it can change the bits, so every entry of the table must use one value (bench/fp8_check.py
-    # --sweep times both).
+    # tl.dot's max_num_imprecise_acc: None is Triton's default (on sm_90 a block's wgmma chain accumulates in the
+    # tensor core's reduced-precision accumulator until the block's fp32 add); 0 asks for a precise dot, which
+    # Triton 3.9 compiles to mma.sync instead of wgmma (seen in the PTX). Not part of the tile: it can change the
+    # bits, so every entry of the table must use one value (bench/fp8_check.py --sweep times both).
     imprecise_acc: int | None = None
 
 
 def fp8_config(m: int, n: int, k: int) -> Fp8Config:
     """The tile for one problem, from N and a bucket of M; the reduction order never depends on it.
 
-    Not yet swept on the H200 (bench/fp8_check.py --sweep times candidates and checks their bits). Small M reads the
-    weights: enough tiles to cover the SMs (N / BN programs). Large M is compute-bound: bigger tiles, a 128-column
-    block per step.
+    Every tile is at least 64 rows: on sm_90 Triton runs a 16-row e4m3 dot as ``mma.sync`` and a 64-row one as
+    ``wgmma`` (seen in the PTX; tests/ops/test_fp8_compile.py keeps the table on wgmma), and nothing has shown the two
+    to accumulate e4m3 products alike, as bf16's did on the H200 (docs/design.md, "Matmul"). Small M reads the weights
+    and wastes the MMA's rows, which a bandwidth-bound step can afford; enough tiles to cover the SMs (N / BN
+    programs). Not yet swept on the H200 (bench/fp8_check.py --sweep times candidates, 16-row ones included, and
+    says whether their bits match).
     """
     C = Fp8Config
-    if m <= 16:
-        return C(16, 32 if n <= 4096 else 64, num_stages=5)
     if m <= 64:
-        return C(64, 32 if n <= 4096 else 64)
+        return C(64, 32 if n <= 4096 else 64, num_stages=5 if m <= 16 else 4)
     if m <= 256:
-        return C(64, 128, num_warps=4)
+        return C(64, 128)
     return C(128, 128, num_warps=8, num_stages=4)
 
 

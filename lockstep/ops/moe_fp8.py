@@ -11,6 +11,8 @@ through ``ops.fp8``'s CPU blocks. The weights: ``w13: [E, 2I, H]`` and ``w2: [E,
 ``s13: [E, 2I, KB]``, ``s2: [E, H, KB']`` (KB 1 or the K blocks).
 """
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -18,7 +20,7 @@ import triton.language as tl
 from lockstep.layers.activation import silu_and_mul
 from lockstep.ops._common import interpreting
 from lockstep.ops.fp8 import FP8, GROUP_K, _fp8_mm_cpu, quantize_rows
-from lockstep.ops.moe import _combine_cpu, combine, expert_weight, moe_config, plan_routing, tile_table
+from lockstep.ops.moe import MoEConfig, _combine_cpu, combine, expert_weight, moe_config, plan_routing, tile_table
 
 
 @triton.jit
@@ -110,11 +112,16 @@ def _grouped_fp8_mm(a8, a_scale, a_rows, w8, w_scale, plan, cfg, silu_mul: bool,
     return c
 
 
+def _wgmma(cfg: MoEConfig) -> MoEConfig:
+    return replace(cfg, bm=max(cfg.bm, 64), bk=64)
+
+
 def _experts_fp8_triton(x, w13, s13, w2, s2, weights, ids, act_group, config=None):
     num_experts, two_i, hidden = w13.shape
     num_pairs = ids.numel()
-    cfg1 = config or moe_config(num_pairs, num_experts, two_i // 2, hidden, x.dtype)
-    cfg2 = config or moe_config(num_pairs, num_experts, hidden, two_i // 2, x.dtype)
+    # At least 64 rows a tile, so every batch runs wgmma (ops.fp8.fp8_config says why); BK 64 divides GROUP_K.
+    cfg1 = config or _wgmma(moe_config(num_pairs, num_experts, two_i // 2, hidden, x.dtype))
+    cfg2 = config or _wgmma(moe_config(num_pairs, num_experts, hidden, two_i // 2, x.dtype))
     plan = plan_routing(ids, num_experts, cfg1.bm)
     x8, xs = quantize_rows(x, act_group)
     act = _grouped_fp8_mm(x8, xs, plan.tokens, w13, s13, plan, cfg1, True, x.dtype)  # [P, I], sorted rows
