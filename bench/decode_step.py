@@ -134,6 +134,8 @@ def main() -> None:
         "--async-scheduling", choices=["off", "on", "both"], default="off",
         help="on: every step with async scheduling; both: the graph steps timed again with it (async_ms)",
     )  # fmt: skip
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8: FP8 linear layers (online)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -154,6 +156,7 @@ def main() -> None:
         llm = LLM(
             str(workdir), kernels=kernels, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
             max_model_len=4096, enable_prefix_caching=False, gpu_memory_utilization=0.85, load_format="dummy",
+            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         )  # fmt: skip
         startup = time.perf_counter() - t0
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())

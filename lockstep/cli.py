@@ -32,6 +32,15 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         "--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
         help="dummy: random weights of config.json's shape, no checkpoint read (benchmarks)",
     )  # fmt: skip
+    p.add_argument(
+        "--quantization", "-q", default=None, choices=["fp8"],
+        help="fp8: quantize a full-precision checkpoint's linear layers to e4m3 when loading (FP8 checkpoints are "
+        "read as FP8 without it)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+        help="fp8: keep the KV cache in e4m3 (half the memory of bf16)",
+    )  # fmt: skip
 
 
 def kernel_args(args: argparse.Namespace) -> dict:
@@ -40,7 +49,8 @@ def kernel_args(args: argparse.Namespace) -> dict:
     return {"kernels": args.kernels, "batch_invariant": invariant, "device": args.device, "dtype": args.dtype,
             "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling,
             "tensor_parallel_size": args.tensor_parallel_size,
-            "tp_invariant": True if args.tp_invariant else None, "load_format": args.load_format}  # fmt: skip
+            "tp_invariant": True if args.tp_invariant else None, "load_format": args.load_format,
+            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
 
 
 def add_revision_arg(p: argparse.ArgumentParser) -> None:

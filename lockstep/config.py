@@ -46,6 +46,10 @@ def check_device(device: str | None) -> None:
         raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA GPUs (cuda:0 to cuda:N-1)")
 
 
+# "auto": the model's dtype; "fp8" (vLLM's name, also "fp8_e4m3"): e4m3 with a per-tensor scale of 1.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know before the first request.
@@ -102,6 +106,10 @@ class EngineConfig:
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    # FP8 (models/quantization.py, docs/design.md "FP8"): "fp8" quantizes a full-precision checkpoint's linear layers
+    # online (an FP8 checkpoint is read as FP8 whatever this says); kv_cache_dtype "fp8" keeps K/V in e4m3.
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -141,6 +149,10 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         self._check_multimodal()
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         self._resolve_kernels()
         self._resolve_tp()
         if self.async_scheduling is None:

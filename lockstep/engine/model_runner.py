@@ -160,6 +160,7 @@ class ModelRunner:
             tp=self.tp,
             tp_invariant=config.tp_invariant,
             load_format=config.load_format,
+            quantization=config.quantization,
         )
         self.is_multimodal = bool(getattr(self.model, "is_multimodal", False))
         if self.is_multimodal and self.tp.size > 1:
@@ -168,6 +169,8 @@ class ModelRunner:
                 f"(tensor_parallel_size={config.tensor_parallel_size}); use tensor_parallel_size=1"
             )
         self.encoder_cache = EncoderCache()  # the scheduler decides what it holds (engine/encoder_cache.py)
+        if config.kv_cache_dtype != "auto":  # "fp8": e4m3 caches (ops.attention: written saturated, read exactly)
+            self.model.kv_cache_dtype = torch.float8_e4m3fn
         limit = self.model.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit} positions")
@@ -221,6 +224,8 @@ class ModelRunner:
         Raises ValueError for an unknown name or a wrong shape before anything is copied. Under tensor parallelism
         the tensors are whole checkpoint tensors: rank 0 broadcasts each one and every rank keeps its slice.
         """
+        if any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters()):
+            raise ValueError("load_weights into FP8 layers is not supported yet (they would need quantizing)")
         slots = self.model.checkpoint_tensors()
         shards = self.model.checkpoint_shards()
         items = list(self.model.released_names(weights.items() if isinstance(weights, Mapping) else weights))

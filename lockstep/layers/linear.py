@@ -14,6 +14,7 @@ from torch import nn
 
 from lockstep.distributed import Shard, TPGroup, split_evenly
 from lockstep.ops import tp_linear
+from lockstep.ops.fp8 import FP8, fp8_linear
 
 if TYPE_CHECKING:
     from lockstep.layers.kernels import Kernels
@@ -53,6 +54,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.weight.dtype == FP8:  # an FP8 layer (models/quantization.py): e4m3 weight, weight_scale, act_group
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act_group)
         return self.kernels.linear(x, self.weight, self.bias)
 
     def part_slice(self, part: int) -> slice:
@@ -104,6 +107,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features / tp.size] -> [num_tokens, out_features]
+        if self.weight.dtype == FP8:  # as Linear's (one process only)
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act_group)
         if self.tree and self.tp.size == 1:
             return self.kernels.tree_linear(x, self.weight, self.bias)  # the whole tree (with autograd: RL)
         if self.tree:

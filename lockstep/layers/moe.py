@@ -28,6 +28,8 @@ from lockstep.distributed import Shard, TPGroup, split_evenly
 from lockstep.layers.linear import Linear
 from lockstep.ops import moe as moe_ops
 from lockstep.ops import tp_linear
+from lockstep.ops.fp8 import FP8
+from lockstep.ops.moe_fp8 import experts_fp8
 
 if TYPE_CHECKING:
     from lockstep.layers.kernels import Kernels
@@ -121,6 +123,8 @@ class SparseMoeBlock(nn.Module):
         # x: [num_tokens, hidden] -> router logits [num_tokens, E] (model dtype, as HF) -> [num_tokens, hidden]
         logits = self.gate(x)
         weights, ids = self.kernels.moe_route(logits, self.top_k, self.renormalize)  # [num_tokens, k] each
+        if self.w13.dtype == FP8:  # FP8 experts (models/quantization.py; one process): w13_scale, w2_scale, act_group
+            return experts_fp8(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids, self.act_group)
         if self.tree and self.tp.size == 1:
             return self.kernels.moe_experts_tree(x, self.w13, self.w2, weights, ids)  # with autograd: RL
         if self.tree:
@@ -152,3 +156,8 @@ class SparseMoeBlock(nn.Module):
             yield f"{prefix}.experts.{e}.{n.gate}.weight", w13[e, :i], gate_up
             yield f"{prefix}.experts.{e}.{n.up}.weight", w13[e, i:], gate_up
             yield f"{prefix}.experts.{e}.{n.down}.weight", w2[e], down
+            if self.w13.dtype == FP8:  # and the row scales of FP8 experts
+                s13, s2 = self.w13_scale.detach(), self.w2_scale.detach()
+                yield f"{prefix}.experts.{e}.{n.gate}.weight_scale", s13[e, :i], None
+                yield f"{prefix}.experts.{e}.{n.up}.weight_scale", s13[e, i:], None
+                yield f"{prefix}.experts.{e}.{n.down}.weight_scale", s2[e], None

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from lockstep.layers.attention import AttentionMetadata
 from lockstep.ops import gated, moe
 from lockstep.ops._common import num_sms
-from lockstep.ops.attention import TILE, _paged_attention_triton
+from lockstep.ops.attention import FP8_KV, TILE, _bytes, _paged_attention_triton, cache_values
 
 
 def torch_rms_norm(
@@ -60,8 +60,8 @@ def torch_write_kv(
     """Scatter ``k, v: [num_tokens, num_kv_heads, head_dim]`` into the caches at ``slot_mapping``."""
     # k_cache: [num_blocks, block_size, num_kv_heads, head_dim] -> [num_slots, num_kv_heads, head_dim]
     slots = slot_mapping.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    for x, cache in ((k, k_cache), (v, v_cache)):  # an FP8 cache as ops.write_kv stores it (bytes: no e4m3 index ops)
+        _bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, _bytes(cache_values(x, cache.dtype)))
 
 
 # Bytes of dense K + V one SDPA call of the torch path gathers at most (sequences x the longest of their caches
@@ -187,14 +187,21 @@ def torch_paged_attention(
     return out
 
 
+def _gather(slots: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # The cache rows at ``index``; an FP8 cache's as bytes, then read exactly in q's dtype.
+    if slots.dtype == FP8_KV:
+        return slots.view(torch.uint8).index_select(0, index).view(FP8_KV).to(dtype)
+    return slots.index_select(0, index)
+
+
 def _attend(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, g: SdpaGroup, scale: float) -> torch.Tensor:
     """One group's SDPA call. ``q: [B * q_len, heads, head_dim]`` (the group's rows); ``k_slots, v_slots:
     [num_slots, kv_heads, head_dim]``, the caches by slot. Returns ``[B * q_len, heads, head_dim]``."""
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_slots.shape[1]
     # k, v: [B, kv_heads, kv_len, head_dim]
-    k = k_slots.index_select(0, g.slots).view(g.num_seqs, g.kv_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_slots.index_select(0, g.slots).view(g.num_seqs, g.kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    k = _gather(k_slots, g.slots, q.dtype).view(g.num_seqs, g.kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = _gather(v_slots, g.slots, q.dtype).view(g.num_seqs, g.kv_len, num_kv_heads, head_dim).transpose(1, 2)
     if g.q_len == 1:
         # [B, kv_heads, group, head_dim]: q head h reads kv head h // group, as with enable_gqa.
         q = q.reshape(g.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)

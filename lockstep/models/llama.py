@@ -428,6 +428,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"tp_invariant=True needs a batch-invariant kernel set, not {self.kernels.name!r}")
         self.tp_invariant = tp_invariant
         self.dtype = dtype
+        self.kv_cache_dtype = dtype  # or torch.float8_e4m3fn (EngineConfig.kv_cache_dtype="fp8")
         self.max_model_len = max_position
         self.model = self._build_model(config, dtype, device, max_position)
         tied = self.language_model.embed_tokens if config.tie_word_embeddings else None
@@ -479,15 +480,15 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one cache block takes across all layers, K and V (this rank's heads)."""
         c = self.config
-        return 2 * c.num_layers * block_size * self.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return 2 * c.num_layers * block_size * self.num_kv_heads * c.head_dim * self.kv_cache_dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One zeroed ``(k_cache, v_cache)`` pair per layer, for ``AttentionMetadata.kv_caches``."""
         shape = self.kv_cache_shape(num_blocks, block_size)
         return [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
             for _ in range(self.config.num_layers)
         ]

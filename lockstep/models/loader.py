@@ -21,6 +21,7 @@ from safetensors import safe_open
 from lockstep.config import LOAD_FORMATS
 from lockstep.distributed import TPGroup
 from lockstep.models.llama import LlamaForCausalLM, ModelConfig
+from lockstep.models.quantization import checkpoint_slots, conform, fp8_scheme, prepare_checkpoint, quantize_model
 
 INDEX_FILE = "model.safetensors.index.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -153,16 +154,21 @@ def load_model(
     tp: TPGroup | None = None,
     tp_invariant: bool | None = None,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model a checkpoint folder describes and load its weights, converted to ``dtype`` (default: the
     checkpoint's ``dtype``/``torch_dtype``), on the kernel set registered as ``kernels`` (``layers.kernels``).
     ``load_format``: "auto" or "safetensors" reads the weights, "dummy" draws them (``fill_random``).
 
-    Under tensor parallelism (``tp``, see ``LlamaForCausalLM``) only this rank's slice of each tensor is read."""
+    Under tensor parallelism (``tp``, see ``LlamaForCausalLM``) only this rank's slice of each tensor is read.
+
+    FP8 (``models.quantization``): an FP8 checkpoint loads into FP8 layers; ``quantization="fp8"`` quantizes a
+    full-precision one after loading; dummy weights of an FP8 checkpoint's shape are drawn, then quantized."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     folder = _folder(path)
     config = read_config(folder)
+    scheme = fp8_scheme(_read_json(folder / "config.json"), quantization)
     names_by_file = {}
     if load_format != "dummy":
         names_by_file = {file: _tensor_names(file) for file in weight_files(folder)}
@@ -182,8 +188,14 @@ def load_model(
     )
     if load_format == "dummy":
         fill_random(model)
+        if scheme is not None:
+            quantize_model(model, scheme)
         return model
+    if scheme is not None and not scheme.online:
+        prepare_checkpoint(model, scheme, all_names)
     slots = model.checkpoint_tensors()
+    if scheme is not None and not scheme.online:
+        slots = checkpoint_slots(slots, scheme, all_names)
     shards = model.checkpoint_shards()
     loaded: set[str] = set()
     for file, names in names_by_file.items():
@@ -207,6 +219,8 @@ def load_model(
                         tensor = source[shard.index()]
                 except Exception as e:
                     raise ValueError(f"{file}: cannot read tensor {name!r}: {e}") from e
+                if scheme is not None:
+                    tensor = conform(name, tensor)
                 if shard is not None and (len(full) != dest.dim() or full[shard.dim] != shard.full):
                     expected = list(dest.shape)
                     expected[shard.dim] = shard.full
@@ -222,6 +236,8 @@ def load_model(
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{folder}: the checkpoint is missing tensor(s) {shown}")
+    if scheme is not None and scheme.online:
+        quantize_model(model, scheme)
     return model
 
 

@@ -46,6 +46,30 @@ _CPU_ROWS = 4
 # ----------------------------------------------------------------------------------------------- write_kv
 
 
+# An FP8 cache holds e4m3 values with a per-tensor scale of 1 (vLLM's default without calibrated scales): a value
+# is rounded to nearest even and saturated at +-448 as it is stored, and read back exactly (e4m3 fits in bf16 and
+# fp32). Every writer (write_kv on both devices, the fused rotary_write_kv kernel) rounds the model-dtype value.
+FP8_KV = torch.float8_e4m3fn
+
+
+@triton.jit
+def to_cache(x, dtype: tl.constexpr):
+    """``x`` as a cache of ``dtype`` stores it: e4m3 saturated at +-448 and rounded to nearest even, else a cast."""
+    if dtype == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0).to(dtype, fp_downcast_rounding="rtne")
+    return x.to(dtype)
+
+
+def cache_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``to_cache`` in torch ops."""
+    return x.float().clamp(-448.0, 448.0).to(dtype) if dtype == FP8_KV else x.to(dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # The CPU has no index_copy_/index_select for e4m3: move the bytes instead.
+    return t.view(torch.uint8) if t.dtype == FP8_KV else t
+
+
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
@@ -65,10 +89,10 @@ def _write_kv_kernel(
     src = token.to(tl.int64) * stride_kt + heads[:, None] * stride_kh + dims[None, :]
     dst = (slot // page_size) * stride_cb + (slot % page_size) * stride_cs + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(k_ptr + src, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
     src = token.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + dims[None, :]
     v = tl.load(v_ptr + src, mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -115,8 +139,8 @@ def write_kv(
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    _bytes(k_cache).view(-1, *k_cache.shape[2:]).index_copy_(0, slots, _bytes(cache_values(k, k_cache.dtype)))
+    _bytes(v_cache).view(-1, *v_cache.shape[2:]).index_copy_(0, slots, _bytes(cache_values(v, v_cache.dtype)))
 
 
 # ------------------------------------------------------------------------------------ attention (Triton)
@@ -153,6 +177,7 @@ def _attend_split(
     k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, COLS: tl.constexpr, TILE: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, IDS_AHEAD: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     # One split's online softmax for BLOCK_M query rows: q [BLOCK_M, D_PAD], pos [BLOCK_M] (-1: padding), over
     # V's columns col0 .. col0 + COLS (all of them when COLS = D_PAD: the scores always use all of K).
@@ -199,6 +224,9 @@ def _attend_split(
             mask=kv_ok[:, None] & col_ok[None, :],
             other=0.0,
         )  # [TILE, COLS]
+        if KV_FP8:  # e4m3 -> q's dtype, exact; then everything as for a cache of that dtype
+            k_t = k_t.to(q.dtype)
+            v = v.to(q.dtype)
         if UPCAST:  # the interpreter's bf16/fp16 dot is wrong; run it in fp32 there
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
@@ -250,7 +278,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ONE_PER_SEQ: tl.constexpr,
     HEADS_INNER: tl.constexpr, NUM_KV_HEADS: tl.constexpr, COL_GROUPS: tl.constexpr, COLS: tl.constexpr,
-    IDS_AHEAD: tl.constexpr, SKIP_EMPTY: tl.constexpr, USE_PDL: tl.constexpr,
+    IDS_AHEAD: tl.constexpr, SKIP_EMPTY: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
     # Program (query tile, kv head[, split]). Rows are (token, head of the group) pairs, token-major:
@@ -310,7 +338,7 @@ def _paged_attention_kernel(
             m, den, acc = _attend_split(
                 q, pos, split, last_tile, qk_scale, col0,
                 k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_M, HEAD_DIM, D_PAD, COLS, TILE, TILES_PER_SPLIT, UPCAST, PRECISION, IDS_AHEAD,
+                BLOCK_M, HEAD_DIM, D_PAD, COLS, TILE, TILES_PER_SPLIT, UPCAST, PRECISION, IDS_AHEAD, KV_FP8,
             )  # fmt: skip
             ml = tok.to(tl.int64) * stride_mt + split * stride_ms + head * stride_mh
             # Every column group has the same (m, den); the first stores them (a full block: the interpreter takes
@@ -330,7 +358,7 @@ def _paged_attention_kernel(
             m, den, acc = _attend_split(
                 q, pos, split, last_tile, qk_scale, col0,
                 k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_M, HEAD_DIM, D_PAD, COLS, TILE, TILES_PER_SPLIT, UPCAST, PRECISION, IDS_AHEAD,
+                BLOCK_M, HEAD_DIM, D_PAD, COLS, TILE, TILES_PER_SPLIT, UPCAST, PRECISION, IDS_AHEAD, KV_FP8,
             )  # fmt: skip
             m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m, den, acc)
         out = _finalize(den_run, acc_run)
@@ -547,7 +575,7 @@ def _paged_attention_triton(
         UPCAST=interpreting() and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_PER_SEQ=one_per_seq,
         HEADS_INNER=heads_inner, NUM_KV_HEADS=num_kv_heads, COL_GROUPS=col_groups,
-        COLS=d_pad // col_groups, IDS_AHEAD=ids_ahead, SKIP_EMPTY=skip_empty,
+        COLS=d_pad // col_groups, IDS_AHEAD=ids_ahead, SKIP_EMPTY=skip_empty, KV_FP8=k_cache.dtype == FP8_KV,
         num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages, **pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
@@ -706,6 +734,11 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.bmm.out(a, b, out=a.new_empty((a.shape[0], a.shape[1], b.shape[2])))
 
 
+def _cache_floats(rows: torch.Tensor) -> torch.Tensor:
+    # Gathered cache rows as fp32 (an e4m3 cache's arrive as bytes: ``_bytes``), exactly.
+    return rows.view(FP8_KV).float() if rows.dtype == torch.uint8 else rows.float()
+
+
 def _attend_chunk(
     q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, c: _CpuChunk, n_rows: int, tiles_per_split: int
 ) -> torch.Tensor:
@@ -714,8 +747,8 @@ def _attend_chunk(
     e, t = c.num_entries, c.num_tiles
     num_kv_heads = c.kv_rows.shape[0] // (e * t * TILE)
     q_items = q.index_select(0, c.q_rows).view(-1, n_rows, head_dim)
-    k = k_rows.index_select(0, c.kv_rows).float().view(-1, TILE, head_dim)
-    v = v_rows.index_select(0, c.kv_rows).float()
+    k = _cache_floats(k_rows.index_select(0, c.kv_rows)).view(-1, TILE, head_dim)
+    v = _cache_floats(v_rows.index_select(0, c.kv_rows))
     if c.v_zero is not None:
         v.index_fill_(0, c.v_zero, 0.0)
     s = _bmm(q_items, k.transpose(1, 2)).view(e, t, num_kv_heads, n_rows, TILE)
@@ -796,8 +829,8 @@ def _paged_attention_cpu(
     elif plan.key != (k_cache.shape[1], num_kv_heads, head_dim, group) or plan.rows_per_entry != rows_per_entry:
         raise ValueError(f"the plan was made for other caches or heads: {plan.key}")
     q_rows = (q.float() * scale).view(-1, head_dim)  # row token * H_q + head, pre-scaled
-    k_rows = k_cache.view(-1, head_dim)  # row slot * H_kv + kv head
-    v_rows = v_cache.view(-1, head_dim)
+    k_rows = _bytes(k_cache).view(-1, head_dim)  # row slot * H_kv + kv head
+    v_rows = _bytes(v_cache).view(-1, head_dim)
     n_rows = rows_per_entry * group
     with intra_op_threads(1 if plan.bmm_entries < _CPU_SERIAL_ENTRIES else None):
         outs = [_attend_chunk(q_rows, k_rows, v_rows, c, n_rows, split // TILE) for c in plan.chunks]
@@ -843,8 +876,11 @@ def paged_attention(
         raise ValueError(
             f"{num_seqs} block tables, seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)}"
         )
-    if q.dtype not in FLOATS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"expected matching float dtypes, got q {q.dtype}, caches {k_cache.dtype}, {v_cache.dtype}")
+    kv_ok = k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8_KV)
+    if q.dtype not in FLOATS or not kv_ok:
+        raise TypeError(
+            f"expected caches of q's dtype or float8_e4m3fn, got q {q.dtype}, caches {k_cache.dtype}, {v_cache.dtype}"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV caches must be contiguous")
     q = q if q.stride(-1) == 1 else q.contiguous()

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from lockstep.ops._common import pdl_launch, pdl_wait
-from lockstep.ops.attention import check_kv, write_kv
+from lockstep.ops.attention import FP8_KV, check_kv, to_cache, write_kv
 
 
 @triton.jit
@@ -27,15 +27,16 @@ def _rotate(x_ptr, o_ptr, stride_h, num_heads, c, s, HALF: tl.constexpr, H_PAD: 
     first = x_ptr + heads * stride_h + dims
     x1 = tl.load(first, mask=mask).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
-    dtype = o_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty  # the model's: an FP8 cache receives that value, then to_cache's rounding
+    cache = o_ptr.dtype.element_ty
     # Round to nearest even, as torch does (a cast that names no rounding may truncate).
     a = (x1 * c).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
     b = (x2 * s).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
     out = o_ptr + heads * stride_h + dims
-    tl.store(out, (a - b).to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(out, to_cache((a - b).to(dtype, fp_downcast_rounding="rtne"), cache), mask=mask)
     a = (x2 * c).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
     b = (x1 * s).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
-    tl.store(out + HALF, (a + b).to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(out + HALF, to_cache((a + b).to(dtype, fp_downcast_rounding="rtne"), cache), mask=mask)
 
 
 @triton.jit
@@ -61,7 +62,7 @@ def _rotary_kernel(
             heads = tl.arange(0, KH_PAD)[:, None]
             cols = heads * stride_h + tl.arange(0, 2 * HALF)[None, :]
             v = tl.load(v_ptr + token * stride_vt + cols, mask=heads < num_kv_heads)
-            tl.store(v_cache_ptr + dst + cols, v.to(v_cache_ptr.dtype.element_ty), mask=heads < num_kv_heads)
+            tl.store(v_cache_ptr + dst + cols, to_cache(v, v_cache_ptr.dtype.element_ty), mask=heads < num_kv_heads)
     else:
         _rotate(k_ptr + token * stride_kt, k_out_ptr + token * stride_kot, stride_h, num_kv_heads, c, s, HALF, KH_PAD)
 
@@ -145,9 +146,10 @@ def rotary_write_kv(
 ) -> torch.Tensor:
     """``rotary`` of ``q, k``, then ``write_kv`` of the rotated ``k`` and ``v`` into one layer's paged cache;
     returns the rotated ``q``. On CUDA one kernel does both, with the same values: the cache receives the bits
-    ``rotary`` would have returned for ``k`` (the same rotation code, stored elsewhere)."""
+    ``rotary`` would have returned for ``k`` (the same rotation code, stored elsewhere), through ``write_kv``'s
+    rounding for an FP8 cache."""
     _check(q, k, cos)
-    if not _use_kernel(q) or k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
+    if not _use_kernel(q) or k_cache.dtype not in (k.dtype, FP8_KV) or v_cache.dtype != k_cache.dtype:
         q, k = rotary(q, k, cos, sin)
         write_kv(k, v, k_cache, v_cache, slot_mapping)
         return q

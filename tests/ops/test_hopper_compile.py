@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent(
                  "TILES_PER_SPLIT": 8, "SPLIT_PROGRAMS": split_programs, "UPCAST": False, "PRECISION": "tf32",
                  "ONE_PER_SEQ": one_per_seq, "HEADS_INNER": split_programs, "NUM_KV_HEADS": 8, "USE_PDL": one_per_seq,
                  "COL_GROUPS": 4 if one_per_seq else 1, "COLS": 32 if one_per_seq else 128, "IDS_AHEAD": one_per_seq,
-                 "SKIP_EMPTY": split_programs and one_per_seq}
+                 "SKIP_EMPTY": split_programs and one_per_seq, "KV_FP8": False}
         compile_(attention._paged_attention_kernel, sig, flags)
     sig = {"part_ptr": "*fp32", "part_ml_ptr": "*fp32", "o_ptr": "*bf16", "seq_lens_ptr": "*i32",
            "query_start_loc_ptr": "*i32", **{p: "i32" for p in ("num_seqs", "search_steps", "inline_splits")},

@@ -1,0 +1,333 @@
+"""FP8 on a GPU: the invariant FP8 linear's bits and speed, and attention over an FP8 KV cache.
+
+    python bench/fp8_check.py --out DIR          # H200: Qwen3-8B shapes (about 3 minutes)
+    python bench/fp8_check.py --tiny --out DIR   # small shapes; without a GPU the checks run on the CPU path
+    python bench/fp8_check.py --sweep --out DIR  # also time a set of tiles per shape and M (for fp8_config)
+
+(a) Bits: ``ops.fp8.fp8_linear`` row m of an M-row call must equal row m of the 512-row call for every M in
+    1..512, with 128 x 128 block weights (activations per 128-column group) and per-channel weights (activations
+    per token), and every tile of the config table (``FP8_CONFIGS``) and a few others must give the same bits;
+    values (fp32 out) against an fp64 reference of the dequantized math.
+(b) Speed: the FP8 linear (activation quantization + matmul, and the matmul alone) against ``torch._scaled_mm``
+    (cuBLASLt, per-row activation and per-column weight scales, bf16 out) and bf16 ``F.linear`` (cuBLAS), M 1..8192
+    (1, 16, 128, 1024, 8192), timed in CUDA graphs over weight copies that defeat the L2; the geometric mean of
+    ours / _scaled_mm.
+(c) FP8 experts: a token's bits alone and in a batch, values against the bf16 experts of the dequantized weights,
+    time against the bf16 grouped matmul, at Qwen3-30B-A3B's expert shape.
+(d) FP8 KV: paged decode attention over an e4m3 cache must give exactly the bits of the same attention over a bf16
+    cache holding the e4m3 values (the kernel reads e4m3 into bf16 exactly), a sequence's rows the same bits alone
+    and in a batch of 64, the fused rotary_write_kv kernel the bytes of rotary + write_kv; decode times side by side.
+
+Prints a table per part and writes fp8_check.json to --out. Exits 1 if a bit check fails.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+from lockstep.ops import fp8  # noqa: E402
+from lockstep.ops.attention import paged_attention, write_kv  # noqa: E402
+from lockstep.ops.fp8 import FP8, FP8_CONFIGS, Fp8Config, _fp8_mm_triton, fp8_config  # noqa: E402
+from lockstep.ops.rotary import rotary, rotary_write_kv  # noqa: E402
+
+FAILURES: list[str] = []
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+L2_BYTES = 60 * 2**20
+# Extra tiles beyond the table's for the bit check (BK 64 too: two MMA steps a scale block).
+EXTRA_CONFIGS = [Fp8Config(64, 64, 64), Fp8Config(128, 64, num_warps=8)]
+
+
+def fail(msg: str) -> None:
+    FAILURES.append(msg)
+    print("FAIL:", msg)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def weight(n: int, k: int, kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.randn(n, k, device=DEV, generator=g) / k**0.5
+    if kind == "block":
+        w8, s = fp8.quantize_weight(w, (128, 128))
+        return w8, fp8.expand_block_scale(s, n, 128)
+    return fp8.quantize_weight(w)
+
+
+def check_bits(k: int, n: int, max_m: int, check_ms: list[int]) -> dict:
+    x = torch.randn(max_m, k, device=DEV).to(torch.bfloat16)
+    out = {}
+    for kind, group in (("block", 128), ("channel", None)):
+        w8, ws = weight(n, k, kind)
+        full = fp8.fp8_linear(x, w8, ws, act_group=group)
+        a8, a_s = fp8.quantize_rows(x, group)
+        ref = fp8.dequantize(a8[:64], a_s[:64]).double() @ fp8.dequantize(w8, ws).double().t()
+        exact = fp8.fp8_linear(x[:64].float(), w8, ws, act_group=group)  # the fp32 accumulator, unrounded
+        rel = ((exact.double() - ref).norm() / ref.norm()).item()
+        bad_m = [m for m in check_ms if not same(fp8.fp8_linear(x[:m], w8, ws, act_group=group), full[:m])]
+        bad_cfg = []
+        if CUDA:
+            for cfg in dict.fromkeys([*FP8_CONFIGS, *EXTRA_CONFIGS]):
+                for m in (1, 7, 64, 129, max_m):
+                    got = _fp8_mm_triton(a8[:m], a_s[:m], w8, ws, None, torch.bfloat16, cfg)
+                    if not same(got, full[:m]):
+                        bad_cfg.append(f"{cfg} M={m}")
+        # A row moved among other neighbours.
+        batch = torch.randn(37, k, device=DEV).to(torch.bfloat16)
+        batch[21] = x[5]
+        moved = same(fp8.fp8_linear(batch, w8, ws, act_group=group)[21], full[5])
+        if bad_m or bad_cfg or not moved or not rel < 1e-4:
+            fail(f"K={k} N={n} {kind}: M {bad_m[:8]}, configs {bad_cfg[:4]}, moved row ok {moved}, rel {rel:.2e}")
+        out[kind] = {"rel_err_fp64": rel, "ms_checked": len(check_ms), "ms_differing": bad_m,
+                     "configs_differing": bad_cfg, "moved_row_same": moved}  # fmt: skip
+        print(f"  K={k:5d} N={n:6d} {kind:7s} rel err {rel:.2e}  M differing {len(bad_m)}/{len(check_ms)}  "
+              f"configs differing {len(bad_cfg)}  moved row {'same' if moved else 'DIFFERS'}")  # fmt: skip
+    return out
+
+
+def bench(fn) -> float:
+    """Median microseconds of fn (CUDA graphs on a GPU, wall clock on the CPU)."""
+    if CUDA:
+        from triton.testing import do_bench_cudagraph
+
+        return do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+    fn()
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e6
+
+
+def time_linear(k: int, n: int, ms: list[int]) -> list[dict]:
+    copies = max(1, min(8, math.ceil(4 * L2_BYTES / (n * k)))) if CUDA else 1
+    block = [weight(n, k, "block", seed=i) for i in range(copies)]
+    chan = [weight(n, k, "channel", seed=i) for i in range(copies)]
+    # _scaled_mm wants B column-major ([K, N] with stride (1, K)): w8.t() of a row-major [N, K] is that.
+    col_scales = [s.t().contiguous() for _, s in chan]  # [1, N]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+        a8, a_s = fp8.quantize_rows(x, None)
+        ours_block = bench(lambda: [fp8.fp8_linear(x, w, s, act_group=128) for w, s in block]) / copies
+        ours_chan = bench(lambda: [fp8.fp8_linear(x, w, s, act_group=None) for w, s in chan]) / copies
+        row = {"K": k, "N": n, "M": m, "ours_block_us": ours_block, "ours_channel_us": ours_chan,
+               "config": str(fp8_config(m, n, k))}  # fmt: skip
+        if CUDA:
+            gemm = bench(lambda: [_fp8_mm_triton(a8, a_s, w, s, None, torch.bfloat16) for w, s in chan]) / copies
+
+            def scaled():
+                return [
+                    torch._scaled_mm(a8, w.t(), scale_a=a_s, scale_b=cs, out_dtype=torch.bfloat16)
+                    for (w, _), cs in zip(chan, col_scales, strict=True)
+                ]
+
+            try:
+                cublas = bench(scaled) / copies
+            except RuntimeError as e:  # a torch without row-wise scaling: the rest still runs
+                print(f"  torch._scaled_mm failed: {e}")
+                cublas = float("nan")
+            wb = [fp8.dequantize(w, s, torch.bfloat16) for w, s in chan]
+            bf16 = bench(lambda: [F.linear(x, w) for w in wb]) / copies
+            row |= {"ours_gemm_us": gemm, "scaled_mm_us": cublas, "bf16_cublas_us": bf16, "ratio": gemm / cublas,
+                    "ratio_with_quantization": ours_chan / cublas}  # fmt: skip
+            ours = f"ours {ours_chan:8.1f} (gemm {gemm:8.1f}, block {ours_block:8.1f}) us"
+            print(f"  K={k:5d} N={n:6d} M={m:5d}  {ours}  _scaled_mm {cublas:8.1f}  bf16 cuBLAS {bf16:8.1f}  "
+                  f"gemm/_scaled_mm {gemm / cublas:5.2f}")  # fmt: skip
+        else:
+            print(f"  K={k:5d} N={n:6d} M={m:5d}  ours {ours_chan:10.1f} us (block {ours_block:10.1f})")
+        rows.append(row)
+    return rows
+
+
+SWEEP = [Fp8Config(bm, bn, bk, num_warps=w, num_stages=st)
+         for bm, bn, bk, w, st in [(16, 32, 128, 4, 5), (16, 64, 128, 4, 5), (16, 32, 64, 4, 6), (16, 128, 128, 4, 4),
+                                   (32, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3),
+                                   (128, 64, 128, 8, 4), (128, 128, 128, 8, 3), (128, 128, 64, 8, 4),
+                                   (128, 256, 64, 8, 3)]]  # fmt: skip
+# The same tiles promoting to fp32 after every MMA (max_num_imprecise_acc=0): other numerics, recorded, not failed.
+SWEEP_PRECISE = [Fp8Config(c.bm, c.bn, c.bk, num_warps=c.num_warps, num_stages=c.num_stages, imprecise_acc=0)
+                 for c in SWEEP]  # fmt: skip
+
+
+def sweep(k: int, n: int, ms: list[int]) -> list[dict]:
+    """Every SWEEP tile timed (block weights), each checked against the table's bits: for choosing the table."""
+    w8, ws = weight(n, k, "block")
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+        a8, a_s = fp8.quantize_rows(x, 128)
+        want = _fp8_mm_triton(a8, a_s, w8, ws, None, torch.bfloat16)
+        times, precise_bits = {}, {}
+        for cfg in SWEEP + SWEEP_PRECISE:
+            matches = same(_fp8_mm_triton(a8, a_s, w8, ws, None, torch.bfloat16, cfg), want)
+            # Tiles on the table's numerics (wgmma, Triton's accumulation) must match; 16-row tiles (mma.sync) and
+            # the promote-every-MMA ones are other instructions or numerics: whether they match is recorded.
+            if cfg.imprecise_acc is None and cfg.bm >= 64 and not matches:
+                fail(f"sweep K={k} N={n} M={m} {cfg}: other bits")
+            else:
+                precise_bits[str(cfg)] = matches
+            times[str(cfg)] = bench(lambda cfg=cfg: _fp8_mm_triton(a8, a_s, w8, ws, None, torch.bfloat16, cfg))
+        best = min(times, key=times.get)
+        key = str(fp8_config(m, n, k))
+        table = times[key] if key in times else bench(lambda: _fp8_mm_triton(a8, a_s, w8, ws, None, torch.bfloat16))
+        print(f"  K={k:5d} N={n:6d} M={m:5d}  table {table:8.1f} us  best {times[best]:8.1f} us  {best}")
+        rows.append({"K": k, "N": n, "M": m, "table_us": table, "times": times,
+                     "other_numerics_match_table": precise_bits})  # fmt: skip
+    return rows
+
+
+def check_experts(num_experts: int, top_k: int, hidden: int, inter: int, max_n: int, time_ns: list[int]) -> dict:
+    """FP8 experts (``ops.moe_fp8``, 128 x 128 blocks): a token's bits alone vs in the batch, values against the
+    dequantized bf16 experts, time against the bf16 grouped matmul (``ops.moe.experts``)."""
+    from lockstep.ops import moe
+    from lockstep.ops.moe_fp8 import experts_fp8
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEV, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=DEV, generator=g) / inter**0.5
+
+    def quantized(w):
+        parts = [fp8.quantize_weight(m, (128, 128)) for m in w]
+        scales = [fp8.expand_block_scale(s, w.shape[1], 128) for _, s in parts]
+        return torch.stack([p[0] for p in parts]), torch.stack(scales)
+
+    (q13, s13), (q2, s2) = quantized(w13), quantized(w2)
+    b13 = torch.stack([fp8.dequantize(w, s, torch.bfloat16) for w, s in zip(q13, s13, strict=True)])
+    b2 = torch.stack([fp8.dequantize(w, s, torch.bfloat16) for w, s in zip(q2, s2, strict=True)])
+    x = torch.randn(max_n, hidden, device=DEV, generator=g).to(torch.bfloat16)
+    weights, ids = moe.route(torch.randn(max_n, num_experts, device=DEV, generator=g), top_k, True)
+    run = lambda n: experts_fp8(x[:n], q13, s13, q2, s2, weights[:n], ids[:n], 128)  # noqa: E731
+    full = run(max_n)
+    bad = [n for n in (1, 2, 7, 64, max_n // 2) if not same(run(n), full[:n])]
+    ref = moe.experts(x, b13, b2, weights, ids)
+    rel = ((full.double() - ref.double()).norm() / ref.double().norm()).item()
+    if bad:
+        fail(f"FP8 experts: tokens differ alone vs batched at n = {bad}")
+    row = {"ns_differing": bad, "rel_err_vs_bf16_dequantized": rel, "times": []}
+    print(f"  E={num_experts} top {top_k} H={hidden} I={inter}: n differing {bad}, rel err vs bf16 {rel:.2e}")
+    for n in time_ns if CUDA else []:
+        t8 = bench(lambda n=n: run(n))
+        t16 = bench(lambda n=n: moe.experts(x[:n], b13, b2, weights[:n], ids[:n]))
+        row["times"].append({"tokens": n, "fp8_us": t8, "bf16_us": t16})
+        print(f"    {n:5d} tokens  fp8 {t8:8.1f} us  bf16 {t16:8.1f} us")
+    return row
+
+
+def check_kv(hq: int, hkv: int, d: int, page: int, ctx: int, batch: int) -> dict:
+    dtype = torch.bfloat16
+    blocks_per_seq = -(-ctx // page)
+    num_blocks = batch * blocks_per_seq + 1
+    g = torch.Generator(device=DEV).manual_seed(1)
+    k = torch.randn(batch * ctx, hkv, d, device=DEV, generator=g).to(dtype)
+    v = torch.randn(batch * ctx, hkv, d, device=DEV, generator=g).to(dtype)
+    q = torch.randn(batch, hq, d, device=DEV, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks - 1, device=DEV)[: batch * blocks_per_seq].view(batch, -1).to(torch.int32)
+    pos = torch.arange(ctx, device=DEV)
+    slots = (tables[:, pos // page] * page + pos % page).flatten()
+    caches = {}
+    for name, cdt in (("fp8", FP8), ("bf16", dtype)):
+        kc = torch.zeros(num_blocks, page, hkv, d, device=DEV, dtype=cdt)
+        vc = torch.zeros_like(kc)
+        write_kv(k, v, kc, vc, slots)
+        caches[name] = (kc, vc)
+    deq = tuple(c.to(dtype) for c in caches["fp8"])  # a bf16 cache holding the e4m3 values
+    seq_lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
+
+    def attend(c, b=batch):
+        return paged_attention(q[:b], c[0], c[1], tables[:b], seq_lens[:b], qsl[: b + 1], d**-0.5)
+
+    out8 = attend(caches["fp8"])
+    exact = same(out8, attend(deq))
+    alone = same(attend(caches["fp8"], 1), out8[:1])
+    ref = attend(caches["bf16"])
+    rel = ((out8.double() - ref.double()).norm() / ref.double().norm()).item()
+    if not (exact and alone):
+        fail(f"FP8 KV batch {batch} ctx {ctx}: reads-as-dequantized {exact}, alone-vs-batch {alone}")
+    row = {"batch": batch, "ctx": ctx, "fp8_equals_dequantized_bf16": exact, "alone_equals_batched": alone,
+           "rel_err_vs_bf16_cache": rel}  # fmt: skip
+    if CUDA:
+        row["fp8_us"] = bench(lambda: attend(caches["fp8"]))
+        row["bf16_us"] = bench(lambda: attend(caches["bf16"]))
+    times = f"  fp8 {row['fp8_us']:8.1f} us  bf16 {row['bf16_us']:8.1f} us" if CUDA else ""
+    print(f"  batch {batch:3d} ctx {ctx:6d}  fp8 == dequantized bf16 {exact}  alone == batched {alone}  "
+          f"rel err vs bf16 cache {rel:.2e}{times}")  # fmt: skip
+    return row
+
+
+def check_fused_write(hq: int, hkv: int, d: int) -> bool:
+    g = torch.Generator(device=DEV).manual_seed(2)
+    n = 77
+    q, k, v = (torch.randn(n, h, d, device=DEV, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    angle = torch.randn(n, 1, d // 2, device=DEV, generator=g)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    slots = torch.randperm(8 * 16, device=DEV)[:n]
+    c = [torch.zeros(8, 16, hkv, d, device=DEV, dtype=FP8) for _ in range(4)]
+    q1 = rotary_write_kv(q, k, v, cos, sin, c[0], c[1], slots)
+    q2, k2 = rotary(q, k, cos, sin)
+    write_kv(k2, v, c[2], c[3], slots)
+    ok = same(q1, q2) and all(torch.equal(c[i].view(torch.uint8), c[i + 2].view(torch.uint8)) for i in (0, 1))
+    if not ok:
+        fail("rotary_write_kv into an FP8 cache differs from rotary + write_kv")
+    print(f"  fused rotary_write_kv into FP8 == rotary + write_kv: {ok}")
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--tiny", action="store_true", help="small shapes (the default without a GPU)")
+    parser.add_argument("--sweep", action="store_true", help="also time every SWEEP tile (GPU, a few more minutes)")
+    args = parser.parse_args()
+    tiny = args.tiny or not CUDA
+    if tiny:
+        shapes, max_m, check_ms, time_ms = [(320, 200)], 40, [1, 2, 3, 17, 33, 40], [1, 16]
+        kv = dict(hq=4, hkv=2, d=64, page=16), [(100, 1), (100, 5)]
+    else:
+        # Qwen3-8B: o_proj, fused qkv_proj, fused gate_up_proj, down_proj (K, N).
+        shapes, max_m = [(4096, 4096), (4096, 6144), (4096, 24576), (12288, 4096)], 512
+        check_ms, time_ms = list(range(1, 513)), [1, 16, 128, 1024, 8192]
+        kv = dict(hq=32, hkv=8, d=128, page=16), [(1024, 1), (1024, 64), (8192, 1), (8192, 64)]
+    result: dict = {"device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__}
+    print("(a) FP8 linear bits")
+    result["bits"] = {f"{k}x{n}": check_bits(k, n, max_m, check_ms) for k, n in shapes}
+    print("(b) FP8 linear speed")
+    result["speed"] = [row for k, n in shapes for row in time_linear(k, n, time_ms)]
+    if CUDA:
+        ratios = [r["ratio"] for r in result["speed"] if r["ratio"] == r["ratio"]] or [float("nan")]
+        result["geomean_gemm_over_scaled_mm"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        print(f"  geomean ours gemm / _scaled_mm: {result['geomean_gemm_over_scaled_mm']:.3f}")
+    if args.sweep and CUDA:
+        print("(b') tile sweep")
+        result["sweep"] = [row for k, n in shapes for row in sweep(k, n, [1, 16, 64, 256, 1024, 8192])]
+    print("(c) FP8 experts")
+    if tiny:
+        result["experts"] = check_experts(6, 2, 160, 136, 24, [])
+    else:  # Qwen3-30B-A3B's experts
+        result["experts"] = check_experts(128, 8, 2048, 768, 512, [1, 64, 512])
+    print("(d) FP8 KV cache")
+    heads, points = kv
+    result["kv"] = [check_kv(**heads, ctx=ctx, batch=b) for ctx, b in points]
+    result["fused_write_ok"] = check_fused_write(heads["hq"], heads["hkv"], heads["d"])
+    result["failures"] = FAILURES
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fp8_check.json").write_text(json.dumps(result, indent=1))
+    print(f"{len(FAILURES)} failure(s); wrote {out / 'fp8_check.json'}")
+    sys.exit(1 if FAILURES else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""FP8 checkpoints and online FP8: which layers hold e4m3 weights, with which scales, and how a checkpoint's
+tensors fill them.
+
+Three checkpoint layouts, read from ``config.json``'s ``quantization_config``:
+- ``quant_method: "fp8"`` with ``weight_block_size: [128, 128]`` (Qwen3-*-FP8, DeepSeek-V3): ``{layer}.weight`` in
+  e4m3 and ``{layer}.weight_scale_inv`` ``[cdiv(N, 128), cdiv(K, 128)]``, the factor that turns e4m3 back into the
+  weight; activations quantized per token and 128-column group. Without ``weight_block_size``: one
+  ``weight_scale`` per tensor, activations per token.
+- ``quant_method: "compressed-tensors"`` with ``format: "float-quantized"`` (llm-compressor's FP8-dynamic): one
+  config group of 8-bit float weights, ``strategy`` "channel" (``weight_scale [N, 1]``), "tensor"
+  (``weight_scale [1]``) or "block" (``block_structure [bn, 128]``), and dynamic activations per token ("token")
+  or per 128-column group ("group", ``group_size`` 128). Static activation scales are refused.
+- online (``LLM(model, quantization="fp8")`` of a bf16/fp32 checkpoint): the checkpoint loads as it is, then each
+  linear layer's weight is quantized per output channel from the weight alone (``ops.fp8.quantize_weight``),
+  activations per token.
+
+A layer is FP8 where the checkpoint stores a scale for it, so a checkpoint's ignore list (the router, the LM head)
+needs no reading. Every FP8 layer keeps ``weight_scale: [N, KB]`` fp32, one row of scales per output row (block
+scales repeated over their 128 rows, so stacked q/k/v or gate/up parts of any width keep their own) and runs
+``ops.fp8.fp8_linear``. The experts of a mixture of experts likewise hold ``w13``/``w2`` in e4m3 with row scales
+``[E, 2I, KB]``/``[E, H, KB]`` and run ``ops.moe_fp8``; the LM head, the embedding and the router stay in the model
+dtype. A full-precision destination of an FP8 matrix (a checkpoint that quantizes the router) gets the dequantized
+values. Tensor parallelism is not supported with FP8 layers yet.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lockstep.layers.linear import Linear, RowParallelLinear
+from lockstep.layers.moe import SparseMoeBlock
+from lockstep.ops import fp8
+
+QUANTIZATIONS = (None, "fp8")
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How a model's FP8 layers are laid out. ``weight``: "block" (``block`` = (bn, bk) scale tiles), "channel" or
+    "tensor"; ``act_group``: the activations' scale block (``fp8.GROUP_K``) or None (per token); ``scale_name``: the
+    checkpoint's name for a weight scale; ``online``: quantize a full-precision checkpoint after loading it."""
+
+    weight: str
+    act_group: int | None
+    scale_name: str = "weight_scale"
+    block: tuple[int, int] | None = None
+    online: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weight not in ("block", "channel", "tensor"):
+            raise ValueError(f"unknown FP8 weight layout {self.weight!r}")
+        if (self.weight == "block") != (self.block is not None):
+            raise ValueError("a block layout needs its block size, and only it")
+        if self.block is not None and (self.block[1] != fp8.GROUP_K or self.block[0] <= 0):
+            raise ValueError(f"FP8 weight blocks must be [N, {fp8.GROUP_K}], got {list(self.block)}")
+
+
+ONLINE = Fp8Scheme(weight="channel", act_group=None, online=True)
+
+
+def _compressed_tensors(qc: dict) -> Fp8Scheme:
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"compressed-tensors: expected one config group, got {len(groups)}")
+    if qc.get("format") not in ("float-quantized", "naive-quantized", None):
+        raise ValueError(f"compressed-tensors: unsupported format {qc.get('format')!r} (FP8 is 'float-quantized')")
+    w, a = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    if w.get("type") != "float" or w.get("num_bits") != 8:
+        raise ValueError(f"compressed-tensors: only 8-bit float weights are supported, got {w}")
+    if not a or a.get("type") != "float" or a.get("num_bits") != 8 or not a.get("dynamic"):
+        raise ValueError(f"compressed-tensors: only dynamic 8-bit float activations are supported, got {a}")
+    if a.get("strategy") == "token":
+        act_group = None
+    elif a.get("strategy") == "group" and a.get("group_size") == fp8.GROUP_K:
+        act_group = fp8.GROUP_K
+    else:
+        raise ValueError(f"compressed-tensors: activations per token or per {fp8.GROUP_K} columns, got {a}")
+    strategy = w.get("strategy")
+    if strategy == "block":
+        return Fp8Scheme("block", act_group, block=tuple(w.get("block_structure") or ()))
+    if strategy not in ("channel", "tensor"):
+        raise ValueError(f"compressed-tensors: unsupported weight strategy {strategy!r}")
+    return Fp8Scheme(strategy, act_group)
+
+
+def fp8_scheme(hf: dict, quantization: str | None = None) -> Fp8Scheme | None:
+    """The FP8 layout of a checkpoint whose ``config.json`` is ``hf``; ``quantization="fp8"`` quantizes a
+    full-precision one online (an FP8 checkpoint keeps its own layout). None: a plain checkpoint, run as it is."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    qc = hf.get("quantization_config")
+    if not qc:
+        return ONLINE if quantization == "fp8" else None
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    if method != "fp8":
+        raise ValueError(f"unsupported quantization_config.quant_method {method!r}; lockstep reads 'fp8' and "
+                         "'compressed-tensors' FP8 checkpoints")  # fmt: skip
+    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"FP8 checkpoints with e4m3 weights and dynamic activations only, got {qc}")
+    block = qc.get("weight_block_size")
+    if block is None:
+        return Fp8Scheme("tensor", None)
+    return Fp8Scheme("block", fp8.GROUP_K, scale_name="weight_scale_inv", block=tuple(block))
+
+
+_STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _linears(model: nn.Module):
+    """``(module name, layer, checkpoint prefixes of its parts)`` for every linear layer outside the experts."""
+    moe = tuple(name + "." for name, m in model.named_modules() if isinstance(m, SparseMoeBlock))
+    for name, module in model.named_modules():
+        if isinstance(module, (Linear, RowParallelLinear)) and not name.startswith(moe):
+            parent, _, leaf = name.rpartition(".")
+            yield name, module, [f"{parent}.{p}" for p in _STACKED[leaf]] if leaf in _STACKED else [name]
+
+
+def _check_tp(model: nn.Module) -> None:
+    if getattr(model, "tp", None) is not None and model.tp.size > 1:
+        raise ValueError("FP8 layers under tensor parallelism are not supported yet")
+
+
+def _make_fp8(module: nn.Module, scheme: Fp8Scheme) -> None:
+    # The layer's weight becomes e4m3 [N, K] with row scales [N, KB]; forward then runs ops.fp8.fp8_linear.
+    if getattr(module, "tree", False):
+        raise ValueError("FP8 layers through the chunk tree (tp_invariant) are not supported yet")
+    n, k = module.weight.shape
+    kb = -(-k // fp8.GROUP_K) if scheme.weight == "block" else 1
+    device = module.weight.device
+    module.weight = nn.Parameter(torch.empty(n, k, dtype=fp8.FP8, device=device), requires_grad=False)
+    module.weight_scale = nn.Parameter(torch.empty(n, kb, dtype=torch.float32, device=device), requires_grad=False)
+    module.act_group = scheme.act_group
+
+
+def _make_experts_fp8(block: SparseMoeBlock, scheme: Fp8Scheme) -> None:
+    # w13 [E, 2I, H] and w2 [E, H, I] become e4m3 with row scales [E, 2I, KB_H] and [E, H, KB_I] (ops.moe_fp8).
+    if block.tree:
+        raise ValueError("FP8 experts through the chunk tree (tp_invariant) are not supported yet")
+    for name in ("w13", "w2"):
+        w = getattr(block, name)
+        e, n, k = w.shape
+        kb = -(-k // fp8.GROUP_K) if scheme.weight == "block" else 1
+        setattr(block, name, nn.Parameter(torch.empty(e, n, k, dtype=fp8.FP8, device=w.device), requires_grad=False))
+        scale = torch.empty(e, n, kb, dtype=torch.float32, device=w.device)
+        setattr(block, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+    block.act_group = scheme.act_group
+
+
+def _expert_blocks(model: nn.Module):
+    """``(block, its checkpoint prefix)`` for every sparse MoE block."""
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoeBlock):
+            yield module, f"{name.rpartition('.')[0]}.{module.names.block}"
+
+
+def prepare_checkpoint(model: nn.Module, scheme: Fp8Scheme, names: set[str]) -> None:
+    """Turn the linear layers and experts the checkpoint stores scales for (``names``: its tensor names) into FP8
+    layers."""
+    _check_tp(model)
+    for name, module, parts in _linears(model):
+        has = [f"{p}.{scheme.scale_name}" in names for p in parts]
+        if any(has) and not all(has):
+            raise ValueError(f"{name}: the checkpoint quantizes some of {parts} to FP8 but not all")
+        if all(has):
+            _make_fp8(module, scheme)
+    for block, prefix in _expert_blocks(model):
+        if f"{prefix}.experts.0.{block.names.gate}.{scheme.scale_name}" in names:
+            _make_experts_fp8(block, scheme)
+
+
+class _Slot:
+    """A checkpoint tensor's destination that is not a plain view: ``shape`` is the checkpoint tensor's, ``fill``
+    turns it into what the model holds. Duck-types the part of a tensor the loader uses."""
+
+    def __init__(self, shape, fill):
+        self.shape = torch.Size(shape)
+        self._fill = fill
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def copy_(self, tensor: torch.Tensor) -> None:
+        self._fill(tensor)
+
+
+def _scale_slot(dest: torch.Tensor, scheme: Fp8Scheme) -> _Slot | torch.Tensor:
+    # dest: [rows, KB] fp32, this part's rows of a layer's weight_scale
+    rows = dest.shape[0]
+    if scheme.weight == "channel":
+        return dest
+    if scheme.weight == "tensor":
+        return _Slot((1,), lambda t: dest.copy_(t.float().reshape(1, 1).expand(rows, 1)))
+    bn = scheme.block[0]
+    return _Slot((-(-rows // bn), dest.shape[1]), lambda t: dest.copy_(fp8.expand_block_scale(t, rows, bn)))
+
+
+def _scale_shape(rows: int, cols: int, scheme: Fp8Scheme) -> tuple[int, ...]:
+    if scheme.weight == "channel":
+        return (rows, 1)
+    if scheme.weight == "tensor":
+        return (1,)
+    return (-(-rows // scheme.block[0]), -(-cols // fp8.GROUP_K))
+
+
+def _dequantizing_slots(name: str, dest: torch.Tensor, scheme: Fp8Scheme) -> dict[str, _Slot]:
+    """An FP8 checkpoint matrix that lands in a full-precision destination (an expert's slice of ``w13``/``w2``):
+    its weight and its scale are held until both have arrived, then ``dest`` gets the dequantized weight."""
+    rows, cols = dest.shape
+    held: dict[str, torch.Tensor] = {}
+
+    def take(kind: str):
+        def fill(t: torch.Tensor) -> None:
+            held[kind] = t
+            if len(held) == 2:
+                scale = held["scale"].float()
+                if scheme.weight == "block":
+                    scale = fp8.expand_block_scale(scale, rows, scheme.block[0])
+                scale = scale.reshape(-1, 1).expand(rows, 1) if scheme.weight == "tensor" else scale
+                dest.copy_(fp8.dequantize(held["weight"].to(fp8.FP8), scale))
+                held.clear()
+
+        return fill
+
+    prefix = name.removesuffix(".weight")
+    return {
+        name: _Slot(dest.shape, take("weight")),
+        f"{prefix}.{scheme.scale_name}": _Slot(_scale_shape(rows, cols, scheme), take("scale")),
+    }
+
+
+def checkpoint_slots(slots: dict[str, torch.Tensor], scheme: Fp8Scheme, names: set[str]) -> dict:
+    """The loader's destinations for an FP8 checkpoint: each FP8 layer's ``weight_scale`` under the checkpoint's
+    scale name and shape; full-precision destinations of FP8 matrices (the experts) dequantize as they load."""
+    out = {}
+    for name, dest in slots.items():
+        if name.endswith(".weight_scale") and dest.dtype == torch.float32 and dest.dim() == 2:
+            out[f"{name.removesuffix('.weight_scale')}.{scheme.scale_name}"] = _scale_slot(dest, scheme)
+        elif name.endswith(".weight") and dest.dtype != fp8.FP8 and f"{name[:-7]}.{scheme.scale_name}" in names:
+            out.update(_dequantizing_slots(name, dest, scheme))
+        else:
+            out[name] = dest
+    return out
+
+
+def conform(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A per-tensor scale stored as a scalar reads as ``[1]``."""
+    return tensor.reshape(1) if tensor.dim() == 0 else tensor
+
+
+def _quantize(w: torch.Tensor, scheme: Fp8Scheme, parts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    # w: [N, K] with stacked parts of these widths (each quantized on its own, as a checkpoint stores it)
+    # -> (w8 [N, K], row scales [N, KB])
+    out, start = [], 0
+    for width in parts:
+        part = w[start : start + width]
+        start += width
+        if scheme.weight == "block":
+            w8, s = fp8.quantize_weight(part, scheme.block)
+            out.append((w8, fp8.expand_block_scale(s, width, scheme.block[0])))
+        elif scheme.weight == "channel":
+            out.append(fp8.quantize_weight(part))
+        else:
+            w8, s = fp8.quantize_weight(part.reshape(1, -1))
+            out.append((w8.view(part.shape), s.expand(width, 1)))
+    return torch.cat([p[0] for p in out]), torch.cat([p[1] for p in out])
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
+    """Quantize a loaded full-precision model's linear layers in place (online FP8, or a dummy-weight model in a
+    checkpoint's layout): the scales of each output row (or block) from its weights alone. The experts' matrices
+    are rounded through e4m3 the same way and kept dequantized, as an FP8 checkpoint's experts load."""
+    _check_tp(model)
+    for _, module, _parts in _linears(model):
+        w = module.weight.detach()
+        w8, scale = _quantize(w, scheme, getattr(module, "out_parts", (w.shape[0],)))
+        _make_fp8(module, scheme)
+        module.weight.copy_(w8)
+        module.weight_scale.copy_(scale)
+    for block, _prefix in _expert_blocks(model):
+        w13, w2 = block.w13.detach(), block.w2.detach()
+        q13 = [_quantize(w, scheme, (w.shape[0] // 2,) * 2) for w in w13]  # gate and up: parts of their own
+        q2 = [_quantize(w, scheme, (w.shape[0],)) for w in w2]
+        _make_experts_fp8(block, scheme)
+        for dest, dest_scale, q in ((block.w13, block.w13_scale, q13), (block.w2, block.w2_scale, q2)):
+            dest.copy_(torch.stack([p[0] for p in q]))
+            dest_scale.copy_(torch.stack([p[1] for p in q]))

@@ -1,0 +1,337 @@
+"""Batch-invariant FP8 (e4m3) linear layers: activation quantization and the scaled matmul (DeepGEMM's scheme).
+
+A weight is stored as e4m3 values ``w8: [N, K]`` and fp32 scales ``w_scale: [N, KBw]``, one per output row and per
+``GROUP_K``-column block of K (KBw = cdiv(K, GROUP_K): a checkpoint's 128 x 128 block scales, expanded to rows), or
+one per row (KBw = 1: per-channel scales; a per-tensor scale is one repeated on every row). The activations are
+quantized when they arrive, per token (``group=None``: one scale for the row) or per token and ``GROUP_K`` columns
+(``group=GROUP_K``): ``scale = max(amax, tiny) / 448``, ``x8 = e4m3(clamp(x / scale, -448, 448))``, rounded to
+nearest even. A row's scales and values depend on that row alone (a max is exact in any order).
+
+The matmul: for each K block g = 0, 1, ... in order, ``part = sum_k x8[m, k] * w8[n, k]`` over the block (e4m3
+MMA, fp32 accumulation), then ``acc += part * (x_scale[m, g] * w_scale[n, g])``, the block scales applied as the
+block ends; finally bias, and one rounding to the output dtype. So one output element's terms are combined in an
+order fixed by K alone: never by M, the tile shape or the batch (DESIGN.md's rule; bench/fp8_check.py re-checks the
+bits on the GPU for every M bucket and tile of the table). Promoting to fp32 once a block also bounds the error of
+Hopper's FP8 tensor cores, whose own accumulator keeps fewer bits than fp32.
+
+CUDA runs a persistent-tile Triton kernel (tile from ``fp8_config``: a fixed table keyed by N and a bucket of M).
+The CPU (the interpreter has no FP8 MMA) runs the same blocks: each block's ``part`` is an fp32 oneDNN matmul of the
+exactly converted e4m3 values on fixed row tiles (``_common.map_row_tiles``), then the same scale-and-add in the
+same block order. CPU and GPU bits differ (the order inside a block's dot, and the GPU fuses the multiply-add);
+each is batch-invariant.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lockstep.ops._common import ROW_TILE, interpreting, num_sms, pdl_launch, pdl_wait
+from lockstep.ops.matmul import _mm_cpu, _tile_coords
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+GROUP_K = 128  # K columns per scale block (weights and per-group activations), as DeepGEMM and Qwen3-FP8
+# The smallest amax a scale is taken from: an all-zero row gets a finite scale and quantizes to zeros.
+_AMAX_FLOOR = 1e-12
+
+
+# --------------------------------------------------------------------------------------- quantization
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+    GROUP: tl.constexpr, PER_TOKEN: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # One row: its scale(s) and e4m3 values; every step is elementwise or a max.
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, GROUP)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    if PER_TOKEN:
+        amax = tl.zeros([GROUP], tl.float32)
+        for k in range(0, K, GROUP):
+            x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+        tl.store(s_ptr + row * stride_sm, scale)
+        for k in range(0, K, GROUP):
+            x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+            tl.store(q_row + k + offs, q.to(q_ptr.dtype.element_ty), mask=k + offs < K)
+    else:
+        for k in range(0, K, GROUP):
+            x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / 448.0
+            tl.store(s_ptr + row * stride_sm + k // GROUP, scale)
+            q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+            tl.store(q_row + k + offs, q.to(q_ptr.dtype.element_ty), mask=k + offs < K)
+
+
+def _quantize_torch(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    # x: [M, K] -> (x8 [M, K] e4m3, scale [M, KB] fp32), the kernel's formulas in torch ops
+    m, k = x.shape
+    xf = x.float()
+    if group is None:
+        scale = xf.abs().amax(1, keepdim=True).clamp(min=_AMAX_FLOOR) / FP8_MAX  # [M, 1]
+        return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    blocks = -(-k // group)
+    padded = torch.nn.functional.pad(xf, (0, blocks * group - k)).view(m, blocks, group)
+    scale = padded.abs().amax(2).clamp(min=_AMAX_FLOOR) / FP8_MAX  # [M, KB]
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(m, blocks * group)[:, :k], scale
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = GROUP_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x: [M, K]`` (any float dtype) -> ``(x8: [M, K] e4m3, scale: [M, KB] fp32)`` with ``x ~= x8 * scale``.
+
+    ``group=None``: one scale per row (KB = 1); else one per row and ``group`` columns (KB = cdiv(K, group)).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows takes [M, K], got shape {tuple(x.shape)}")
+    if group is not None and (group <= 0 or group & (group - 1)):
+        raise ValueError(f"group must be a power of two or None, got {group}")
+    return _quantize_triton(x, group) if x.is_cuda else _quantize_torch(x, group)
+
+
+def _quantize_triton(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    # The interpreter's fp32 -> e4m3 cast rounds wrongly where the mantissa carries into the exponent (124.3 -> 64,
+    # Triton 3.9): there the kernel stores the clamped fp32 values and torch casts them.
+    q = torch.empty((m, k), device=x.device, dtype=torch.float32 if interpreting() else FP8)
+    scale = torch.empty((m, 1 if group is None else triton.cdiv(k, group)), device=x.device, dtype=torch.float32)
+    if m:
+        _quantize_kernel[(m,)](
+            x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
+            GROUP=group or 1024, PER_TOKEN=group is None, **pdl_launch(x),
+        )  # fmt: skip
+    return q.to(FP8), scale
+
+
+def quantize_weight(w: torch.Tensor, block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w: [N, K]`` -> ``(w8: [N, K] e4m3, scale)``: per output channel (``block=None``, scale ``[N, 1]``) or per
+    ``block = (bn, bk)`` tile (scale ``[cdiv(N, bn), cdiv(K, bk)]``, a checkpoint's ``weight_scale_inv``). The
+    scales come from the weights alone (amax / 448), so quantizing a checkpoint is a pure function of it."""
+    if block is None:
+        return _quantize_torch(w, None)
+    bn, bk = block
+    n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    wf = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
+    scale = wf.abs().amax((1, 3)).clamp(min=_AMAX_FLOOR) / FP8_MAX  # [NB, KB]
+    q = (wf / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(nb * bn, kb * bk)[:n, :k].contiguous(), scale
+
+
+def expand_block_scale(scale: torch.Tensor, rows: int, block_n: int) -> torch.Tensor:
+    """Block scales ``[cdiv(rows, block_n), KB]`` -> one row of scales per weight row, ``[rows, KB]`` fp32."""
+    return scale.float().repeat_interleave(block_n, dim=0)[:rows]
+
+
+def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``w8: [N, K]`` e4m3 and row scales ``[N, KB]`` (KB 1 or cdiv(K, GROUP_K)) -> ``w8 * scale`` in ``dtype``."""
+    n, k = w8.shape
+    s = scale.float().repeat_interleave(GROUP_K, dim=1)[:, :k] if scale.shape[1] > 1 else scale.float()
+    return (w8.float() * s).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ matmul
+
+
+@triton.jit
+def _fp8_mm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_asm, stride_asg,
+    stride_bk, stride_bn, stride_bsn, stride_bsg,
+    stride_cm, stride_cn, num_programs,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # Persistent: program p computes tiles p, p + num_programs, ...; which program owns a tile never changes it.
+    pdl_wait(USE_PDL)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    offs_k = tl.arange(0, BK)
+    for tile in range(tl.program_id(0), num_m * num_n, num_programs):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for g in range(0, tl.cdiv(K, GROUP_K)):
+            # One K block: its e4m3 products summed in fp32 from zero, then scaled and added (the block order).
+            part = tl.zeros((BM, BN), dtype=tl.float32)
+            for kk in tl.static_range(0, GROUP_K, BK):
+                k = g * GROUP_K + kk + offs_k
+                k_ok = k < K  # the tail of K (and of a block) loads zeros: exact
+                a = tl.load(
+                    a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                b = tl.load(
+                    b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                    mask=n_ok[None, :] & k_ok[:, None],
+                    other=0.0,
+                )
+                if UPCAST:  # the interpreter has no e4m3 dot: the same values in fp32 (exact)
+                    part = tl.dot(a.to(tl.float32), b.to(tl.float32), part, input_precision="ieee")
+                else:
+                    part = tl.dot(a, b, part, max_num_imprecise_acc=IMPRECISE_ACC)
+            sa = tl.load(as_ptr + offs_m * stride_asm + g * stride_asg, mask=m_ok, other=0.0)
+            sb = tl.load(bs_ptr + offs_n * stride_bsn + g * stride_bsg, mask=n_ok, other=0.0)
+            acc += part * (sa[:, None] * sb[None, :])
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    bm: int
+    bn: int
+    bk: int = GROUP_K  # divides GROUP_K
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+    # tl.dot's max_num_imprecise_acc: None is Triton's default (on sm_90 a block's wgmma chain accumulates in the
+    # tensor core's reduced-precision accumulator until the block's fp32 add); 0 asks for a precise dot, which
+    # Triton 3.9 compiles to mma.sync instead of wgmma (seen in the PTX). Not part of the tile: it can change the
+    # bits, so every entry of the table must use one value (bench/fp8_check.py --sweep times both).
+    imprecise_acc: int | None = None
+
+
+def fp8_config(m: int, n: int, k: int) -> Fp8Config:
+    """The tile for one problem, from N and a bucket of M; the reduction order never depends on it.
+
+    Every tile is at least 64 rows: on sm_90 Triton runs a 16-row e4m3 dot as ``mma.sync`` and a 64-row one as
+    ``wgmma`` (seen in the PTX; tests/ops/test_fp8_compile.py keeps the table on wgmma), and nothing has shown the two
+    to accumulate e4m3 products alike, as bf16's did on the H200 (docs/design.md, "Matmul"). Small M reads the weights
+    and wastes the MMA's rows, which a bandwidth-bound step can afford; enough tiles to cover the SMs (N / BN
+    programs). Not yet swept on the H200 (bench/fp8_check.py --sweep times candidates, 16-row ones included, and
+    says whether their bits match).
+    """
+    C = Fp8Config
+    if m <= 64:
+        return C(64, 32 if n <= 4096 else 64, num_stages=5 if m <= 16 else 4)
+    if m <= 256:
+        return C(64, 128)
+    return C(128, 128, num_warps=8, num_stages=4)
+
+
+# Every tile the table can pick, for the bit checks (bench/fp8_check.py, tests).
+FP8_CONFIGS = tuple(dict.fromkeys(fp8_config(m, n, 4096) for m in (1, 32, 128, 512) for n in (4096, 12288)))
+
+
+def _fp8_mm_triton(
+    a8: torch.Tensor,
+    a_scale: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
+    # a8: [M, K] e4m3, a_scale: [M, KBa], w8: [N, K] e4m3, w_scale: [N, KBw] (KB* = 1: one scale for the row)
+    m, k = a8.shape
+    n = w8.shape[0]
+    c = torch.empty((m, n), device=a8.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return c
+    cfg = config or fp8_config(m, n, k)
+    if GROUP_K % cfg.bk:
+        raise ValueError(f"BK={cfg.bk} must divide the scale block {GROUP_K}")
+    programs = max(1, min(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), num_sms(a8.device)))
+    _fp8_mm_kernel[(programs,)](
+        a8, a_scale, w8, w_scale, bias if bias is not None else c, c,
+        m, n, k,
+        a8.stride(0), a8.stride(1), a_scale.stride(0), a_scale.stride(1) if a_scale.shape[1] > 1 else 0,
+        w8.stride(1), w8.stride(0), w_scale.stride(0), w_scale.stride(1) if w_scale.shape[1] > 1 else 0,
+        c.stride(0), c.stride(1), programs,
+        HAS_BIAS=bias is not None, UPCAST=interpreting(), IMPRECISE_ACC=cfg.imprecise_acc,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a8),
+    )  # fmt: skip
+    return c
+
+
+def _cpu_blocks(w8: torch.Tensor) -> list[torch.Tensor]:
+    """``w8: [N, K]`` e4m3 as fp32 K blocks ``[N, GROUP_K]`` (the last one shorter), packed for oneDNN's
+    ``ROW_TILE``-row calls where possible; kept on the tensor while its version, storage and layout stay."""
+    try:
+        key = (w8._version, w8.data_ptr(), tuple(w8.shape), w8.stride())
+    except RuntimeError:  # an inference tensor: no version counter, nothing shows it unchanged
+        key = None
+    memo = getattr(w8, "_lockstep_fp8_blocks", None)
+    if key is not None and memo is not None and memo[0] == key:
+        return memo[1]
+    wf = w8.detach().float()
+    blocks = []
+    for k0 in range(0, wf.shape[1], GROUP_K):
+        block = wf[:, k0 : k0 + GROUP_K].contiguous()
+        if torch.backends.mkldnn.is_available() and block.numel():
+            block = torch.ops.mkldnn._reorder_linear_weight(block, ROW_TILE)
+        blocks.append(block)
+    if key is not None:
+        w8._lockstep_fp8_blocks = (key, blocks)
+    return blocks
+
+
+def _fp8_mm_cpu(
+    a8: torch.Tensor,
+    a_scale: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    # The kernel's blocks in the kernel's order; each block's dot is the fixed-row-tile fp32 matmul.
+    m, k = a8.shape
+    a = a8.float()
+    ws = w_scale.float()
+    acc = torch.zeros((m, w8.shape[0]), dtype=torch.float32)
+    for g, block in enumerate(_cpu_blocks(w8)):
+        part = _mm_cpu(a[:, g * GROUP_K : (g + 1) * GROUP_K], block, None, 1.0, 1.0, out_dtype=torch.float32)
+        sa = a_scale[:, g if a_scale.shape[1] > 1 else 0]
+        sb = ws[:, g if ws.shape[1] > 1 else 0]
+        acc += part * (sa[:, None] * sb[None, :])
+    if bias is not None:
+        acc += bias.float()
+    return acc.to(out_dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act_group: int | None = GROUP_K,
+) -> torch.Tensor:
+    """``x @ dequantize(w8, w_scale).T + bias`` through e4m3 activations, batch-invariant; ``[..., K]`` ->
+    ``[..., N]`` in x's dtype.
+
+    ``w8: [N, K]`` e4m3; ``w_scale: [N, KB]`` fp32 with KB = 1 (one scale per row) or cdiv(K, GROUP_K) (per row and
+    K block); ``act_group``: the activations' scale block, GROUP_K or None (one per token).
+    """
+    if w8.dtype != FP8 or w8.dim() != 2 or w8.shape[1] != x.shape[-1]:
+        raise ValueError(f"fp8_linear: weight {tuple(w8.shape)} {w8.dtype} does not fit x {tuple(x.shape)}")
+    kb = triton.cdiv(w8.shape[1], GROUP_K)
+    if w_scale.dim() != 2 or w_scale.shape[0] != w8.shape[0] or w_scale.shape[1] not in (1, kb):
+        raise ValueError(f"fp8_linear: weight scale {tuple(w_scale.shape)} for a weight {tuple(w8.shape)}")
+    if act_group not in (None, GROUP_K):
+        raise ValueError(f"act_group must be {GROUP_K} or None, got {act_group}")
+    x2 = x.reshape(-1, x.shape[-1])
+    a8, a_scale = quantize_rows(x2, act_group)
+    if x.is_cuda:
+        out = _fp8_mm_triton(a8, a_scale, w8, w_scale, bias, x.dtype)
+    else:
+        out = _fp8_mm_cpu(a8, a_scale, w8, w_scale, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], w8.shape[0])
