@@ -127,8 +127,11 @@ def run_mode(folder: Path, mode: str, size: dict) -> dict:
     row["ttft_1024px_s"] = time.perf_counter() - t0
     # Throughput: 256 x (one 448 x 448 image + 64 text tokens) -> 256 tokens each.
     rng = np.random.default_rng(7)
-    reqs = [image_prompt("".join(chr(c) for c in rng.integers(97, 123, 64)), image(448, 100 + i)) for i in range(256)]
-    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    reqs = [
+        image_prompt("".join(chr(c) for c in rng.integers(97, 123, 64)), image(448, 100 + i))
+        for i in range(size["requests"])
+    ]
+    params = SamplingParams(temperature=0, max_tokens=size["out"], ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(reqs, params, use_tqdm=False)
     row["throughput_wall_s"] = time.perf_counter() - t0
