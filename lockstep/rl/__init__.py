@@ -6,9 +6,9 @@ weights back into the engine. ``patch_model`` does the same for a Hugging Face `
 (``lockstep.rl.hf``): a TRL or hand-written trainer keeps its model and gets the sampler's bits.
 """
 
+from lockstep.rl.hf import patch_model, sampler_weights, selective_log_softmax, unpatch_model
 from lockstep.rl.logprobs import micro_batches, token_logprobs
 from lockstep.rl.policy import TRAINABLE, load_policy, make_trainable
-from lockstep.rl.hf import patch_model, sampler_weights, selective_log_softmax, unpatch_model  # isort: skip
 
 __all__ = [
     "TRAINABLE",

@@ -38,7 +38,9 @@ class _StackedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, *weights)
         ctx.num = num
         ctx.has_bias = [b is not None for b in biases]
-        bias = None if not any(ctx.has_bias) else torch.cat([_bias_or_zeros(b, w) for b, w in zip(biases, weights)])
+        bias = None
+        if any(ctx.has_bias):
+            bias = torch.cat([_bias_or_zeros(b, w) for b, w in zip(biases, weights, strict=True)])
         return _linear(x, torch.cat(weights), bias)
 
     @staticmethod
@@ -57,7 +59,7 @@ class _StackedLinear(torch.autograd.Function):
         grad_bs: list[torch.Tensor | None] = [None] * ctx.num
         if any(ctx.has_bias):
             grad_b = g2.float().sum(0).to(weight.dtype).split(sizes)
-            grad_bs = [g if has else None for g, has in zip(grad_b, ctx.has_bias)]
+            grad_bs = [g if has else None for g, has in zip(grad_b, ctx.has_bias, strict=True)]
         return grad_x, None, *grad_ws, *grad_bs
 
 
