@@ -313,9 +313,11 @@ def _cpu_weight(weight: torch.Tensor) -> torch.Tensor:
     The packed copy is kept on the tensor and rebuilt whenever its version counter, storage or layout changes, so
     an in-place update (``copy_`` on the tensor or a ``detach()``-ed view of it) is never served stale. Writes
     through ``.data`` bypass the version counter: lockstep makes none. An inference tensor has no version counter,
-    so nothing shows it unchanged: it is converted on every call.
+    so nothing shows it unchanged: it is converted on every call. Nor is a weight that requires grad (a trainer's):
+    a fused optimizer (``torch.optim.AdamW(fused=True)``, transformers' Trainer default) updates it in place without
+    bumping the version counter, so a packed copy would go stale; oneDNN packs the plain weight on each call.
     """
-    if not _ONEDNN or weight.numel() == 0:
+    if not _ONEDNN or weight.numel() == 0 or weight.requires_grad:
         return weight.detach().float()
     try:
         key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), weight.stride())
