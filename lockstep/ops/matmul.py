@@ -315,10 +315,13 @@ def _cpu_weight(weight: torch.Tensor) -> torch.Tensor:
     through ``.data`` bypass the version counter: lockstep makes none. An inference tensor has no version counter,
     so nothing shows it unchanged: it is converted on every call. Nor is a weight that requires grad (a trainer's):
     a fused optimizer (``torch.optim.AdamW(fused=True)``, transformers' Trainer default) updates it in place without
-    bumping the version counter, so a packed copy would go stale; oneDNN packs the plain weight on each call.
+    bumping the version counter, so a kept copy would go stale: it is packed afresh on every call (once, not once
+    per row tile as a plain weight would be).
     """
-    if not _ONEDNN or weight.numel() == 0 or weight.requires_grad:
+    if not _ONEDNN or weight.numel() == 0:
         return weight.detach().float()
+    if weight.requires_grad:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), ROW_TILE)
     try:
         key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), weight.stride())
     except RuntimeError:  # "Inference tensors do not track version counter"

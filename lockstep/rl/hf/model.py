@@ -87,6 +87,32 @@ def _engine_config(lm: nn.Module) -> ModelConfig:
     return config
 
 
+def _backbone(self: nn.Module, patch: "_Patch", input_ids, attention_mask, position_ids, inputs_embeds) -> torch.Tensor:
+    embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [batch, seq, hidden]
+    batch, seq, width = embeds.shape
+    layout = flat_layout((batch, seq), attention_mask, position_ids, embeds.device)
+    hidden = embeds.reshape(batch * seq, width)
+    if layout.rows is not None:
+        hidden = hidden.index_select(0, layout.rows)  # [num_tokens, hidden]
+    table = patch.rotary(embeds.device, embeds.dtype)
+    if int(layout.positions.max()) >= table.max_position:
+        raise ValueError(f"a sequence is longer than the model's {table.max_position} positions")
+    rope = table(layout.positions)
+    residual = None
+    for layer in self.layers[: patch.config.num_layers]:
+        hidden, residual = layer(hidden, residual, rope, layout, patch.spec)
+    hidden, _ = K.rms_norm(hidden, self.norm.weight, patch.spec.eps, residual)
+    if layout.rows is not None:
+        hidden = hidden.new_zeros(batch * seq, width).index_copy(0, layout.rows, hidden)
+    return hidden.view(batch, seq, width)
+
+
+def no_autocast(device: torch.device):
+    """The engine runs no autocast: inside the patched model every op computes in the weights' dtype (train in the
+    dtype the sampler runs in), whatever autocast (``bf16=True`` mixed precision) a trainer opened around it."""
+    return torch.autocast(device.type, enabled=False)
+
+
 @torch.compiler.disable
 def _model_forward(
     self: nn.Module,
@@ -113,30 +139,17 @@ def _model_forward(
         )
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [batch, seq, hidden]
-    batch, seq, width = embeds.shape
-    layout = flat_layout((batch, seq), attention_mask, position_ids, embeds.device)
-    hidden = embeds.reshape(batch * seq, width)
-    if layout.rows is not None:
-        hidden = hidden.index_select(0, layout.rows)  # [num_tokens, hidden]
-    table = patch.rotary(embeds.device, embeds.dtype)
-    if int(layout.positions.max()) >= table.max_position:
-        raise ValueError(f"a sequence is longer than the model's {table.max_position} positions")
-    rope = table(layout.positions)
-    residual = None
-    for layer in self.layers[: patch.config.num_layers]:
-        hidden, residual = layer(hidden, residual, rope, layout, patch.spec)
-    hidden, _ = K.rms_norm(hidden, self.norm.weight, patch.spec.eps, residual)
-    if layout.rows is not None:
-        hidden = hidden.new_zeros(batch * seq, width).index_copy(0, layout.rows, hidden)
+    with no_autocast(self.norm.weight.device):
+        hidden = _backbone(self, patch, input_ids, attention_mask, position_ids, inputs_embeds)
     out = MoeModelOutputWithPast if patch.config.num_experts else BaseModelOutputWithPast
-    return out(last_hidden_state=hidden.view(batch, seq, width))
+    return out(last_hidden_state=hidden)
 
 
 @torch.compiler.disable
 def _head_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     # hidden: [..., hidden] -> logits [..., vocab] in the model dtype (the engine's head before its fp32 cast)
-    return K.linear(hidden, self.weight, self.bias)
+    with no_autocast(hidden.device):
+        return K.linear(hidden, self.weight, self.bias)
 
 
 def patch_model(model: nn.Module, *, tp_invariant: bool = False) -> nn.Module:
@@ -172,6 +185,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     for module in (base, lm.lm_head, *base.layers):
         module.__dict__.pop("forward", None)
     base.__dict__.pop(_STATE, None)
+    if lm.__dict__.pop("_lockstep_fused_head", None) is not None:  # fused_head.add_fused_lm_head's
+        lm.__dict__.pop("forward", None)
     return model
 
 
