@@ -96,15 +96,15 @@ def _max_diff(model, samples, layout: str, device: str) -> float:
                 ids[i, start : start + len(s)] = torch.tensor(s)
                 mask[i, start : start + len(s)] = 1
                 first.append(start)
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.cpu()
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
             rows = []
             for i, (p, c, _) in enumerate(samples):
-                r = torch.arange(first[i] + len(p) - 1, first[i] + len(p) - 1 + len(c))
-                rows.append(selective_log_softmax(logits[i, r], torch.tensor(c)))
+                r = torch.arange(first[i] + len(p) - 1, first[i] + len(p) - 1 + len(c), device=device)
+                rows.append(selective_log_softmax(logits[i, r], torch.tensor(c, device=device)).cpu())
     return max(float((r - want).abs().max()) for r, (_, _, want) in zip(rows, samples, strict=True))
 
 
-def timing(device: str, layers: int, seqs: int, seq_len: int) -> None:
+def timing(device: str, layers: int, seqs: int, seq_len: int, profile: bool = False) -> None:
     import transformers
 
     from lockstep.rl.hf import patch_model
@@ -137,6 +137,13 @@ def timing(device: str, layers: int, seqs: int, seq_len: int) -> None:
         step(patched)
         results[patched] = min(step(patched) for _ in range(3))
     base, ours = results[False] * 1e3, results[True] * 1e3
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
     print(f"Qwen3-8B shape, {layers} layers, {seqs} x {seq_len} tokens, bf16, forward + backward (no head): "
           f"transformers {base:.1f} ms, patched {ours:.1f} ms, ratio {ours / base:.2f}", flush=True)  # fmt: skip
 
@@ -149,11 +156,12 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="with --time: the patched step's top kernels")
     args = ap.parse_args()
     if args.check:
         print("bits:", "all equal" if check(args.device) else "MISMATCH", flush=True)
     if args.time:
-        timing(args.device, args.layers, args.seqs, args.seq_len)
+        timing(args.device, args.layers, args.seqs, args.seq_len, args.profile)
 
 
 if __name__ == "__main__":
