@@ -307,3 +307,42 @@ def test_ddp_two_processes(llama):
     for name, grad in want.items():
         assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name]), name
         torch.testing.assert_close(ranks[0]["grads"][name], grad, rtol=1e-5, atol=1e-5)
+
+
+def test_autocast_is_off_inside_the_patched_model(llama):
+    """A trainer's mixed precision (``bf16=True``: autocast around the forward) would compute what no sampler does;
+    the patched forwards turn it off and keep the engine's fp32 bits."""
+    folder, samples = llama
+    model = patch_model(_load_hf(folder))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lps = _completion_logprobs(model, samples, "right")
+    _assert_engine_bits(lps, samples)
+
+
+def test_trl_fused_head_call_gives_the_engine_bits(llama):
+    """TRL's trainers call ``model(..., labels=labels, fused_lm_head=True)`` and read ``log_probs``: lockstep's fused
+    head (installed over TRL's) returns the engine's bits there, zeros at the ignored labels."""
+    from trl.trainer.utils import add_fused_lm_head as trl_fused_head
+
+    from lockstep.rl.hf.fused_head import add_fused_lm_head
+
+    folder, samples = llama
+    model = patch_model(_load_hf(folder))
+    trl_fused_head(model, outputs=("log_probs", "entropy"))
+    add_fused_lm_head(model)
+    ids, mask, first = _padded(samples, "left")
+    ids = torch.cat((ids, torch.full((len(samples), 1), TINY_EOS)), dim=1)  # room for the last completion token
+    mask = torch.cat((mask, torch.zeros(len(samples), 1, dtype=mask.dtype)), dim=1)
+    labels = torch.full_like(ids, -100)
+    for i, (p, c, _) in enumerate(samples):
+        start = first[i] + len(p)
+        ids[i, start + len(c) - 1] = c[-1]
+        mask[i, start + len(c) - 1] = 1
+        labels[i, start : start + len(c)] = torch.tensor(c)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    lps = [out.log_probs[i, first[i] + len(p) - 1 : first[i] + len(p) - 1 + len(c)] for i, (p, c, _) in
+           enumerate(samples)]  # fmt: skip
+    _assert_engine_bits(lps, samples)
+    assert torch.equal(out.log_probs[labels[:, 1:] == -100], torch.zeros(int((labels[:, 1:] == -100).sum())))
+    assert out.entropy is not None and bool((out.entropy[labels[:, 1:] != -100] > 0).all())
+    assert torch.isfinite(out.loss) and not hasattr(model(input_ids=ids, attention_mask=mask), "log_probs")
