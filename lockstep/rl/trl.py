@@ -28,6 +28,7 @@ import torch
 from lockstep.llm import LLM
 from lockstep.rl.hf import patch_model, sampler_weights
 from lockstep.rl.hf.fused_head import add_fused_lm_head
+from lockstep.rl.hf.weights import causal_lm
 from lockstep.sampling_params import SamplingParams
 
 __all__ = ["LockstepGeneration", "use_lockstep"]
@@ -103,6 +104,13 @@ def use_lockstep(trainer, llm: LLM) -> LockstepGeneration:
     if getattr(trainer, "tools", None):
         raise NotImplementedError("tool calling is not supported by the lockstep generator yet")
     sampling = _sampling(trainer)
+    engine = llm.engine.runner.model
+    weight = causal_lm(trainer.model).model.embed_tokens.weight
+    if (weight.dtype, weight.device.type) != (engine.dtype, engine.device.type):
+        raise ValueError(
+            f"the trainer's model runs in {weight.dtype} on {weight.device.type}, the engine in {engine.dtype} on "
+            f"{engine.device.type}: the bits agree only between the same dtype and device type"
+        )
     for model in _models(trainer):
         patch_model(model)
         add_fused_lm_head(model, temperature=trainer.temperature)
