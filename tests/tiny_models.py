@@ -1,5 +1,5 @@
-"""Tiny random-weight Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral), a one-token-per-character
-tokenizer, and transformers' logits to compare against, for fast tests."""
+"""Tiny random-weight Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral), a
+one-token-per-character tokenizer, and transformers' logits to compare against, for fast tests."""
 
 import string
 from pathlib import Path
@@ -79,12 +79,13 @@ TINY_MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
 def save_tiny_hf(
     folder: Path, arch: str, seed: int = 0, max_shard_size: str | None = None, scale: float = 1.0, **overrides
 ) -> Path:
-    """Save a tiny random-weight HF checkpoint of ``arch`` ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral") to
-    ``folder``."""
+    """Save a tiny random-weight HF checkpoint of ``arch`` ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+    "mixtral") to ``folder``."""
     import transformers
 
     cls_config, cls_model = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),

@@ -313,10 +313,15 @@ def _cpu_weight(weight: torch.Tensor) -> torch.Tensor:
     The packed copy is kept on the tensor and rebuilt whenever its version counter, storage or layout changes, so
     an in-place update (``copy_`` on the tensor or a ``detach()``-ed view of it) is never served stale. Writes
     through ``.data`` bypass the version counter: lockstep makes none. An inference tensor has no version counter,
-    so nothing shows it unchanged: it is converted on every call.
+    so nothing shows it unchanged: it is converted on every call. Nor is a weight that requires grad (a trainer's):
+    a fused optimizer (``torch.optim.AdamW(fused=True)``, transformers' Trainer default) updates it in place without
+    bumping the version counter, so a kept copy would go stale: it is packed afresh on every call (once, not once
+    per row tile as a plain weight would be).
     """
     if not _ONEDNN or weight.numel() == 0:
         return weight.detach().float()
+    if weight.requires_grad:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), ROW_TILE)
     try:
         key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), weight.stride())
     except RuntimeError:  # "Inference tensors do not track version counter"

@@ -99,6 +99,19 @@ def test_cpu_packed_weight_follows_in_place_updates():
         assert not hasattr(wi, "_lockstep_packed")
 
 
+def test_cpu_trainable_weight_follows_a_fused_optimizer_step():
+    # torch.optim.AdamW(fused=True) (transformers' Trainer default) writes the parameter without bumping its version
+    # counter: a weight that requires grad is never served from a packed copy.
+    x = randn(5, 64, seed=1)
+    w = torch.nn.Parameter(randn(33, 64, seed=2))
+    ops.linear(x, w)
+    w.grad = randn(33, 64, seed=3)
+    version = w._version
+    torch.optim.AdamW([w], lr=0.1, fused=True).step()
+    assert w._version == version  # what makes a version-keyed cache go stale
+    assert torch.equal(ops.linear(x, w), ops.mm(x, w.detach().clone().t()))
+
+
 def test_cpu_linear_bits_do_not_depend_on_the_thread_count(monkeypatch):
     # One-tile calls on small weights run on one thread (_CPU_SERIAL_WEIGHT_BYTES), the rest on all of them.
     x, w = randn(9, 576, seed=1), randn(1536, 576, seed=2)

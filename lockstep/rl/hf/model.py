@@ -1,0 +1,195 @@
+"""``patch_model``: make a transformers causal LM compute the engine's bits, in place, and stay a transformers model.
+
+The patch replaces three kinds of ``forward`` on the model's own modules (instance attributes, so the classes and
+every other model are untouched; ``unpatch_model`` deletes them):
+
+- the base model's (``model.model``, e.g. ``LlamaModel``): embed, lay the batch out flat as the engine does
+  (``batch.flat_layout``: padding dropped, packed sequences split where ``position_ids`` restart), look up the
+  engine's rotary table, run the layers carrying ``(hidden, residual)``, the final RMSNorm with the last residual
+  add fused, and scatter the rows back to ``[batch, seq, hidden]`` (zeros at padding);
+- each decoder layer's (``layers.layer_forward``);
+- the LM head's: the invariant linear, logits in the model dtype as the engine's head computes them before its
+  fp32 cast (``logprobs.selective_log_softmax`` then takes the engine's log_softmax).
+
+Everything else is transformers': ``*ForCausalLM.forward`` (``logits_to_keep``, ``labels`` and its loss),
+``save_pretrained`` (the patch adds no parameters, buffers or config entries), PEFT's wrappers, DDP, gradient
+checkpointing's switch. The KV cache of ``generate`` is not supported on a patched model: sample with
+``lockstep.LLM`` (or ``unpatch_model`` first).
+
+``torch.compile``: the patched forwards are marked ``torch.compiler.disable``, so compiling a patched model runs
+them eagerly, the same bits. Compiling them would let Inductor generate its own code for the elementwise ops
+between the kernels (the CPU rotary, casts, the SiLU tiles), contracting multiplies and adds differently from the
+engine's eager ops; the engine is not compiled either, and on CUDA the heavy ops are already lockstep's Triton
+kernels.
+"""
+
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lockstep.layers.rotary import RotaryEmbedding
+from lockstep.models.llama import ModelConfig
+from lockstep.rl.hf.batch import flat_layout
+from lockstep.rl.hf.layers import K, layer_forward
+from lockstep.rl.hf.weights import causal_lm
+
+__all__ = ["is_patched", "patch_model", "unpatch_model"]
+
+_STATE = "_lockstep_patch"
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What every decoder layer needs beyond its modules (from the config, parsed as the engine parses it)."""
+
+    eps: float
+    heads: tuple[int, int, int]  # (num_heads, num_kv_heads, head_dim)
+    top_k: int
+    renormalize: bool
+    tree: bool
+
+
+class _Patch:
+    """The patch's state on the base model (a plain attribute, not a module: nothing is registered)."""
+
+    def __init__(self, config: ModelConfig, tp_invariant: bool):
+        self.config = config
+        self.tree = tp_invariant
+        c = config
+        self.spec = LayerSpec(
+            c.rms_norm_eps, (c.num_heads, c.num_kv_heads, c.head_dim), c.num_experts_per_tok, c.norm_topk_prob,
+            tp_invariant,
+        )  # fmt: skip
+        self._tables: dict[tuple[torch.device, torch.dtype], RotaryEmbedding] = {}
+
+    def rotary(self, device: torch.device, dtype: torch.dtype) -> RotaryEmbedding:
+        """The engine's cos/sin table (``layers.rotary``, built the same way for every position the config allows)."""
+        key = (device, dtype)
+        if key not in self._tables:
+            c = self.config
+            self._tables[key] = RotaryEmbedding(
+                c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device
+            )
+        return self._tables[key]
+
+
+def _engine_config(lm: nn.Module) -> ModelConfig:
+    hf = lm.config.to_dict()
+    hf["architectures"] = [type(lm).__name__]
+    hf["dtype"] = "float32"  # the engine's default dtype only; the model runs in its parameters' dtype
+    config = ModelConfig.from_hf(hf)
+    if float(getattr(lm.config, "attention_dropout", 0.0) or 0.0) > 0:
+        raise ValueError("attention_dropout > 0 has no counterpart in the sampler; set it to 0")
+    if float(getattr(lm.config, "router_jitter_noise", 0.0) or 0.0) > 0:
+        raise ValueError("router_jitter_noise > 0 has no counterpart in the sampler; set it to 0")
+    return config
+
+
+def _backbone(self: nn.Module, patch: "_Patch", input_ids, attention_mask, position_ids, inputs_embeds) -> torch.Tensor:
+    embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [batch, seq, hidden]
+    batch, seq, width = embeds.shape
+    layout = flat_layout((batch, seq), attention_mask, position_ids, embeds.device)
+    hidden = embeds.reshape(batch * seq, width)
+    if layout.rows is not None:
+        hidden = hidden.index_select(0, layout.rows)  # [num_tokens, hidden]
+    table = patch.rotary(embeds.device, embeds.dtype)
+    if int(layout.positions.max()) >= table.max_position:
+        raise ValueError(f"a sequence is longer than the model's {table.max_position} positions")
+    rope = table(layout.positions)
+    residual = None
+    for layer in self.layers[: patch.config.num_layers]:
+        hidden, residual = layer(hidden, residual, rope, layout, patch.spec)
+    hidden, _ = K.rms_norm(hidden, self.norm.weight, patch.spec.eps, residual)
+    if layout.rows is not None:
+        hidden = hidden.new_zeros(batch * seq, width).index_copy(0, layout.rows, hidden)
+    return hidden.view(batch, seq, width)
+
+
+def no_autocast(device: torch.device):
+    """The engine runs no autocast: inside the patched model every op computes in the weights' dtype (train in the
+    dtype the sampler runs in), whatever autocast (``bf16=True`` mixed precision) a trainer opened around it."""
+    return torch.autocast(device.type, enabled=False)
+
+
+@torch.compiler.disable
+def _model_forward(
+    self: nn.Module,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache=None,
+    inputs_embeds: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    past_key_values=None,
+    **kwargs,
+):
+    """The patched base model's forward (see the module docstring): ``[batch, seq]`` in, ``last_hidden_state:
+    [batch, seq, hidden]`` out."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
+
+    patch: _Patch = getattr(self, _STATE)
+    past = cache if cache is not None else past_key_values
+    if past is not None and past.get_seq_length() > 0:
+        raise NotImplementedError("a lockstep-patched model runs whole sequences; generate with lockstep.LLM")
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("output_router_logits"):
+        raise NotImplementedError(
+            "a lockstep-patched model returns no attentions, per-layer hidden states or router logits"
+        )
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    with no_autocast(self.norm.weight.device):
+        hidden = _backbone(self, patch, input_ids, attention_mask, position_ids, inputs_embeds)
+    out = MoeModelOutputWithPast if patch.config.num_experts else BaseModelOutputWithPast
+    return out(last_hidden_state=hidden)
+
+
+@torch.compiler.disable
+def _head_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    # hidden: [..., hidden] -> logits [..., vocab] in the model dtype (the engine's head before its fp32 cast)
+    with no_autocast(hidden.device):
+        return K.linear(hidden, self.weight, self.bias)
+
+
+def patch_model(model: nn.Module, *, tp_invariant: bool = False) -> nn.Module:
+    """Make ``model`` (a transformers ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+    ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``MixtralForCausalLM``, or a PEFT model of one) run lockstep's
+    invariant kernels, forward and backward, in place; returns ``model``.
+
+    Its per-token logprobs (``selective_log_softmax`` of its logits) then equal bit for bit the ``token_logprobs``
+    a ``lockstep.LLM`` with the same weights, dtype and device reported when it sampled those tokens, for padded
+    (``attention_mask``, left or right) and packed (``position_ids`` restarting per sequence) batches, with
+    gradient checkpointing on or off. ``tp_invariant=True`` reproduces an engine at any
+    ``tensor_parallel_size`` (or ``LLM(tp_invariant=True)``) instead of a one-process engine's default numerics.
+    Patching twice replaces the first patch.
+    """
+    lm = causal_lm(model)
+    config = _engine_config(lm)
+    base = lm.model
+    if type(lm.lm_head) is not nn.Linear:
+        raise NotImplementedError(f"the LM head is a {type(lm.lm_head).__name__}; patch_model needs a plain nn.Linear")
+    unpatch_model(model)
+    setattr(base, _STATE, _Patch(config, tp_invariant))
+    base.forward = types.MethodType(_model_forward, base)
+    for layer in base.layers:
+        layer.forward = types.MethodType(torch.compiler.disable(layer_forward), layer)
+    lm.lm_head.forward = types.MethodType(_head_forward, lm.lm_head)
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo ``patch_model`` (transformers' own forwards again); a model that is not patched is left as it is."""
+    lm = causal_lm(model)
+    base = lm.model
+    for module in (base, lm.lm_head, *base.layers):
+        module.__dict__.pop("forward", None)
+    base.__dict__.pop(_STATE, None)
+    if lm.__dict__.pop("_lockstep_fused_head", None) is not None:  # fused_head.add_fused_lm_head's
+        lm.__dict__.pop("forward", None)
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether ``patch_model`` has patched ``model``."""
+    return _STATE in causal_lm(model).model.__dict__
