@@ -89,7 +89,9 @@ def check_bits(k: int, n: int, max_m: int, check_ms: list[int]) -> dict:
         batch = torch.randn(37, k, device=DEV).to(torch.bfloat16)
         batch[21] = x[5]
         moved = same(fp8.fp8_linear(batch, w8, ws, act_group=group)[21], full[5])
-        if bad_m or bad_cfg or not moved or not rel < 1e-4:
+        # Hopper's e4m3 MMA accumulates with ~14 bits of mantissa inside an instruction (the limit DeepGEMM's
+        # per-block promotion to fp32 works around), so the fp64 error is ~1.3e-4 there (H200, session 11).
+        if bad_m or bad_cfg or not moved or not rel < 1e-3:
             fail(f"K={k} N={n} {kind}: M {bad_m[:8]}, configs {bad_cfg[:4]}, moved row ok {moved}, rel {rel:.2e}")
         out[kind] = {"rel_err_fp64": rel, "ms_checked": len(check_ms), "ms_differing": bad_m,
                      "configs_differing": bad_cfg, "moved_row_same": moved}  # fmt: skip
