@@ -7,14 +7,20 @@ after it (the head's matmul, log_softmax) is batch-invariant. So the trainer run
 each micro-batch as one flattened prefill into a fresh paged KV cache, applies the head to the rows that
 predict completion tokens and takes the same log_softmax: the same bits, with autograd, for any micro-batch
 size or packing.
+
+A vision-language policy takes image prompts (``lockstep.rl.images``): the micro-batch's images go through the
+same vision tower in one call, their features replace the image tokens' embeddings, and the rows take the
+prompt's M-RoPE positions, as in the engine.
 """
 
 from collections.abc import Sequence
 
 import torch
 
+from lockstep.engine.multimodal import MultimodalInputs
 from lockstep.layers.attention import AttentionMetadata, flatten_batch
 from lockstep.models.llama import LlamaForCausalLM
+from lockstep.rl.images import Prompt, image_batch, prompt_inputs
 
 __all__ = ["micro_batches", "token_logprobs"]
 
@@ -64,12 +70,20 @@ def _pack(
 
 
 def _micro_batch_logprobs(
-    model: LlamaForCausalLM, prompts: list[list[int]], completions: list[list[int]], block_size: int
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    inputs: list[MultimodalInputs | None],
+    block_size: int,
 ) -> list[torch.Tensor]:
     # The last completion token is only predicted, never fed: sequence i runs prompt + completion[:-1].
     seqs = [list(p) + list(c[:-1]) for p, c in zip(prompts, completions, strict=True)]
     input_ids, positions, attn = _pack(model, seqs, block_size)
-    hidden = model.model(input_ids, positions, attn)  # [num_tokens, hidden_size], autograd on
+    if any(mm is not None for mm in inputs):
+        positions, mm = image_batch(model, seqs, inputs, positions)
+        hidden = model.model(input_ids, positions, attn, mm)  # [num_tokens, hidden_size], autograd on
+    else:
+        hidden = model.model(input_ids, positions, attn)
     rows: list[int] = []
     offset = 0
     for p, s in zip(prompts, seqs, strict=True):
@@ -84,7 +98,7 @@ def _micro_batch_logprobs(
 
 def token_logprobs(
     model: LlamaForCausalLM,
-    prompt_token_ids: Sequence[Sequence[int]],
+    prompt_token_ids: Sequence[Prompt],
     completion_token_ids: Sequence[Sequence[int]],
     *,
     micro_batch_size: int | None = None,
@@ -99,8 +113,16 @@ def token_logprobs(
     size or packing. The sequences run in micro-batches of at most ``micro_batch_size`` sequences and
     ``max_num_tokens`` tokens (see ``micro_batches``); the graph of every micro-batch is kept until the caller's
     backward, so for gradient accumulation call this once per micro-batch of ``micro_batches``' indices.
+
+    A prompt is a token-id list, or for a vision-language policy an image prompt: ``LLM.generate``'s dict in
+    token-id form (``{"prompt_token_ids": ids, "multi_modal_data": {"image": ...}}``; the placeholders one
+    ``<|image_pad|>`` per image or already expanded, as ``RequestOutput.prompt_token_ids`` holds them) or
+    ``(prompt_token_ids, MultimodalInputs)`` as the engine processed it (``lockstep.rl.images``). Text and image
+    prompts may share a micro-batch.
     """
-    prompts = [list(p) for p in prompt_token_ids]
+    parsed = [prompt_inputs(model, i, p) for i, p in enumerate(prompt_token_ids)]
+    prompts = [ids for ids, _ in parsed]
+    inputs = [mm for _, mm in parsed]
     completions = [list(c) for c in completion_token_ids]
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
@@ -116,7 +138,9 @@ def token_logprobs(
     out: list[torch.Tensor | None] = [None] * len(prompts)
     lengths = [len(p) + len(c) - 1 for p, c in zip(prompts, completions, strict=True)]
     for idx in micro_batches(lengths, micro_batch_size, max_num_tokens):
-        lps = _micro_batch_logprobs(model, [prompts[i] for i in idx], [completions[i] for i in idx], block_size)
+        lps = _micro_batch_logprobs(
+            model, [prompts[i] for i in idx], [completions[i] for i in idx], [inputs[i] for i in idx], block_size
+        )
         for i, lp in zip(idx, lps, strict=True):
             out[i] = lp
     return out

@@ -111,15 +111,24 @@ def load_policy(
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
     tp_invariant: bool = False,
+    mm_processor_kwargs: dict | None = None,
 ) -> LlamaForCausalLM:
     """Load a checkpoint folder as a trainable policy (see ``make_trainable``).
 
     ``tp_invariant=True`` gives o_proj and down_proj the chunk-tree numerics of a tensor-parallel engine
     (``ops.tp_linear``, with autograd): the policy's logprobs then equal bit for bit those of an engine at any
     ``tensor_parallel_size`` (or at 1 with ``tp_invariant=True``). Without it they equal a one-process engine's
-    default numerics."""
+    default numerics.
+
+    A vision-language checkpoint (Qwen3-VL, Qwen2.5-VL) gets ``image_processor``, the folder's own image
+    preprocessing with ``mm_processor_kwargs`` (min/max pixels: the engine's, for the same pixels), so
+    ``token_logprobs`` takes image prompts as ``LLM.generate`` does (``lockstep.rl.images``)."""
     kernels = "invariant" if batch_invariant else "torch"
     model = load_model(
         path, dtype=dtype, device=device, kernels=kernels, max_model_len=max_model_len, tp_invariant=tp_invariant
     )
+    if getattr(model, "is_multimodal", False) and (Path(path) / "preprocessor_config.json").is_file():
+        from lockstep.multimodal.processor import ImageProcessor
+
+        model.image_processor = ImageProcessor(path, model, None, mm_processor_kwargs)
     return make_trainable(model)
