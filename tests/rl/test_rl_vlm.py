@@ -136,9 +136,11 @@ def test_bad_image_prompts(policy, tiny_model_dir):
         token_logprobs(policy, [{"prompt": "hi", "multi_modal_data": {"image": A}}], [[3]])
 
 
-def test_qwen2_5_vl_bitwise(tmp_path: Path):
-    """Qwen2.5-VL (window attention, RMSNorm blocks, no DeepStack): the mixed batch, micro-batched."""
-    folder = save_tiny_vlm(tmp_path, "qwen2_5_vl")
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])
+def test_other_families_bitwise(tmp_path: Path, arch: str):
+    """Qwen2.5-VL (window attention, RMSNorm blocks, no DeepStack) and Qwen3-VL-MoE (the experts' autograd path):
+    the mixed batch, micro-batched."""
+    folder = save_tiny_vlm(tmp_path, arch)
     requests = _requests()[:3]
     outs = _sample(folder, requests, max_num_batched_tokens=11, max_num_seqs=3)
     lps = token_logprobs(load_policy(folder), requests, [o.token_ids for o in outs], micro_batch_size=2)
