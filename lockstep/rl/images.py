@@ -42,7 +42,7 @@ def prompt_inputs(model, i: int, prompt: Prompt) -> tuple[list[int], MultimodalI
             )
         return list(prompt[0]), prompt[1]
     if not isinstance(prompt, dict):
-        return list(prompt), None
+        return _text_prompt(model, i, list(prompt))
     if set(prompt) - _KEYS or "prompt_token_ids" not in prompt:
         raise ValueError(
             f"prompt {i}: a dict prompt takes 'prompt_token_ids' (and 'multi_modal_data', 'mm_processor_kwargs'), "
@@ -51,12 +51,12 @@ def prompt_inputs(model, i: int, prompt: Prompt) -> tuple[list[int], MultimodalI
     ids = list(prompt["prompt_token_ids"])
     data = prompt.get("multi_modal_data")
     if data is None:
-        return ids, None
+        return _text_prompt(model, i, ids)
     if not isinstance(data, dict) or set(data) - {"image"}:
         raise ValueError(f'prompt {i}: multi_modal_data takes {{"image": image or list of images}}')
     images = data.get("image")
     if images is None:
-        return ids, None
+        return _text_prompt(model, i, ids)
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     _check_multimodal(model, i)
     processor = getattr(model, "image_processor", None)
@@ -72,6 +72,16 @@ def prompt_inputs(model, i: int, prompt: Prompt) -> tuple[list[int], MultimodalI
         return processor.process(ids, loaded, prompt.get("mm_processor_kwargs"))
     except ValueError as e:
         raise ValueError(f"prompt {i}: {e}") from None
+
+
+def _text_prompt(model, i: int, ids: list[int]) -> tuple[list[int], None]:
+    """A prompt without images; on a vision-language model it may not hold the image token (the engine refuses a
+    placeholder without an image, and the trainer would read the token's embedding instead of an image's)."""
+    if getattr(model, "is_multimodal", False) and model.mm_config.image_token_id in ids:
+        raise ValueError(
+            f"prompt {i}: image placeholder token {model.mm_config.image_token_id} (<|image_pad|>) without an image"
+        )
+    return ids, None
 
 
 def _check_multimodal(model, i: int) -> None:

@@ -132,6 +132,8 @@ def test_bad_image_prompts(policy, tiny_model_dir):
         token_logprobs(text_policy, [{"prompt_token_ids": [1, 2], "multi_modal_data": {"image": A}}], [[3]])
     with pytest.raises(ValueError, match="prompt 1: the prompt has 1 image placeholder"):
         token_logprobs(policy, [[1, 2], {"prompt_token_ids": PLACE, "multi_modal_data": {"image": [A, B]}}], [[3], [3]])
+    with pytest.raises(ValueError, match="prompt 1: image placeholder token 98 .* without an image"):
+        token_logprobs(policy, [[1, 2], PLACE + [5]], [[3], [3]])
     with pytest.raises(ValueError, match="prompt 0: a dict prompt takes"):
         token_logprobs(policy, [{"prompt": "hi", "multi_modal_data": {"image": A}}], [[3]])
 
