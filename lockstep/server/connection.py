@@ -6,8 +6,9 @@
   1100 connections at a cap of 1024 got 1071 refusals instead of 76, and one client holding the cap left nobody a
   connection, liveness probes included. A connection past either limit is *refused*: its one request gets a JSON
   503 (``too_many_connections``, ``Retry-After: 1``), except ``/health``, which the app answers as usual, so that
-  probes survive; then it is closed. At most ``max_refused`` refused connections are open at once, each for at most
-  ``REFUSED_HEADER_TIMEOUT`` seconds; past that a connection is closed unanswered.
+  probes survive; then it is closed. At most ``max_refused`` refused connections (64, or an eighth of
+  ``max_connections`` if more) are open at once, each for at most ``REFUSED_HEADER_TIMEOUT`` seconds; past that a
+  connection is closed unanswered.
 - **A deadline for each request's line and headers** (``header_timeout``), counted from the connection's start or
   the request's first byte and never renewed per byte: h11's keep-alive timer runs only between requests, so a
   client could hold a connection with half a header forever.
@@ -83,9 +84,11 @@ class ConnectionLedger:
     refused ones, and refusals so far (``metrics``, when given, gets ``connections_open`` and
     ``connections_refused``)."""
 
-    def __init__(self, max_connections: int, max_per_client: int, metrics=None) -> None:
+    def __init__(self, max_connections: int, max_per_client: int, metrics=None, max_refused: int | None = None) -> None:
         self.max_connections, self.max_per_client = max_connections, max_per_client
-        self.max_refused = max(8, max_connections // 8)
+        # Each lives REFUSED_HEADER_TIMEOUT seconds at most; unbounded, a flood of them would exhaust the process's
+        # file descriptors, and then accept() fails for everyone.
+        self.max_refused = max(64, max_connections // 8) if max_refused is None else max_refused
         self.served = 0
         self.refused_open = 0
         self.refused_total = 0

@@ -107,7 +107,8 @@ def test_the_bound_socket_serves_with_tcp_nodelay() -> None:
 
 def test_the_ledger_counts_connections_when_accepted_by_client() -> None:
     metrics = Metrics()
-    ledger = ConnectionLedger(max_connections=8, max_per_client=3, metrics=metrics)
+    assert ConnectionLedger(16, 8).max_refused == 64 and ConnectionLedger(1024, 512).max_refused == 128
+    ledger = ConnectionLedger(max_connections=8, max_per_client=3, metrics=metrics, max_refused=8)
     assert [ledger.admit("a") for _ in range(4)] == [SERVED] * 3 + [REFUSED]  # a's fourth is past its limit
     assert [ledger.admit(f"c{i}") for i in range(6)] == [SERVED] * 5 + [REFUSED]  # the cap: 8 served in all
     assert [ledger.admit("d") for _ in range(7)] == [REFUSED] * 6 + [DROPPED]  # 8 refused ones open at most
