@@ -405,10 +405,9 @@ def plot(rows: list[dict], health: list, phases: list[dict], path: Path) -> None
     ax.set_xlabel("minutes")
     for i, p in enumerate(phases):
         for a in axes:
-            a.axvspan(p["start"] / 60, p["end"] / 60, color="0.9" if i % 2 else "0.8", lw=0)
-        axes[0].text(
-            (p["start"] + p["end"]) / 120, axes[0].get_ylim()[1], p["phase"], fontsize=6, ha="center", va="top"
-        )
+            a.axvspan(p["start"] / 60, p["end"] / 60, color="0.92" if i % 2 else "0.84", lw=0, zorder=0)
+        top = axes[0].get_ylim()[1]
+        axes[0].text((p["start"] + p["end"]) / 120, top, p["phase"], fontsize=6, ha="center", va="top", rotation=90)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -501,10 +500,11 @@ def main() -> None:
         "first_sample": sampler.rows[0] if sampler.rows else None,
         "last_sample": sampler.rows[-1] if sampler.rows else None,
         "samples": sampler.rows,
+        "health_samples": [[ph, round(t, 4), code, at] for ph, t, code, at in health.samples],
     }
     (out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(sampler.rows, health.samples, results, out / "soak.png")
-    summary = {k: v for k, v in report.items() if k != "samples"}
+    summary = {k: v for k, v in report.items() if k not in ("samples", "health_samples")}
     print(json.dumps(summary, indent=1))
 
 
