@@ -20,7 +20,8 @@
 - **What the client has not read** (``unsent_bytes``): the transport's buffer plus the kernel's send queue (bytes
   not yet acknowledged), which on localhost Linux grows to 4 MB. The ``Gatekeeper`` holds a stream back while more
   than ``UNREAD_BYTES`` of it wait (``until_read``), so a client that stops reading stops its stream's consumer at
-  once and ``ServingLimits.unread_timeout`` counts from there, not from when megabytes of kernel buffer are full.
+  once and ``ServingLimits.unread_timeout`` counts from there, not from when megabytes of kernel buffer are full;
+  a stream held back that long has its connection reset.
 """
 
 import asyncio
@@ -29,6 +30,7 @@ import json
 import logging
 import math
 import re
+import socket
 import struct
 import termios
 import time
@@ -275,21 +277,29 @@ class GuardedProtocol(H11Protocol):
         return pending
 
     async def until_read(self, limit: int, timeout: float) -> bool:
-        """Wait while more than ``limit`` bytes written are unacknowledged. True once they are not; False if the
-        client acknowledged nothing for ``timeout`` seconds (the connection is then aborted) or it is closing."""
-        pending = self.unsent_bytes()
-        if pending <= limit:
-            return not self.transport.is_closing()
-        progress_at = self.loop.time()
+        """Wait while more than ``limit`` bytes written are unacknowledged, or the transport has paused writing
+        (then uvicorn's send would wait, unwatched). True once neither holds; False if that took over ``timeout``
+        seconds (the connection is then reset: by then the engine has stopped the stream for the same reason)
+        or the connection is closing. Not "no progress for ``timeout``": a receiver's kernel that the client does
+        not read from still takes a few bytes now and then."""
+        deadline = self.loop.time() + timeout
         while not self.transport.is_closing():
-            await asyncio.sleep(READ_POLL_SECONDS)
-            now, left = self.loop.time(), self.unsent_bytes()
-            if left <= limit:
-                return not self.transport.is_closing()
-            if left < pending:
-                progress_at, pending = now, left
-            elif now - progress_at > timeout:
-                log.info("%s: the client read nothing for %.0f s; connection closed", self._peer or "-", timeout)
-                self.transport.abort()
+            if self.unsent_bytes() <= limit and not self.flow.write_paused:
+                return True
+            if self.loop.time() > deadline:
+                log.info("%s: the client read too little for %.0f s; connection reset", self._peer or "-", timeout)
+                self._reset()
                 return False
+            await asyncio.sleep(READ_POLL_SECONDS)
         return False
+
+    def _reset(self) -> None:
+        """Close with a reset: a plain close would leave the kernel an orphaned socket probing a client that reads
+        nothing, holding its send buffer for minutes."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+        self.transport.abort()

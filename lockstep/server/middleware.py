@@ -6,8 +6,8 @@ not ``application/json`` (415: a web page cannot send one cross-site without a C
 answers no preflight), a body over the size limit, by Content-Length or counted as it arrives, chunked or not
 (413), a body not complete within the body timeout, or silent for the body idle timeout (408). Then the app gets
 the whole body at once. A response's body waits while more than ``connection.UNREAD_BYTES`` of it are unread by
-the client (``GuardedProtocol.until_read``): a stream's consumer then stops where the client stopped, and a client
-that reads nothing for the unread timeout has its connection closed. A client that leaves mid-body costs one log
+the client (``GuardedProtocol.until_read``): a stream's consumer then stops where the client stopped, and a stream
+held back for the unread timeout has its connection reset. A client that leaves mid-body costs one log
 line. An exception out of the app is logged once, with its traceback, under an
 id that the client's generic 500 body names. Every /v1 response is counted by status code, and every request gets
 an access log line (``HTTPConfig.access_log``, on by default): the client, method, path, status and time, and for
