@@ -222,9 +222,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     hosts_help = "Host names to accept, comma-separated, '*' for any (default: loopback names on a loopback --host)"
     p.add_argument("--allowed-hosts", default=None, help=hosts_help)
-    p.add_argument("--max-connections", type=int, default=1024, help="past this, connections get 503")
+    p.add_argument(
+        "--max-connections", type=int, default=1024,
+        help="connections served at once, counted when accepted; past this they get 503, but /health (default 1024)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-connections-per-client", type=int, default=None, metavar="N",
+        help="connections one peer address may hold; past this its new ones get 503, but /health (default: half of "
+        "--max-connections; behind a reverse proxy every client has the proxy's address)",
+    )  # fmt: skip
     p.add_argument("--header-timeout", type=float, default=10.0, help="seconds for a request's line and headers")
     p.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body (408)")
+    p.add_argument(
+        "--body-idle-timeout", type=float, default=10.0, help="seconds a request's body may send nothing (408)"
+    )
     add_limit_args(p)
     add_grammar_limit_args(p)
     add_chat_args(p)
@@ -275,8 +286,10 @@ def http_config(args: argparse.Namespace):
         allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
         max_body_bytes=args.max_body_bytes,
         max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        body_idle_timeout=args.body_idle_timeout,
         access_log=args.access_log,
     )
 
@@ -297,7 +310,8 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM, seconds requests in flight may take to finish before they get 503 (default 30)",
+        help="on SIGTERM, seconds requests in flight may take to finish before they get 503; the server answers "
+        "503 meanwhile and exits 0 once they are done (default 30)",
     )
 
 

@@ -220,6 +220,17 @@ class AsyncEngine:
             return f"engine failed: {self._dead!r}" if self._dead is not None else "engine thread stopped"
         return "shutting down" if self._drain_deadline is not None else "ok"
 
+    @property
+    def draining(self) -> bool:
+        """True once ``drain`` was called."""
+        return self._drain_deadline is not None
+
+    @property
+    def idle(self) -> bool:
+        """True while no call has requests in the engine (read from any thread: the engine thread's count of them
+        may be a step stale)."""
+        return not self._active
+
     def stop(self) -> None:
         self._commands.put(_STOP)
         self._thread.join(timeout=30)

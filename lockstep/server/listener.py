@@ -1,29 +1,19 @@
-"""How the server listens: the HTTP layer's settings (``HTTPConfig``) and the uvicorn options they become.
-
-uvicorn's h11 protocol has no deadline for a request's line and headers (its keep-alive timer only runs between
-requests), so a client could hold a connection with half a header forever; ``HeaderDeadlineProtocol`` closes such
-a connection after ``header_timeout`` seconds. Body read deadlines and sizes are the ``Gatekeeper``'s.
-
-The connection cap is the protocol's too: uvicorn's own (``limit_concurrency``) answers a plain-text 503, so the
-protocol counts connections and requests in flight the same way and answers with an OpenAI-style JSON body.
+"""How the server listens: the HTTP layer's settings (``HTTPConfig``), the bound socket, and the uvicorn options
+they become (``listen_with``). What each connection enforces is ``connection.GuardedProtocol``'s (the connection
+caps, the header deadline and size); body deadlines and sizes are the ``Gatekeeper``'s.
 """
 
-import asyncio
 import errno
 import functools
 import ipaddress
-import json
-import logging
 import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from lockstep.server.protocol import error_body
+from lockstep.server.connection import ConnectionLedger, GuardedProtocol
 
 API_KEY_ENV = "LOCKSTEP_API_KEY"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -35,8 +25,11 @@ class HTTPConfig:
 
     ``api_key``: required (``Authorization: Bearer KEY``) on every path but ``/health``. ``allowed_hosts``: the
     host names a request's ``Host`` header may carry (lower case, no port), or ``None`` for any; bound to a
-    loopback address the server accepts only loopback names, which stops DNS rebinding. Timeouts are in seconds:
-    ``header_timeout`` for a request's line and headers, ``body_timeout`` for its whole body,
+    loopback address the server accepts only loopback names, which stops DNS rebinding. ``max_connections``
+    connections are served at once, at most ``max_connections_per_client`` from one peer address (``None``: half
+    of ``max_connections``); others get 503, but ``/health`` (``connection.ConnectionLedger``). A request's line
+    and headers may hold ``max_header_bytes`` (431). Timeouts are in seconds: ``header_timeout`` for a request's
+    line and headers, ``body_timeout`` for its whole body and ``body_idle_timeout`` between two of its pieces,
     ``keep_alive_timeout`` for an idle connection between requests. ``access_log``: one info line per request
     (``Gatekeeper``).
     """
@@ -44,9 +37,12 @@ class HTTPConfig:
     api_key: str | None = None
     allowed_hosts: tuple[str, ...] | None = None
     max_body_bytes: int = 8 << 20
+    max_header_bytes: int = 16 << 10
     max_connections: int = 1024
+    max_connections_per_client: int | None = None
     header_timeout: float = 10.0
     body_timeout: float = 60.0
+    body_idle_timeout: float = 10.0
     keep_alive_timeout: int = 5
     workers: int = 4  # threads that parse, tokenize and render off the event loop
     access_log: bool = True  # a log line per request: method, path, status, time, tokens (never the prompt)
@@ -54,7 +50,11 @@ class HTTPConfig:
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key is empty")
-        for name in ("max_body_bytes", "max_connections", "header_timeout", "body_timeout", "keep_alive_timeout"):
+        if self.max_connections_per_client is None and isinstance(self.max_connections, int):
+            object.__setattr__(self, "max_connections_per_client", max(1, self.max_connections // 2))
+        positive = ("max_body_bytes", "max_header_bytes", "max_connections", "max_connections_per_client")
+        positive += ("header_timeout", "body_timeout", "body_idle_timeout", "keep_alive_timeout")
+        for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.workers < 1:
@@ -105,76 +105,6 @@ def read_api_key(key: str | None, key_file: str | None, env: Mapping[str, str] =
     return key
 
 
-_OVER_CAPACITY = json.dumps(
-    error_body("the server has too many connections open; try again later", "server_error", code="too_many_connections")
-).encode()
-
-
-async def _over_capacity(scope, receive, send) -> None:
-    """The ASGI answer to a request past the connection cap: 503 with an OpenAI-style body, connection closed."""
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(_OVER_CAPACITY)).encode()),
-        (b"connection", b"close"),
-        (b"retry-after", b"1"),
-    ]
-    await send({"type": "http.response.start", "status": 503, "headers": headers})
-    await send({"type": "http.response.body", "body": _OVER_CAPACITY})
-
-
-class HeaderDeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's line and headers, counted from the connection's
-    start or the request's first byte (a connection that misses it is closed), and a cap of ``max_connections``
-    on open connections and requests in flight, past which a request gets a JSON 503."""
-
-    def __init__(self, *args, header_timeout: float, max_connections: int | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.header_timeout = header_timeout
-        self._header_deadline: asyncio.TimerHandle | None = None
-        if max_connections is not None:
-            # uvicorn's check, made when the request's task runs (the task itself is counted by then).
-            self.limit_concurrency = None
-            app = self.app
-
-            async def capped(scope, receive, send) -> None:
-                if len(self.connections) >= max_connections or len(self.tasks) > max_connections:
-                    logging.getLogger("uvicorn.error").warning("Exceeded the connection limit (%d).", max_connections)
-                    return await _over_capacity(scope, receive, send)
-                return await app(scope, receive, send)
-
-            self.app = capped
-
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._header_deadline = self.loop.call_later(self.header_timeout, self._headers_too_slow)
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        waiting = self.conn.their_state is h11.IDLE  # still before the end of a request's headers
-        if waiting and self._header_deadline is None:
-            self._header_deadline = self.loop.call_later(self.header_timeout, self._headers_too_slow)
-        elif not waiting:
-            self._cancel_header_deadline()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_deadline()
-        super().connection_lost(exc)
-
-    def on_response_complete(self) -> None:
-        self._cancel_header_deadline()  # the keep-alive timer takes over until the next request's first byte
-        super().on_response_complete()
-
-    def _cancel_header_deadline(self) -> None:
-        if self._header_deadline is not None:
-            self._header_deadline.cancel()
-            self._header_deadline = None
-
-    def _headers_too_slow(self) -> None:
-        self._header_deadline = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.close()
-
-
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (not listening yet), for ``serve``: binding it before the model loads
     finds a port in use at once, in one line (ValueError), instead of minutes later, and nothing can take the
@@ -196,11 +126,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def listen_with(config: uvicorn.Config, http: HTTPConfig) -> None:
-    """Make a ``uvicorn.Config`` (not loaded yet) enforce ``http``: the h11 protocol with a header deadline, the
-    connection cap (a JSON 503 past it), the keep-alive timeout and h11's 16 KiB header limit."""
+def listen_with(config: uvicorn.Config, http: HTTPConfig, metrics=None) -> ConnectionLedger:
+    """Make a ``uvicorn.Config`` (not loaded yet) enforce ``http``: ``GuardedProtocol`` (the connection caps, the
+    header deadline and size) and the keep-alive timeout. Returns the ledger of its connections, which keeps
+    ``metrics``' connection figures when given."""
+    ledger = ConnectionLedger(http.max_connections, http.max_connections_per_client, metrics)
     config.http = functools.partial(
-        HeaderDeadlineProtocol, header_timeout=http.header_timeout, max_connections=http.max_connections
+        GuardedProtocol, ledger=ledger, header_timeout=http.header_timeout, max_header_bytes=http.max_header_bytes
     )
     config.timeout_keep_alive = http.keep_alive_timeout
-    config.h11_max_incomplete_event_size = 16 * 1024
+    config.h11_max_incomplete_event_size = http.max_header_bytes  # h11's own check, behind the protocol's
+    return ledger

@@ -49,6 +49,8 @@ class Metrics:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     triton_compiles: int = 0  # since the engine started: each one stalled a step (engine/warmup.py)
+    connections_open: int = 0  # served connections (connection.ConnectionLedger keeps these two)
+    connections_refused: int = 0
     request_seconds: Histogram = field(default_factory=Histogram)
     first_token_seconds: Histogram = field(default_factory=Histogram)
     step_seconds: Histogram = field(default_factory=Histogram)
@@ -79,6 +81,8 @@ class Metrics:
             ("kv_blocks_used", "gauge", self.kv_blocks_used, "KV cache blocks held by sequences."),
             ("kv_blocks_total", "gauge", self.kv_blocks_total, "KV cache blocks in all."),
             ("triton_compiles_after_start", "gauge", self.triton_compiles, "Kernels compiled while serving."),
+            ("http_connections_open", "gauge", self.connections_open, "Connections being served."),
+            ("http_connections_refused_total", "counter", self.connections_refused, "Connections past a cap."),
         ):
             lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
         for name, hist, doc in (

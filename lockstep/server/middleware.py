@@ -5,8 +5,11 @@ allowed (400: DNS rebinding), more than one ``Authorization`` header (400: no gu
 or wrong API key on any path but ``/health`` (401), a POST whose body is
 not ``application/json`` (415: a web page cannot send one cross-site without a CORS preflight, and the server
 answers no preflight), a body over the size limit, by Content-Length or counted as it arrives, chunked or not
-(413), a body not complete within the body timeout (408). Then the app gets the whole body at once. A client that
-leaves mid-body costs one log line. An exception out of the app is logged once, with its traceback, under an
+(413), a body not complete within the body timeout, or silent for the body idle timeout (408). Then the app gets
+the whole body at once. A response's body waits while more than ``connection.UNREAD_BYTES`` of it are unread by
+the client (``GuardedProtocol.until_read``): a stream's consumer then stops where the client stopped, and a stream
+held back for the unread timeout has its connection reset. A client that leaves mid-body costs one log
+line. An exception out of the app is logged once, with its traceback, under an
 id that the client's generic 500 body names. Every /v1 response is counted by status code, and every request gets
 an access log line (``HTTPConfig.access_log``, on by default): the client, method, path, status and time, and for
 a completion call its id and token counts (``ACCESS_KEY``) — never a prompt or a query string.
@@ -21,6 +24,7 @@ import uuid
 
 from fastapi import FastAPI
 
+from lockstep.server.connection import CONNECTION_KEY, UNREAD_BYTES
 from lockstep.server.protocol import error_body
 from lockstep.server.state import ServerState
 
@@ -107,10 +111,15 @@ class Gatekeeper:
         deadline = loop.time() + cfg.body_timeout
         chunks, size = [], 0
         while True:
-            try:
-                message = await asyncio.wait_for(receive(), timeout=max(deadline - loop.time(), 0))
+            left = deadline - loop.time()
+            try:  # each piece within the idle timeout, all of them within the body timeout
+                message = await asyncio.wait_for(receive(), timeout=max(min(left, cfg.body_idle_timeout), 0))
             except asyncio.TimeoutError:
-                raise _Refusal(408, f"the body took over {cfg.body_timeout:g} s to arrive", "request_timeout") from None
+                if left > cfg.body_idle_timeout:
+                    why = f"no body bytes arrived for {cfg.body_idle_timeout:g} s"
+                else:
+                    why = f"the body took over {cfg.body_timeout:g} s to arrive"
+                raise _Refusal(408, why, "request_timeout") from None
             if message["type"] == "http.disconnect":
                 raise _ClientGone(size)
             chunk = message.get("body", b"")
@@ -127,10 +136,14 @@ class Gatekeeper:
         start = time.perf_counter()
         status, logged = [500], False
         started = [False]
+        connection = scope.get(CONNECTION_KEY)
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
                 status[0], started[0] = message["status"], True
+            elif message.get("more_body") and connection is not None:  # a stream: wait for its client to read
+                if not await connection.until_read(UNREAD_BYTES, self.state.engine.limits.unread_timeout):
+                    return  # closed: the app hears the disconnect from receive()
             await send(message)
 
         try:

@@ -146,23 +146,34 @@ def serve(
 ) -> int:
     """Run the server with uvicorn until it is stopped, then stop the engine thread; returns the exit status.
 
-    SIGTERM (or Ctrl-C) stops admission (new calls get 503, ``/health`` says "shutting down") and gives the calls
-    in flight ``shutdown_timeout`` seconds to finish; the rest then fail with 503 (a JSON body, or an error event
-    and ``[DONE]`` on a stream). If the engine dies, the calls in flight get 503 and the server exits with 1, for
-    an orchestrator to restart it. ``sock``: a socket already bound to ``host:port`` (``listener.bind_socket``)."""
+    SIGTERM (or Ctrl-C) starts a drain: admission stops (new calls get 503, ``/health`` says "shutting down"),
+    while the server still accepts connections to say so, and the calls in flight have ``shutdown_timeout``
+    seconds to finish; the rest then fail with 503 (a JSON body, or an error event and ``[DONE]`` on a stream).
+    Once no call is left the server closes and exits with 0; a second signal ends the drain at once. If the engine
+    dies, the calls in flight get 503 and the server exits with 1, for an orchestrator to restart it. ``sock``: a
+    socket already bound to ``host:port`` (``listener.bind_socket``)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
+            # Not uvicorn's: it stops listening at once (new clients are refused by TCP, not told "shutting
+            # down") and re-raises the signal once it is done, so a clean drain exited 143 instead of 0.
+            if state.engine.draining:
+                self.force_exit = self.should_exit  # a third signal: not even the connections' grace period
+                self.should_exit = True
             state.engine.drain(shutdown_timeout)
-            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if state.engine.draining and state.engine.idle:
+                self.should_exit = True  # every call has its answer, or is writing it
+            return await super().on_tick(counter)
 
     app = Gatekeeper(build_app(state), state)
-    # uvicorn's own grace period only has to outlast the drain: by then every call has its answer.
+    # uvicorn's own grace period starts after the drain: the answers still being written, the idle connections.
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=shutdown_timeout + 5
+        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
     )
-    listen_with(config, state.http)
+    listen_with(config, state.http, state.metrics)
     # The model, torch and transformers are ~200k objects that live as long as the server: out of the garbage
     # collector's sight, a full collection (a request's many small lists can set one off) holds the GIL for
     # milliseconds instead of ~120 ms.

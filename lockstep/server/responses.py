@@ -275,12 +275,14 @@ class _Response:
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The group's outputs as steps make them, timing the first one and the whole call."""
         metrics, first = self.state.metrics, True
-        async for out in self.group:
+        generated: dict[str, int] = {}  # each request's tokens so far: the access line counts them however the call
+        async for out in self.group:  # ends (an error event after 92 chunks used to count 0)
             if first:
                 metrics.first_token_seconds.observe(time.perf_counter() - self.arrival)
                 first = False
-            if out.finished and not self.echo_only:
-                self.access["completion_tokens"] += len(out.token_ids)
+            if not self.echo_only:
+                self.access["completion_tokens"] += len(out.token_ids) - generated.get(out.request_id, 0)
+                generated[out.request_id] = len(out.token_ids)
             yield out
         metrics.request_seconds.observe(time.perf_counter() - self.arrival)
 

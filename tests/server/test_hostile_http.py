@@ -189,9 +189,12 @@ def test_connections_past_the_cap_get_503_and_the_server_recovers(guarded_server
     s = guarded_server
     socks = [raw_connection(s) for _ in range(GUARDED_MAX_CONNECTIONS)]
     try:
-        r = httpx.get(s.url + "/health", timeout=5)  # within the 1 s header deadline of the idle ones
+        # Within the 1 s header deadline of the idle ones. (test_connections.py: the caps in detail.)
+        r = httpx.get(s.url + "/v1/models", headers=s.headers, timeout=5)
         err = assert_error(r, 503)  # an OpenAI-style body, not uvicorn's plain text
         assert err["code"] == "too_many_connections" and r.headers["retry-after"] == "1"
+        r = httpx.get(s.url + "/health", timeout=5)  # a liveness probe is answered past the cap
+        assert r.status_code == 200 and r.headers["connection"] == "close"
     finally:
         for sock in socks:
             sock.close()

@@ -3,7 +3,9 @@
 import pytest
 
 from lockstep.cli import build_parser, http_config
+from lockstep.server.connection import DROPPED, REFUSED, SERVED, ConnectionLedger
 from lockstep.server.listener import HTTPConfig, allowed_hosts_for, read_api_key
+from lockstep.server.metrics import Metrics
 
 
 def test_a_loopback_server_accepts_only_loopback_host_names() -> None:
@@ -55,11 +57,18 @@ def test_serve_options_become_the_http_config(tmp_path, monkeypatch) -> None:
     cfg = http_config(args)
     assert (cfg.api_key, cfg.max_connections, cfg.header_timeout, cfg.body_timeout) == ("k1", 7, 2.5, 9.0)
     assert cfg.max_body_bytes == 1000 and cfg.allowed_hosts == ("localhost", "127.0.0.1", "::1")
+    assert cfg.max_connections_per_client == 3 and cfg.body_idle_timeout == 10.0  # half the cap; the default
     default = http_config(build_parser().parse_args(["serve", "--host", "0.0.0.0"]))
     assert default.api_key is None and default.allowed_hosts is None and default.max_connections == 1024
+    assert default.max_connections_per_client == 512 and default.max_header_bytes == 16384
+    given = ["serve", "--max-connections-per-client", "40", "--body-idle-timeout", "2"]
+    cfg = http_config(build_parser().parse_args(given))
+    assert (cfg.max_connections_per_client, cfg.body_idle_timeout) == (40, 2.0)
     monkeypatch.setenv("LOCKSTEP_API_KEY", "k2")
     assert http_config(build_parser().parse_args(["serve"])).api_key == "k2"
-    for bad in (["--max-connections", "0"], ["--body-timeout", "-1"], ["--api-key", ""]):
+    bad_options = [["--max-connections", "0"], ["--body-timeout", "-1"], ["--api-key", ""]]
+    bad_options += [["--max-connections-per-client", "0"], ["--body-idle-timeout", "0"]]
+    for bad in bad_options:
         with pytest.raises(ValueError):
             http_config(build_parser().parse_args(["serve", *bad]))
 
@@ -94,3 +103,18 @@ def test_the_bound_socket_serves_with_tcp_nodelay() -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         bind_socket("127.0.0.1", busy.getsockname()[1])
+
+
+def test_the_ledger_counts_connections_when_accepted_by_client() -> None:
+    metrics = Metrics()
+    assert ConnectionLedger(16, 8).max_refused == 64 and ConnectionLedger(1024, 512).max_refused == 128
+    ledger = ConnectionLedger(max_connections=8, max_per_client=3, metrics=metrics, max_refused=8)
+    assert [ledger.admit("a") for _ in range(4)] == [SERVED] * 3 + [REFUSED]  # a's fourth is past its limit
+    assert [ledger.admit(f"c{i}") for i in range(6)] == [SERVED] * 5 + [REFUSED]  # the cap: 8 served in all
+    assert [ledger.admit("d") for _ in range(7)] == [REFUSED] * 6 + [DROPPED]  # 8 refused ones open at most
+    assert (metrics.connections_open, metrics.connections_refused) == (8, 9)
+    ledger.release("a", SERVED)
+    ledger.release("d", REFUSED)
+    ledger.release("d", DROPPED)
+    assert ledger.admit("a") is SERVED and ledger.admit("e") is REFUSED
+    assert ledger.by_client["a"] == 3 and metrics.connections_open == 8 and ledger.refused_open == 8
