@@ -203,6 +203,37 @@ def test_required_tool_choice_returns_calls(tools_server: Server) -> None:
     assert [d.index for d in streamed] == list(range(len(want)))
 
 
+def _tool_with_defs(name: str, options: list[str]) -> dict:
+    """A tool whose parameters reach their options through a local ``$ref`` (pydantic writes schemas so)."""
+    params = {
+        "type": "object",
+        "properties": {"options": {"$ref": "#/$defs/Options"}},
+        "required": ["options"],
+        "$defs": {
+            "Options": {
+                "type": "object",
+                "properties": {"unit": {"enum": options}},
+                "required": ["unit"],
+                "additionalProperties": False,
+            }
+        },
+        "additionalProperties": False,
+    }
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
+def test_required_tool_choice_keeps_each_tools_local_defs(tools_server: Server) -> None:
+    # Two tools with a "$defs" of the same name and different contents: each call follows its own tool's.
+    tools = [_tool_with_defs("get_weather", ["C", "F"]), _tool_with_defs("get_depth", ["m", "ft"])]
+    r = chat(tools_server, tools=tools, tool_choice="required", temperature=0.7, seed=3, max_tokens=300)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    units = {"get_weather": ("C", "F"), "get_depth": ("m", "ft")}
+    for call in calls:
+        assert set(json.loads(call.function.arguments)) == {"options"}
+        assert json.loads(call.function.arguments)["options"]["unit"] in units[call.function.name]
+
+
 HERMES_REPLY = (
     'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "unit": "C"}}</tool_call>'
 )
