@@ -6,8 +6,8 @@ ignored, as OpenAI-compatible servers do, except the parameters of OpenAI's and 
 honour (``UNHONOURED``, and ``best_of`` > n, ``suffix``): set to anything that changes the answer, they are
 rejected with 400 rather than silently ignored. Besides OpenAI's fields, vLLM's sampling extensions ``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``spaces_between_special_tokens``, ``prompt_logprobs`` and ``truncate_prompt_tokens`` are
-read (the openai client sends them through ``extra_body``).
+``skip_special_tokens``, ``spaces_between_special_tokens``, ``prompt_logprobs``, ``truncate_prompt_tokens`` and
+``truncation_side`` are read (the openai client sends them through ``extra_body``).
 """
 
 from typing import Annotated, Any, ClassVar, Literal
@@ -70,6 +70,7 @@ UNHONOURED: dict[str, tuple] = {
     "guided_whitespace_pattern": (),
     "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,),
+    "logprob_token_ids": ([],),
     "prompt_embeds": (),
     "priority": (0,),
 }
@@ -163,6 +164,7 @@ class _Request(BaseModel):
     # vLLM's: the top N logprobs at each prompt position (and the prompt token's own), returned in vLLM's shape.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # keep the last k (-1: all that fit)
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
 
     unhonoured: ClassVar[dict[str, tuple]] = UNHONOURED
 

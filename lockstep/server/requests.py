@@ -187,11 +187,13 @@ def chat_specs(
 
 
 def _truncate(state: ServerState, req: CompletionRequest | ChatCompletionRequest, ids: list[int]) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the last k prompt tokens (-1: as many as leave room to generate one)."""
+    """vLLM's ``truncate_prompt_tokens``: the last k prompt tokens (-1: as many as leave room to generate one), or
+    the first k with ``truncation_side`` "right"."""
     k = req.truncate_prompt_tokens
     if k is None:
         return ids
-    return ids[-(state.max_model_len - 1 if k == -1 else k) :]
+    k = state.max_model_len - 1 if k == -1 else k
+    return ids[:k] if req.truncation_side == "right" else ids[-k:]
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

@@ -193,6 +193,8 @@ def test_max_completion_tokens_and_parameters_lockstep_cannot_honour(server: Ser
         ("/v1/completions", comp | {"use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", comp | {"length_penalty": 2.0}, "length_penalty"),
         ("/v1/completions", comp | {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ("/v1/completions", comp | {"logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
+        ("/v1/chat/completions", chat | {"logprobs": True, "logprob_token_ids": [5]}, "logprob_token_ids"),
         ("/v1/completions", comp | {"add_special_tokens": False}, "add_special_tokens"),
         ("/v1/completions", comp | {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous"),
         ("/v1/chat/completions", chat | {"continue_final_message": True}, "continue_final_message"),
@@ -311,6 +313,12 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server: Server) -> None:
     short = c.completions.create(prompt="orld", echo=True, **kw)
     assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == short.choices[0].text
     assert cut.choices[0].text.startswith("orld")
+    right = c.completions.create(
+        prompt="hello world", echo=True, extra_body={"truncate_prompt_tokens": 4, "truncation_side": "right"}, **kw
+    )
+    head = c.completions.create(prompt="hell", echo=True, **kw)
+    assert right.usage.prompt_tokens == 4 and right.choices[0].text == head.choices[0].text
+    assert right.choices[0].text.startswith("hell")
     # -1: as many as leave room to generate; a prompt longer than the context then fits.
     long = c.completions.create(prompt="ab" * 700, extra_body={"truncate_prompt_tokens": -1}, **kw | {"max_tokens": 1})
     assert long.usage.prompt_tokens == 1023
@@ -319,3 +327,4 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server: Server) -> None:
     assert chat.usage.prompt_tokens == 5
     comp = {"model": server.model, "prompt": "hi", "max_tokens": 2}
     _assert_error(_post(server, "/v1/completions", comp | {"truncate_prompt_tokens": 0}), 400, "truncate_prompt_tokens")
+    _assert_error(_post(server, "/v1/completions", comp | {"truncation_side": "middle"}), 400, "truncation_side")
