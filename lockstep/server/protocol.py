@@ -94,6 +94,7 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, each chunk carries the usage so far
 
 
 class StructuredOutputsBody(BaseModel):
@@ -217,14 +218,16 @@ class _Request(BaseModel):
             for name, neutral in self.unhonoured.items()
             if extra.get(name) is not None and not any(_same(extra[name], v) for v in neutral)
         ]
-        options = self.stream_options.model_extra if self.stream_options is not None else None
-        if options and options.get("continuous_usage_stats"):
-            bad.append("stream_options.continuous_usage_stats")
         return bad
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: the usage so far in every chunk (only with ``include_usage``)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 def _same(a: object, b: object) -> bool:

@@ -284,6 +284,9 @@ def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionReq
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"unsupported parameter(s) with non-default values: {', '.join(bad)}", param=bad[0])
+    options = req.stream_options
+    if not req.stream and options is not None and (options.model_fields_set or options.model_extra):  # as vLLM
+        raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
     if req.stream and req.prompt_logprobs is not None:  # as vLLM refuses them
         raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 

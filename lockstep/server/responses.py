@@ -316,7 +316,7 @@ async def respond(
         access={"id": response_id, "prompt_tokens": sum(len(s.prompt_ids) for s in specs), "completion_tokens": 0},
     )
     request.scope[ACCESS_KEY] = r.access
-    return _stream(r, req.include_usage) if req.stream else await _reply(r, request)
+    return _stream(r, req.include_usage, req.continuous_usage) if req.stream else await _reply(r, request)
 
 
 async def _reply(r: _Response, request: Request) -> Response:
@@ -347,14 +347,27 @@ async def _reply(r: _Response, request: Request) -> Response:
     return Response(body, media_type="application/json")
 
 
-def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
+def _stream(r: _Response, include_usage: bool, continuous_usage: bool = False) -> StreamingResponse:
     """Server-sent events: a chunk whenever a choice gains text (or logprobs, or finishes), then the usage if asked
-    for, then ``[DONE]``."""
+    for, then ``[DONE]``. With ``continuous_usage`` (vLLM's ``continuous_usage_stats``) every chunk also carries
+    its choice's usage so far: the choice's prompt and the tokens generated up to it."""
     head = r.head(stream=True)
     index = {rid: i for i, rid in enumerate(r.request_ids)}
     options = [(s.params.skip_special_tokens, s.params.spaces_between_special_tokens) for s in r.specs]
     streams = [_TextStream(r.state.tokenizer, s.params.stop, o) for s, o in zip(r.specs, options, strict=True)]
     shapers = [s.chat_format.stream() if s.chat_format and not s.chat_format.plain else None for s in r.specs]
+
+    def chunk(choice: dict, num_tokens: int) -> dict:
+        body = head | {"choices": [choice]}
+        if continuous_usage:
+            prompt = len(r.specs[choice["index"]].prompt_ids)
+            completion = 0 if r.echo_only else num_tokens
+            body["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+        return body
 
     async def events() -> AsyncIterator[bytes]:
         finals: list[RequestOutput] = []
@@ -362,9 +375,7 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
             if r.chat:  # a chat stream opens each choice with the assistant's role
                 for i in range(len(r.specs)):
                     delta = {"role": "assistant", "content": ""}
-                    yield _sse(
-                        head | {"choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
-                    )
+                    yield _sse(chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}, 0))
             async for out in r.outputs():
                 i = index[out.request_id]
                 stream = streams[i]
@@ -382,7 +393,7 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
                 )
                 if shapers[i] is not None and not choice["delta"] and not out.finished and not r.logprobs:
                     continue  # all of it held back (a tag in the making)
-                yield _sse(head | {"choices": [choice]})
+                yield _sse(chunk(choice, len(out.token_ids)))
             if include_usage:
                 yield _sse(head | {"choices": [], "usage": r.usage(finals)})
             yield _sse("[DONE]")

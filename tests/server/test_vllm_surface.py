@@ -196,13 +196,48 @@ def test_max_completion_tokens_and_parameters_lockstep_cannot_honour(server: Ser
         ("/v1/completions", comp | {"logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
         ("/v1/chat/completions", chat | {"logprobs": True, "logprob_token_ids": [5]}, "logprob_token_ids"),
         ("/v1/completions", comp | {"add_special_tokens": False}, "add_special_tokens"),
-        ("/v1/completions", comp | {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous"),
         ("/v1/chat/completions", chat | {"continue_final_message": True}, "continue_final_message"),
         ("/v1/chat/completions", chat | {"echo": True}, "echo"),
         ("/v1/chat/completions", chat | {"modalities": ["text", "audio"]}, "modalities"),
     ):
         err = _assert_error(_post(server, path, body), 400, name)
-        assert err["param"].startswith(name.split(".")[0]) or name == "continuous", err
+        assert err["param"] == name, err
+
+
+def test_stream_options_need_stream_and_continuous_usage_counts_each_chunk(server: Server) -> None:
+    c = client(server)
+    comp = {"model": server.model, "prompt": "hello", "max_tokens": 6, "ignore_eos": True}
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True}
+    for path, body in (("/v1/completions", comp), ("/v1/chat/completions", chat)):
+        # As vLLM: stream_options without stream is a 400; null (or left out) is not.
+        err = _assert_error(_post(server, path, body | {"stream_options": {"include_usage": True}}), 400, "stream")
+        assert err["param"] == "stream_options"
+        assert _post(server, path, body | {"stream_options": None}).status_code == 200
+
+    # vLLM's continuous_usage_stats (guidellm sends it): every chunk carries its choice's usage so far.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model=server.model, max_tokens=6, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(c.completions.create(prompt="hello", n=2, logprobs=0, seed=5, stream_options=options, **kw))
+    *deltas, last = chunks
+    seen = {0: 0, 1: 0}
+    for ch in deltas:
+        [choice] = ch.choices
+        seen[choice.index] += len(choice.logprobs.tokens)  # a chunk per step: its tokens' logprobs
+        assert (ch.usage.prompt_tokens, ch.usage.completion_tokens) == (5, seen[choice.index])
+        assert ch.usage.total_tokens == 5 + seen[choice.index]
+    assert seen == {0: 6, 1: 6} and not last.choices and last.usage.completion_tokens == 12
+    messages = chat["messages"]
+    chat_chunks = list(c.chat.completions.create(messages=messages, logprobs=True, stream_options=options, **kw))
+    prompt = chat_chunks[-1].usage.prompt_tokens
+    assert chat_chunks[0].usage.completion_tokens == 0 and chat_chunks[0].usage.prompt_tokens == prompt  # the role
+    counted = 0
+    for ch in chat_chunks[1:-1]:
+        counted += len(ch.choices[0].logprobs.content)
+        assert (ch.usage.prompt_tokens, ch.usage.completion_tokens) == (prompt, counted)
+    assert counted == 6 == chat_chunks[-1].usage.completion_tokens
+    # Without include_usage it is off, as in vLLM.
+    plain = list(c.completions.create(prompt="hello", stream_options={"continuous_usage_stats": True}, **kw))
+    assert all(ch.usage is None for ch in plain)
 
 
 @pytest.fixture(scope="module")
