@@ -68,7 +68,7 @@ class ChatFormat:
             msg["reasoning_content"] = reasoning
         calls: list[ParsedCall] = []
         content: str | None = text
-        if self.tool_mode == "named" and finish_reason == "stop":
+        if self.tool_mode == "named":  # cut off (finish_reason "length") too: a call, as vLLM and the stream send it
             calls, content = [ParsedCall(self.function, text)], None
         elif self.tool_mode == "required":
             parsed = parse_required_calls(text)

@@ -185,6 +185,21 @@ def test_named_tool_choice_returns_valid_arguments(tools_server: Server) -> None
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_named_tool_call_cut_off_is_still_a_call(tools_server: Server) -> None:
+    # A non-strict schema and too few tokens: the partial arguments are the call's, whole or streamed (vLLM's).
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    loose = {**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": "object"}}}
+    kw = dict(tools=[loose], tool_choice=named, temperature=0.9, seed=2, max_tokens=5)
+    choice = chat(tools_server, **kw).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    chunks = stream_chat(tools_server, **kw)
+    deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_required_tool_choice_returns_calls(tools_server: Server) -> None:
     r = chat(tools_server, tools=[WEATHER, CLOCK], tool_choice="required", temperature=0.6, seed=8, max_tokens=300)
     choice = r.choices[0]
