@@ -69,6 +69,7 @@ class _TextStream:
         self.fed = 0  # characters of the text fed to the prefixes
         self.held = 0  # characters at the end of the text that may begin a stop string
         self.num_tokens = 0  # tokens whose logprobs were sent
+        self.ids_sent = 0  # tokens whose ids were sent (return_token_ids)
         self.echoed = False  # the prompt was sent (completions with echo)
         # options: skip_special_tokens, spaces_between_special_tokens, as the engine decodes the final text
         self.detokenizer = IncrementalDetokenizer(tokenizer, *options) if tokenizer is not None else None
@@ -199,6 +200,7 @@ class _Response:
     created: int  # unix time, as OpenAI's "created"
     echo: bool = False  # completions: each choice begins with its prompt (text, and logprobs when asked for)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token generated is left out)
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and the output's token ids
     access: dict = field(default_factory=dict)  # the call's access log fields (middleware.ACCESS_KEY)
 
     @property
@@ -249,7 +251,10 @@ class _Response:
                 body = {"message": message}
             else:
                 body = {"message": {"role": "assistant", "content": text}}
-            return {"index": index, **body, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": index, **body, "logprobs": lp, "finish_reason": finish_reason}
+            if not delta:  # vLLM's field, null unless asked for (a stream's chunks add it in _stream)
+                choice["token_ids"] = self.output_ids(out)
+            return choice
         if self.echo_only:  # the token generated to compute the prompt is not part of the answer
             text, start = "", len(out.token_ids)
         prompt_text = (self.specs[index].prompt_text or "") if self.echo else ""
@@ -263,9 +268,21 @@ class _Response:
         text = prompt_text + text if echo_now else text
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
         k = self.specs[index].prompt_logprobs
-        if k is not None and not delta:  # vLLM's extension: in each completion choice
-            choice["prompt_logprobs"] = _vllm_prompt_logprobs(tok, out, k)
+        if not delta:  # vLLM's fields, in each completion choice, null unless asked for
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(tok, out, k) if k is not None else None
+            choice["prompt_token_ids"] = self.prompt_ids(index)
+            choice["token_ids"] = self.output_ids(out)
         return choice
+
+    def prompt_ids(self, index: int) -> list[int] | None:
+        """Choice ``index``'s prompt token ids, for ``return_token_ids`` (else None)."""
+        return list(self.specs[index].prompt_ids) if self.token_ids else None
+
+    def output_ids(self, out: RequestOutput, start: int = 0) -> list[int] | None:
+        """The output's token ids from ``start`` on, for ``return_token_ids`` (else None)."""
+        if not self.token_ids:
+            return None
+        return [] if self.echo_only else list(out.token_ids[start:])
 
     def usage(self, finals: list[RequestOutput]) -> dict:
         prompt = sum(len(s.prompt_ids) for s in self.specs)
@@ -313,6 +330,7 @@ async def respond(
         created=int(time.time()),
         echo=echo,
         echo_only=echo and req.max_tokens == 0,
+        token_ids=req.return_token_ids,
         access={"id": response_id, "prompt_tokens": sum(len(s.prompt_ids) for s in specs), "completion_tokens": 0},
     )
     request.scope[ACCESS_KEY] = r.access
@@ -339,8 +357,9 @@ async def _reply(r: _Response, request: Request) -> Response:
         choices = [r.choice(i, out, out.text) for i, out in enumerate(ordered)]
         body = r.head(stream=False) | {"choices": choices, "usage": r.usage(ordered)}
         k = r.specs[0].prompt_logprobs
-        if r.chat and k is not None:  # vLLM's: a chat reply's prompt logprobs, once (every choice shares the prompt)
-            body["prompt_logprobs"] = _vllm_prompt_logprobs(r.state.tokenizer, ordered[0], k)
+        if r.chat:  # vLLM's: a chat reply's prompt logprobs and ids, once (every choice shares the prompt); or null
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(r.state.tokenizer, ordered[0], k) if k is not None else None
+            body["prompt_token_ids"] = r.prompt_ids(0)
         return "".join(json.JSONEncoder(ensure_ascii=False).iterencode(body)).encode()
 
     body = await asyncio.get_running_loop().run_in_executor(r.state.workers, render)
@@ -375,7 +394,10 @@ def _stream(r: _Response, include_usage: bool, continuous_usage: bool = False) -
             if r.chat:  # a chat stream opens each choice with the assistant's role
                 for i in range(len(r.specs)):
                     delta = {"role": "assistant", "content": ""}
-                    yield _sse(chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}, 0))
+                    body = chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}, 0)
+                    if r.token_ids and i == 0:  # vLLM's: the prompt's ids in the stream's first chunk
+                        body["prompt_token_ids"] = r.prompt_ids(0)
+                    yield _sse(body)
             async for out in r.outputs():
                 i = index[out.request_id]
                 stream = streams[i]
@@ -393,6 +415,11 @@ def _stream(r: _Response, include_usage: bool, continuous_usage: bool = False) -
                 )
                 if shapers[i] is not None and not choice["delta"] and not out.finished and not r.logprobs:
                     continue  # all of it held back (a tag in the making)
+                if r.token_ids:  # vLLM's: each chunk's new token ids; completions' first chunk has the prompt's
+                    if not r.chat and stream.ids_sent == 0:
+                        choice["prompt_token_ids"] = r.prompt_ids(i)
+                    choice["token_ids"] = r.output_ids(out, stream.ids_sent)
+                    stream.ids_sent = len(out.token_ids)
                 yield _sse(chunk(choice, len(out.token_ids)))
             if include_usage:
                 yield _sse(head | {"choices": [], "usage": r.usage(finals)})

@@ -322,7 +322,7 @@ def test_prompt_logprobs_in_vllms_shape(server: Server) -> None:
     )
     assert batch.choices[1].model_extra["prompt_logprobs"] == plp
     plain = c.completions.create(model=server.model, prompt=prompt, max_tokens=1)
-    assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+    assert plain.choices[0].model_extra["prompt_logprobs"] is None  # null when not asked for, as vLLM sends it
 
     # Chat: once, at the top of the reply (vLLM's place), over the templated prompt; 0 means the token's own only.
     messages = [{"role": "user", "content": "hi"}]
@@ -339,6 +339,44 @@ def test_prompt_logprobs_in_vllms_shape(server: Server) -> None:
     assert err["param"] == "prompt_logprobs"
     _assert_error(_post(server, "/v1/completions", comp | {"prompt_logprobs": 21}), 400, "prompt_logprobs")
     _assert_error(_post(server, "/v1/completions", comp | {"prompt_logprobs": -1}), 400, "prompt_logprobs")
+
+
+def test_return_token_ids_and_the_fields_vllm_sends_as_null(server: Server) -> None:
+    c = client(server)
+    ids = [VOCAB[ch] for ch in "hello"]
+    kw = dict(model=server.model, max_tokens=6, temperature=0.8, seed=3)
+    body = {"return_token_ids": True, "ignore_eos": True}
+    r = c.completions.create(prompt="hello", n=2, logprobs=0, extra_body=body, **kw)
+    for choice in r.choices:
+        assert choice.model_extra["prompt_token_ids"] == ids
+        assert choice.model_extra["token_ids"] == [VOCAB[t] for t in choice.logprobs.tokens] and len(ids) == 5
+    # Streamed: the prompt's ids in each choice's first chunk, then each chunk's new ids, adding up to the same.
+    chunks = [ch for ch in c.completions.create(prompt="hello", n=2, stream=True, extra_body=body, **kw) if ch.choices]
+    for i, choice in enumerate(r.choices):
+        mine = [ch.choices[0].model_extra for ch in chunks if ch.choices[0].index == i]
+        assert mine[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in m for m in mine[1:])
+        assert [t for m in mine for t in m["token_ids"]] == choice.model_extra["token_ids"]
+
+    messages = [{"role": "user", "content": "hi"}]
+    prompt_ids = _post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    chat = c.chat.completions.create(messages=messages, extra_body=body, **kw)
+    assert chat.model_extra["prompt_token_ids"] == prompt_ids
+    out_ids = chat.choices[0].model_extra["token_ids"]
+    assert len(out_ids) == chat.usage.completion_tokens == 6
+    streamed = list(c.chat.completions.create(messages=messages, stream=True, extra_body=body, **kw))
+    assert streamed[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert [t for ch in streamed[1:] for t in ch.choices[0].model_extra["token_ids"]] == out_ids
+
+    # Not asked for: null, in the places vLLM sends them (code reading them gets None, not an AttributeError).
+    comp = _post(server, "/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 2}).json()
+    assert {k: comp["choices"][0][k] for k in ("prompt_logprobs", "prompt_token_ids", "token_ids")} == dict.fromkeys(
+        ("prompt_logprobs", "prompt_token_ids", "token_ids")
+    )
+    reply = _post(server, "/v1/chat/completions", {"model": server.model, "messages": messages, "max_tokens": 2}).json()
+    assert reply["prompt_logprobs"] is None and reply["prompt_token_ids"] is None
+    assert reply["choices"][0]["token_ids"] is None
+    bad = {"model": server.model, "prompt": "hi", "return_token_ids": "yes"}
+    _assert_error(_post(server, "/v1/completions", bad), 400, "return_token_ids")
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server: Server) -> None:
