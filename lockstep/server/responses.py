@@ -103,14 +103,17 @@ def _token_str(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
 
-def _tops(out: RequestOutput, start: int, n: int) -> list[dict[int, float]]:
+def _tops(out: RequestOutput, start: int, n: int, sampled: bool = False) -> list[dict[int, float]]:
     """The top ``n`` ``{token_id: logprob}`` of each step from ``start`` on (``out.logprobs`` also holds the sampled
-    token, ranked wherever it fell)."""
+    token, ranked wherever it fell); with ``sampled``, the sampled token too wherever it ranked (the legacy
+    completions' logprobs, as vLLM writes them: ``logprobs: 0`` gives the sampled token alone)."""
     if out.logprobs is None:
         return [{} for _ in out.token_ids[start:]]
+    steps = out.logprobs[start:]
+    tokens = out.token_ids[start:] if sampled else [None] * len(steps)
     return [
-        {t: lp.logprob for t, lp in sorted(step.items(), key=lambda item: item[1].rank) if lp.rank <= n}
-        for step in out.logprobs[start:]
+        {t: lp.logprob for t, lp in sorted(step.items(), key=lambda item: item[1].rank) if lp.rank <= n or t == token}
+        for token, step in zip(tokens, steps, strict=True)
     ]
 
 
@@ -127,7 +130,7 @@ def _completion_logprobs(tok, out: RequestOutput, start: int, offset: int, n: in
     return {
         "tokens": tokens,
         "token_logprobs": out.token_logprobs[start:],
-        "top_logprobs": [{_token_str(tok, t): lp for t, lp in top.items()} for top in _tops(out, start, n)],
+        "top_logprobs": [{_token_str(tok, t): lp for t, lp in top.items()} for top in _tops(out, start, n, True)],
         "text_offset": _offsets(tokens, offset),
     }
 
@@ -145,7 +148,7 @@ def _prompt_logprobs(tok, out: RequestOutput, n: int) -> dict:
         tokens.append(name(t, d[t]))
         logprobs.append(d[t].logprob)
         ranked = sorted(d.items(), key=lambda item: item[1].rank)
-        tops.append({name(k, v): v.logprob for k, v in ranked if v.rank <= n})
+        tops.append({name(k, v): v.logprob for k, v in ranked if v.rank <= n or k == t})  # the prompt token too
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": _offsets(tokens, 0)}
 
 

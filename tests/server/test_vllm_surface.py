@@ -146,6 +146,27 @@ def test_echo_logprobs_are_the_same_bits_at_any_concurrency(server: Server) -> N
     assert answers[4]["choices"] == alone and answers[-1]["choices"] == alone
 
 
+def test_completion_top_logprobs_hold_the_sampled_and_prompt_token(server: Server) -> None:
+    # vLLM's legacy logprobs: the top N and the chosen token wherever it ranked; logprobs 0 is that token alone.
+    c = client(server)
+    kw = dict(model=server.model, prompt="the cat sat", max_tokens=12, temperature=2.0, seed=9)
+    alone = c.completions.create(**kw, logprobs=0).choices[0].logprobs
+    assert [list(top.items()) for top in alone.top_logprobs] == [
+        [(t, x)] for t, x in zip(alone.tokens, alone.token_logprobs, strict=True)
+    ]
+    one = c.completions.create(**kw, logprobs=1).choices[0].logprobs
+    assert one.tokens == alone.tokens
+    assert all(top[t] == x for t, x, top in zip(one.tokens, one.token_logprobs, one.top_logprobs, strict=True))
+    assert any(len(top) == 2 for top in one.top_logprobs)  # a sampled token off the top 1: both listed
+    assert all(len(top) in (1, 2) for top in one.top_logprobs)
+    echo = c.completions.create(model=server.model, prompt="the cat sat", max_tokens=0, echo=True, logprobs=0)
+    lp = echo.choices[0].logprobs
+    assert lp.top_logprobs[0] is None
+    assert all(
+        top == {t: x} for t, x, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True)
+    )
+
+
 def test_vllm_sampling_extensions(server: Server) -> None:
     c = client(server)
     p_id = VOCAB["p"]
