@@ -7,7 +7,8 @@ honour (``UNHONOURED``, and ``best_of`` > n, ``suffix``): set to anything that c
 rejected with 400 rather than silently ignored. Besides OpenAI's fields, vLLM's sampling extensions ``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``spaces_between_special_tokens``, ``prompt_logprobs``, ``truncate_prompt_tokens``,
-``truncation_side`` and ``return_token_ids`` are read (the openai client sends them through ``extra_body``).
+``truncation_side``, ``return_token_ids`` and ``return_tokens_as_token_ids`` are read (the openai client sends them
+through ``extra_body``).
 """
 
 from typing import Annotated, Any, ClassVar, Literal
@@ -68,7 +69,6 @@ UNHONOURED: dict[str, tuple] = {
     "logits_processors": ([],),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
-    "return_tokens_as_token_ids": (False,),
     "logprob_token_ids": ([],),
     "prompt_embeds": (),
     "priority": (0,),
@@ -166,6 +166,7 @@ class _Request(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # keep the last k (-1: all that fit)
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
     return_token_ids: bool = False  # vLLM's: the prompt's and the choices' token ids in the reply
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:N"
 
     unhonoured: ClassVar[dict[str, tuple]] = UNHONOURED
 

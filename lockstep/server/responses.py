@@ -99,8 +99,10 @@ class _TextStream:
         return piece
 
 
-def _token_str(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+def _token_str(tokenizer, token_id: int, as_ids: bool = False) -> str:
+    """A token as logprobs name it: its text, or (vLLM's ``return_tokens_as_token_ids``, or without a tokenizer)
+    ``token_id:N``."""
+    return tokenizer.decode([token_id]) if tokenizer is not None and not as_ids else f"token_id:{token_id}"
 
 
 def _tops(out: RequestOutput, start: int, n: int, sampled: bool = False) -> list[dict[int, float]]:
@@ -125,22 +127,25 @@ def _offsets(tokens: list[str], start: int) -> list[int]:
     return offsets
 
 
-def _completion_logprobs(tok, out: RequestOutput, start: int, offset: int, n: int) -> dict:
-    tokens = [_token_str(tok, t) for t in out.token_ids[start:]]
+def _completion_logprobs(tok, out: RequestOutput, start: int, offset: int, n: int, as_ids: bool = False) -> dict:
+    tokens = [_token_str(tok, t, as_ids) for t in out.token_ids[start:]]
+    tops = _tops(out, start, n, True)
     return {
         "tokens": tokens,
         "token_logprobs": out.token_logprobs[start:],
-        "top_logprobs": [{_token_str(tok, t): lp for t, lp in top.items()} for top in _tops(out, start, n, True)],
+        "top_logprobs": [{_token_str(tok, t, as_ids): lp for t, lp in top.items()} for top in tops],
         "text_offset": _offsets(tokens, offset),
     }
 
 
-def _prompt_logprobs(tok, out: RequestOutput, n: int) -> dict:
+def _prompt_logprobs(tok, out: RequestOutput, n: int, as_ids: bool = False) -> dict:
     """An echoed prompt's part of the legacy logprobs: each prompt token, its logprob and the top ``n`` at its
     position (None for the first token, which nothing predicts), from the engine's prompt logprobs."""
 
     def name(token_id: int, lp: Logprob | None = None) -> str:
-        return lp.decoded_token if lp is not None and lp.decoded_token is not None else _token_str(tok, token_id)
+        if lp is not None and lp.decoded_token is not None and not as_ids:
+            return lp.decoded_token
+        return _token_str(tok, token_id, as_ids)
 
     ids, dicts = out.prompt_token_ids, out.prompt_logprobs
     tokens, logprobs, tops = [name(ids[0])], [None], [None]
@@ -173,9 +178,9 @@ def _vllm_prompt_logprobs(tok, out: RequestOutput, n: int) -> list[dict | None]:
     return result
 
 
-def _chat_logprobs(tok, out: RequestOutput, start: int, n: int) -> dict:
+def _chat_logprobs(tok, out: RequestOutput, start: int, n: int, as_ids: bool = False) -> dict:
     def entry(t: int, lp: float) -> dict:
-        s = _token_str(tok, t)
+        s = _token_str(tok, t, as_ids)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
     content = []
@@ -204,6 +209,7 @@ class _Response:
     echo: bool = False  # completions: each choice begins with its prompt (text, and logprobs when asked for)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token generated is left out)
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and the output's token ids
+    as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     access: dict = field(default_factory=dict)  # the call's access log fields (middleware.ACCESS_KEY)
 
     @property
@@ -242,7 +248,7 @@ class _Response:
         n = self.specs[index].params.logprobs
         finish_reason = out.finish_reason
         if self.chat:
-            lp = _chat_logprobs(tok, out, start, n) if self.logprobs else None
+            lp = _chat_logprobs(tok, out, start, n, self.as_ids) if self.logprobs else None
             fmt = self.specs[index].chat_format
             if delta and shaper is not None:
                 body = {"delta": shaper.feed(text, out.finished)}
@@ -264,9 +270,9 @@ class _Response:
         echo_now = self.echo if echo is None else echo
         lp = None
         if self.logprobs:
-            lp = _completion_logprobs(tok, out, start, offset + len(prompt_text), n)
+            lp = _completion_logprobs(tok, out, start, offset + len(prompt_text), n, self.as_ids)
             if echo_now:
-                head = _prompt_logprobs(tok, out, n)
+                head = _prompt_logprobs(tok, out, n, self.as_ids)
                 lp = {key: head[key] + lp[key] for key in lp}
         text = prompt_text + text if echo_now else text
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
@@ -334,6 +340,7 @@ async def respond(
         echo=echo,
         echo_only=echo and req.max_tokens == 0,
         token_ids=req.return_token_ids,
+        as_ids=req.return_tokens_as_token_ids or state.return_tokens_as_token_ids,
         access={"id": response_id, "prompt_tokens": sum(len(s.prompt_ids) for s in specs), "completion_tokens": 0},
     )
     request.scope[ACCESS_KEY] = r.access

@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -213,7 +214,6 @@ def test_max_completion_tokens_and_parameters_lockstep_cannot_honour(server: Ser
     for path, body, name in (
         ("/v1/completions", comp | {"use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", comp | {"length_penalty": 2.0}, "length_penalty"),
-        ("/v1/completions", comp | {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
         ("/v1/completions", comp | {"logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
         ("/v1/chat/completions", chat | {"logprobs": True, "logprob_token_ids": [5]}, "logprob_token_ids"),
         ("/v1/completions", comp | {"add_special_tokens": False}, "add_special_tokens"),
@@ -263,13 +263,14 @@ def test_stream_options_need_stream_and_continuous_usage_counts_each_chunk(serve
 
 @pytest.fixture(scope="module")
 def generation_config_server(tiny_server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The tiny model with sampling defaults in its generation_config.json: greedy, 6 new tokens."""
+    """The tiny model with sampling defaults in its generation_config.json: greedy, 6 new tokens (and vLLM's
+    --return-tokens-as-token-ids, which no other test here reads)."""
     folder = tmp_path_factory.mktemp("genconf") / "tiny-genconf"
     shutil.copytree(tiny_server_model_dir, folder)
     file = folder / "generation_config.json"
     file.write_text(json.dumps(json.loads(file.read_text()) | {"temperature": 0.0, "max_new_tokens": 6}))
     log = tmp_path_factory.mktemp("logs") / "genconf.log"
-    s = start_server(folder, log, "--log-level", "info", "--no-access-log")
+    s = start_server(folder, log, "--log-level", "info", "--no-access-log", "--return-tokens-as-token-ids")
     yield s
     stop_server(s.proc)
 
@@ -293,6 +294,8 @@ def test_the_server_takes_the_model_generation_config_defaults(generation_config
     sampled = [c.completions.create(prompt="hello", temperature=1.0, seed=i, **kw).choices[0].text for i in range(4)]
     assert any(t != greedy.choices[0].text for t in sampled)
     assert "POST /v1/completions" not in s.log.read_text()  # --no-access-log
+    lp = c.completions.create(prompt="hello", max_tokens=3, logprobs=0, **kw).choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens)  # --return-tokens-as-token-ids
 
 
 def test_one_access_log_line_per_request_and_never_a_prompt(guarded_server: Server) -> None:
@@ -398,6 +401,23 @@ def test_return_token_ids_and_the_fields_vllm_sends_as_null(server: Server) -> N
     assert reply["choices"][0]["token_ids"] is None
     bad = {"model": server.model, "prompt": "hi", "return_token_ids": "yes"}
     _assert_error(_post(server, "/v1/completions", bad), 400, "return_token_ids")
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(server: Server) -> None:
+    c = client(server)
+    body = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    kw = dict(model=server.model, max_tokens=5, temperature=1.5, seed=4, extra_body=body)
+    r = c.completions.create(prompt="hey", logprobs=1, echo=True, **kw).choices[0]
+    ids = r.model_extra["prompt_token_ids"] + r.model_extra["token_ids"]
+    assert r.logprobs.tokens == [f"token_id:{t}" for t in ids] and r.text.startswith("hey")  # the text is text
+    assert all(f"token_id:{t}" in top for t, top in zip(ids[3:], r.logprobs.top_logprobs[3:], strict=True))
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in r.logprobs.top_logprobs[1:] for k in top)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = c.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **kw).choices[0]
+    names = [f"token_id:{t}" for t in chat.model_extra["token_ids"]]
+    assert [e.token for e in chat.logprobs.content] == names
+    assert all(e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2 for e in chat.logprobs.content)
+    assert all(x.token.startswith("token_id:") for e in chat.logprobs.content for x in e.top_logprobs)
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server: Server) -> None:
