@@ -85,7 +85,25 @@ def build_app(state: ServerState) -> FastAPI:
             "object": "model",
             "created": 0,
             "owned_by": "lockstep",
+            "root": state.model_path,  # vLLM's card: where the weights came from, no parent, one permission
+            "parent": None,
             "max_model_len": state.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{state.fingerprint}",
+                    "object": "model_permission",
+                    "created": 0,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
             "system_fingerprint": state.fingerprint,
         }
         return {"object": "list", "data": [card]}
