@@ -396,6 +396,7 @@ def test_constraint_starts_after_the_reasoning(think_server: Server) -> None:
     r = chat(think_server, **kwargs)
     msg = r.choices[0].message
     assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == ("", "Take a coat.", "stop")
+    assert msg.model_extra["reasoning"] == ""  # vLLM's current name, beside the older one
     chunks = stream_chat(think_server, **kwargs)
     content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert content == "Take a coat."
@@ -406,8 +407,9 @@ def test_constraint_starts_after_the_reasoning(think_server: Server) -> None:
     assert msg.reasoning_content and not "Take a coat.".startswith(msg.reasoning_content)
     assert "Take a coat.".startswith(msg.content or "")
     chunks = stream_chat(think_server, temperature=0, max_tokens=12, extra_body={"guided_choice": ["Take a coat."]})
-    streamed = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
-    assert streamed == msg.reasoning_content
+    for name in ("reasoning_content", "reasoning"):
+        streamed = "".join(getattr(ch.choices[0].delta, name, None) or "" for ch in chunks if ch.choices)
+        assert streamed == msg.reasoning_content == msg.model_extra["reasoning"]
     # With thinking off the template closes the reasoning itself: the constraint holds from the first token.
     no_thinking = {"guided_choice": ["Take a coat."], "chat_template_kwargs": {"enable_thinking": False}}
     off = chat(think_server, temperature=0, extra_body=no_thinking)
