@@ -107,6 +107,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, under vLLM's name for it (``llm.llm_engine``)."""
+        return self.engine
+
     def get_tokenizer(self):
         """The Hugging Face tokenizer (None for a folder without one), as vLLM's ``LLM.get_tokenizer``."""
         return self.engine.tokenizer

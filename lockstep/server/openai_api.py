@@ -74,6 +74,12 @@ def build_app(state: ServerState) -> FastAPI:
             body |= {"model": state.model_name, "system_fingerprint": state.fingerprint, **state.fingerprint_parts}
         return json_response(body, 200 if status == "ok" else 503)
 
+    @app.get("/version")
+    async def version() -> dict:  # vLLM's route: the server's version (lockstep's)
+        import lockstep
+
+        return {"version": lockstep.__version__}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")

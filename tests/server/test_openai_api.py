@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+import lockstep
 from lockstep.sampling_params import choice_seed
 
 from .conftest import MAX_BODY_BYTES, Server
@@ -96,6 +97,7 @@ def test_models_and_health(server: Server) -> None:
     card = models.data[0].model_extra
     assert Path(card["root"]).name == server.model and card["parent"] is None
     [perm] = card["permission"]
+    assert httpx.get(server.url + "/version", headers=server.headers).json() == {"version": lockstep.__version__}
     assert perm["object"] == "model_permission" and perm["allow_sampling"] and perm["allow_logprobs"]
     health = httpx.get(server.url + "/health", headers=server.headers).json()
     assert health["status"] == "ok" and health["kernels"] == "invariant" and health["device"] == "cpu"
