@@ -264,16 +264,23 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reasoning-parser", default=None, choices=REASONING_PARSERS, help="split <think> into reasoning_content"
     )
+    p.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='name the tokens of logprobs "token_id:N" (vLLM\'s; a request can ask with return_tokens_as_token_ids)',
+    )
 
 
 def chat_args(args: argparse.Namespace) -> dict:
-    """``ServerState``'s tool and reasoning settings; --enable-auto-tool-choice without a parser is an error."""
+    """``ServerState``'s tool, reasoning and logprobs settings; --enable-auto-tool-choice without a parser is an
+    error."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     return {
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
+        "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
     }
 
 

@@ -1,8 +1,10 @@
 """The engine's configuration: one dataclass, validated when it is built."""
 
+import os
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # EngineConfig.load_format
 # A step's token budget when max_num_batched_tokens is None, by device type (at least max_num_seqs). A running
 # decode waits for at most one step, so one prefill chunk is the longest stall a long prompt can cause: on the
@@ -75,7 +77,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # The kernel set, by registered name (layers.kernels). ``batch_invariant`` is the shorthand: True picks
-    # "invariant", False "default"; after construction both are set and agree.
+    # "invariant", False "default"; after construction both are set and agree. Left unset, vLLM's environment
+    # switch VLLM_BATCH_INVARIANT=0/1 sets the shorthand.
     kernels: str | None = None
     batch_invariant: bool | None = None
     seed: int | None = None  # seeds the draw of per-request seeds for sampled requests that bring none
@@ -118,6 +121,8 @@ class EngineConfig:
             raise ValueError(f"revision must be a non-empty string or None, got {self.revision!r}")
         if self.revision is not None and self.model is None:
             raise ValueError(f"revision={self.revision!r} needs a Hugging Face model id (model is None)")
+        if isinstance(self.dtype, str):
+            self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device is not None and (
@@ -196,6 +201,11 @@ class EngineConfig:
     def _resolve_kernels(self) -> None:
         from lockstep.layers.kernels import get_kernels  # imports torch and the kernels: only when a config is made
 
+        env = os.environ.get("VLLM_BATCH_INVARIANT")
+        if self.batch_invariant is None and self.kernels is None and env:  # vLLM's switch, as the shorthand's value
+            if env not in ("0", "1"):
+                raise ValueError(f"VLLM_BATCH_INVARIANT must be 0 or 1, got {env[:50]!r}")
+            self.batch_invariant = env == "1"
         if self.batch_invariant is not None:
             _check_bool("batch_invariant", self.batch_invariant)
         if self.kernels is None:

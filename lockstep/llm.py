@@ -18,6 +18,15 @@ Prompt = str | list[int] | dict
 Message = dict[str, Any]  # content: a string, or OpenAI content parts (text, image_url, image)
 _Item = tuple[str | None, list[int], MultimodalInputs | None]  # a prompt's text, token ids and images
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+# vLLM's LLM arguments that cannot change what lockstep computes, accepted and dropped (None: any value), or
+# accepted only at the value that changes nothing: lockstep keeps no periodic stats log; it has no custom
+# all-reduce kernel to turn off (its sums are torch.distributed's or its own fixed-order tree); it reads no
+# precomputed multimodal embeddings.
+_VLLM_NO_OPS: dict[str, object] = {
+    "disable_log_stats": None,
+    "disable_custom_all_reduce": None,
+    "enable_mm_embeds": False,
+}
 
 
 def _is_token_ids(x: object) -> bool:
@@ -65,6 +74,10 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        for name, neutral in _VLLM_NO_OPS.items():
+            if name in engine_args and (neutral is not None and engine_args[name] != neutral):
+                raise ValueError(f"LLM({name}={engine_args[name]!r}) is not supported (only {neutral!r})")
+            engine_args.pop(name, None)
         fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
         unknown = sorted(set(engine_args) - fields)
         if unknown:
@@ -93,6 +106,11 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, under vLLM's name for it (``llm.llm_engine``)."""
+        return self.engine
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer (None for a folder without one), as vLLM's ``LLM.get_tokenizer``."""

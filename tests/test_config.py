@@ -67,3 +67,18 @@ def test_tensor_parallel_size_and_tp_invariant_resolve():
         EngineConfig(tensor_parallel_size=2, tp_invariant=False)
     with pytest.raises(ValueError, match="tp_invariant=True needs a batch-invariant kernel set"):
         EngineConfig(batch_invariant=False, tp_invariant=True)
+
+
+def test_vllm_batch_invariant_env_and_dtype_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's VLLM_BATCH_INVARIANT=0/1 is the shorthand's value when neither field is given; explicit fields win.
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert (EngineConfig().kernels, EngineConfig().batch_invariant) == ("default", False)
+    assert EngineConfig(batch_invariant=True).kernels == "invariant"
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert EngineConfig().batch_invariant is True and EngineConfig(kernels="default").batch_invariant is False
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "yes")
+    with pytest.raises(ValueError, match="VLLM_BATCH_INVARIANT must be 0 or 1"):
+        EngineConfig()
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    assert EngineConfig().batch_invariant is True  # lockstep's default
+    assert EngineConfig(dtype="half").dtype == "float16" and EngineConfig(dtype="float").dtype == "float32"

@@ -441,3 +441,13 @@ def test_load_format_dummy_serves_a_folder_without_weights(tiny_model_dir: Path,
     outs = [make_llm(folder, load_format="dummy").generate(["hello"], params, use_tqdm=False)[0] for _ in range(2)]
     assert bits(outs[0]) == bits(outs[1]) and len(outs[0].token_ids) == 6
     assert bits(outs[0]) != bits(make_llm(tiny_model_dir).generate(["hello"], params, use_tqdm=False)[0])
+
+
+def test_vllm_arguments_that_change_nothing_are_accepted(tiny_model_dir: Path) -> None:
+    llm = make_llm(tiny_model_dir, disable_log_stats=True, disable_custom_all_reduce=True, enable_mm_embeds=False)
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2 and llm.llm_engine is llm.engine  # vLLM's name for the engine
+    with pytest.raises(ValueError, match="enable_mm_embeds=True"):
+        make_llm(tiny_model_dir, enable_mm_embeds=True)
+    with pytest.raises(TypeError, match="unknown argument"):
+        make_llm(tiny_model_dir, disable_log_statz=True)

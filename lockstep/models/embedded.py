@@ -168,6 +168,16 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     (out_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
+def _ordinary_modes(folder: Path) -> None:
+    """Every file in ``folder`` readable as a plain file written under the umask is: safetensors' ``save_file``
+    writes through a private temporary file, which left ``model.safetensors`` at mode 0600 beside 0644 files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
+
+
 def default_model_path() -> Path:
     """The embedded model's Hugging Face folder, converting the GGUF into the cache on first use."""
     target = cache_dir() / MODEL_DIR
@@ -182,6 +192,7 @@ def default_model_path() -> Path:
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
         convert_gguf(gguf, tmp)
+        _ordinary_modes(tmp)
         if target.exists() and not _is_converted(target):
             shutil.rmtree(target)  # a folder left by something else (or an older format): ours to replace
         try:

@@ -65,10 +65,11 @@ class ChatFormat:
         msg: dict = {"role": "assistant"}
         if self.reasoning:
             reasoning, text = split_reasoning(text, self.opened)
-            msg["reasoning_content"] = reasoning
+            # vLLM's current name, and the one it used before (which LangChain and older clients read)
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
         calls: list[ParsedCall] = []
         content: str | None = text
-        if self.tool_mode == "named" and finish_reason == "stop":
+        if self.tool_mode == "named":  # cut off (finish_reason "length") too: a call, as vLLM and the stream send it
             calls, content = [ParsedCall(self.function, text)], None
         elif self.tool_mode == "required":
             parsed = parse_required_calls(text)
@@ -86,8 +87,8 @@ class ChatFormat:
 
 
 class ChoiceStream:
-    """One streamed choice: ``feed(piece, finished)`` -> the delta's fields (content, reasoning_content,
-    tool_calls; absent when empty); ``finish_reason`` maps the engine's reason at the end."""
+    """One streamed choice: ``feed(piece, finished)`` -> the delta's fields (content, reasoning and its older
+    name reasoning_content, tool_calls; absent when empty); ``finish_reason`` maps the engine's reason at the end."""
 
     def __init__(self, fmt: ChatFormat) -> None:
         self.fmt = fmt
@@ -102,7 +103,7 @@ class ChoiceStream:
         if self.reasoning is not None:
             reasoning, piece = self.reasoning.feed(piece, finished)
             if reasoning:
-                delta["reasoning_content"] = reasoning
+                delta["reasoning"] = delta["reasoning_content"] = reasoning
         mode = self.fmt.tool_mode
         if mode == "named":
             # The arguments stream as they come, under one call opened with the first piece.

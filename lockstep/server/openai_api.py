@@ -74,6 +74,12 @@ def build_app(state: ServerState) -> FastAPI:
             body |= {"model": state.model_name, "system_fingerprint": state.fingerprint, **state.fingerprint_parts}
         return json_response(body, 200 if status == "ok" else 503)
 
+    @app.get("/version")
+    async def version() -> dict:  # vLLM's route: the server's version (lockstep's)
+        import lockstep
+
+        return {"version": lockstep.__version__}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -85,7 +91,25 @@ def build_app(state: ServerState) -> FastAPI:
             "object": "model",
             "created": 0,
             "owned_by": "lockstep",
+            "root": state.model_path,  # vLLM's card: where the weights came from, no parent, one permission
+            "parent": None,
             "max_model_len": state.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{state.fingerprint}",
+                    "object": "model_permission",
+                    "created": 0,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
             "system_fingerprint": state.fingerprint,
         }
         return {"object": "list", "data": [card]}

@@ -6,8 +6,9 @@ ignored, as OpenAI-compatible servers do, except the parameters of OpenAI's and 
 honour (``UNHONOURED``, and ``best_of`` > n, ``suffix``): set to anything that changes the answer, they are
 rejected with 400 rather than silently ignored. Besides OpenAI's fields, vLLM's sampling extensions ``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``spaces_between_special_tokens``, ``prompt_logprobs`` and ``truncate_prompt_tokens`` are
-read (the openai client sends them through ``extra_body``).
+``skip_special_tokens``, ``spaces_between_special_tokens``, ``prompt_logprobs``, ``truncate_prompt_tokens``,
+``truncation_side``, ``return_token_ids`` and ``return_tokens_as_token_ids`` are read (the openai client sends them
+through ``extra_body``).
 """
 
 from typing import Annotated, Any, ClassVar, Literal
@@ -68,8 +69,7 @@ UNHONOURED: dict[str, tuple] = {
     "logits_processors": ([],),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
-    "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,),
+    "logprob_token_ids": ([],),
     "prompt_embeds": (),
     "priority": (0,),
 }
@@ -93,6 +93,7 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, each chunk carries the usage so far
 
 
 class StructuredOutputsBody(BaseModel):
@@ -163,6 +164,9 @@ class _Request(BaseModel):
     # vLLM's: the top N logprobs at each prompt position (and the prompt token's own), returned in vLLM's shape.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # keep the last k (-1: all that fit)
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
+    return_token_ids: bool = False  # vLLM's: the prompt's and the choices' token ids in the reply
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:N"
 
     unhonoured: ClassVar[dict[str, tuple]] = UNHONOURED
 
@@ -215,14 +219,16 @@ class _Request(BaseModel):
             for name, neutral in self.unhonoured.items()
             if extra.get(name) is not None and not any(_same(extra[name], v) for v in neutral)
         ]
-        options = self.stream_options.model_extra if self.stream_options is not None else None
-        if options and options.get("continuous_usage_stats"):
-            bad.append("stream_options.continuous_usage_stats")
         return bad
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: the usage so far in every chunk (only with ``include_usage``)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 def _same(a: object, b: object) -> bool:

@@ -187,11 +187,13 @@ def chat_specs(
 
 
 def _truncate(state: ServerState, req: CompletionRequest | ChatCompletionRequest, ids: list[int]) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the last k prompt tokens (-1: as many as leave room to generate one)."""
+    """vLLM's ``truncate_prompt_tokens``: the last k prompt tokens (-1: as many as leave room to generate one), or
+    the first k with ``truncation_side`` "right"."""
     k = req.truncate_prompt_tokens
     if k is None:
         return ids
-    return ids[-(state.max_model_len - 1 if k == -1 else k) :]
+    k = state.max_model_len - 1 if k == -1 else k
+    return ids[:k] if req.truncation_side == "right" else ids[-k:]
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -282,6 +284,9 @@ def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionReq
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"unsupported parameter(s) with non-default values: {', '.join(bad)}", param=bad[0])
+    options = req.stream_options
+    if not req.stream and options is not None and (options.model_fields_set or options.model_extra):  # as vLLM
+        raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
     if req.stream and req.prompt_logprobs is not None:  # as vLLM refuses them
         raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 

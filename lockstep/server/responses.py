@@ -69,6 +69,7 @@ class _TextStream:
         self.fed = 0  # characters of the text fed to the prefixes
         self.held = 0  # characters at the end of the text that may begin a stop string
         self.num_tokens = 0  # tokens whose logprobs were sent
+        self.ids_sent = 0  # tokens whose ids were sent (return_token_ids)
         self.echoed = False  # the prompt was sent (completions with echo)
         # options: skip_special_tokens, spaces_between_special_tokens, as the engine decodes the final text
         self.detokenizer = IncrementalDetokenizer(tokenizer, *options) if tokenizer is not None else None
@@ -98,18 +99,23 @@ class _TextStream:
         return piece
 
 
-def _token_str(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+def _token_str(tokenizer, token_id: int, as_ids: bool = False) -> str:
+    """A token as logprobs name it: its text, or (vLLM's ``return_tokens_as_token_ids``, or without a tokenizer)
+    ``token_id:N``."""
+    return tokenizer.decode([token_id]) if tokenizer is not None and not as_ids else f"token_id:{token_id}"
 
 
-def _tops(out: RequestOutput, start: int, n: int) -> list[dict[int, float]]:
+def _tops(out: RequestOutput, start: int, n: int, sampled: bool = False) -> list[dict[int, float]]:
     """The top ``n`` ``{token_id: logprob}`` of each step from ``start`` on (``out.logprobs`` also holds the sampled
-    token, ranked wherever it fell)."""
+    token, ranked wherever it fell); with ``sampled``, the sampled token too wherever it ranked (the legacy
+    completions' logprobs, as vLLM writes them: ``logprobs: 0`` gives the sampled token alone)."""
     if out.logprobs is None:
         return [{} for _ in out.token_ids[start:]]
+    steps = out.logprobs[start:]
+    tokens = out.token_ids[start:] if sampled else [None] * len(steps)
     return [
-        {t: lp.logprob for t, lp in sorted(step.items(), key=lambda item: item[1].rank) if lp.rank <= n}
-        for step in out.logprobs[start:]
+        {t: lp.logprob for t, lp in sorted(step.items(), key=lambda item: item[1].rank) if lp.rank <= n or t == token}
+        for token, step in zip(tokens, steps, strict=True)
     ]
 
 
@@ -121,22 +127,25 @@ def _offsets(tokens: list[str], start: int) -> list[int]:
     return offsets
 
 
-def _completion_logprobs(tok, out: RequestOutput, start: int, offset: int, n: int) -> dict:
-    tokens = [_token_str(tok, t) for t in out.token_ids[start:]]
+def _completion_logprobs(tok, out: RequestOutput, start: int, offset: int, n: int, as_ids: bool = False) -> dict:
+    tokens = [_token_str(tok, t, as_ids) for t in out.token_ids[start:]]
+    tops = _tops(out, start, n, True)
     return {
         "tokens": tokens,
         "token_logprobs": out.token_logprobs[start:],
-        "top_logprobs": [{_token_str(tok, t): lp for t, lp in top.items()} for top in _tops(out, start, n)],
+        "top_logprobs": [{_token_str(tok, t, as_ids): lp for t, lp in top.items()} for top in tops],
         "text_offset": _offsets(tokens, offset),
     }
 
 
-def _prompt_logprobs(tok, out: RequestOutput, n: int) -> dict:
+def _prompt_logprobs(tok, out: RequestOutput, n: int, as_ids: bool = False) -> dict:
     """An echoed prompt's part of the legacy logprobs: each prompt token, its logprob and the top ``n`` at its
     position (None for the first token, which nothing predicts), from the engine's prompt logprobs."""
 
     def name(token_id: int, lp: Logprob | None = None) -> str:
-        return lp.decoded_token if lp is not None and lp.decoded_token is not None else _token_str(tok, token_id)
+        if lp is not None and lp.decoded_token is not None and not as_ids:
+            return lp.decoded_token
+        return _token_str(tok, token_id, as_ids)
 
     ids, dicts = out.prompt_token_ids, out.prompt_logprobs
     tokens, logprobs, tops = [name(ids[0])], [None], [None]
@@ -144,7 +153,7 @@ def _prompt_logprobs(tok, out: RequestOutput, n: int) -> dict:
         tokens.append(name(t, d[t]))
         logprobs.append(d[t].logprob)
         ranked = sorted(d.items(), key=lambda item: item[1].rank)
-        tops.append({name(k, v): v.logprob for k, v in ranked if v.rank <= n})
+        tops.append({name(k, v): v.logprob for k, v in ranked if v.rank <= n or k == t})  # the prompt token too
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": _offsets(tokens, 0)}
 
 
@@ -169,9 +178,9 @@ def _vllm_prompt_logprobs(tok, out: RequestOutput, n: int) -> list[dict | None]:
     return result
 
 
-def _chat_logprobs(tok, out: RequestOutput, start: int, n: int) -> dict:
+def _chat_logprobs(tok, out: RequestOutput, start: int, n: int, as_ids: bool = False) -> dict:
     def entry(t: int, lp: float) -> dict:
-        s = _token_str(tok, t)
+        s = _token_str(tok, t, as_ids)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
     content = []
@@ -199,6 +208,8 @@ class _Response:
     created: int  # unix time, as OpenAI's "created"
     echo: bool = False  # completions: each choice begins with its prompt (text, and logprobs when asked for)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token generated is left out)
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and the output's token ids
+    as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     access: dict = field(default_factory=dict)  # the call's access log fields (middleware.ACCESS_KEY)
 
     @property
@@ -237,7 +248,7 @@ class _Response:
         n = self.specs[index].params.logprobs
         finish_reason = out.finish_reason
         if self.chat:
-            lp = _chat_logprobs(tok, out, start, n) if self.logprobs else None
+            lp = _chat_logprobs(tok, out, start, n, self.as_ids) if self.logprobs else None
             fmt = self.specs[index].chat_format
             if delta and shaper is not None:
                 body = {"delta": shaper.feed(text, out.finished)}
@@ -249,23 +260,38 @@ class _Response:
                 body = {"message": message}
             else:
                 body = {"message": {"role": "assistant", "content": text}}
-            return {"index": index, **body, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": index, **body, "logprobs": lp, "finish_reason": finish_reason}
+            if not delta:  # vLLM's field, null unless asked for (a stream's chunks add it in _stream)
+                choice["token_ids"] = self.output_ids(out)
+            return choice
         if self.echo_only:  # the token generated to compute the prompt is not part of the answer
             text, start = "", len(out.token_ids)
         prompt_text = (self.specs[index].prompt_text or "") if self.echo else ""
         echo_now = self.echo if echo is None else echo
         lp = None
         if self.logprobs:
-            lp = _completion_logprobs(tok, out, start, offset + len(prompt_text), n)
+            lp = _completion_logprobs(tok, out, start, offset + len(prompt_text), n, self.as_ids)
             if echo_now:
-                head = _prompt_logprobs(tok, out, n)
+                head = _prompt_logprobs(tok, out, n, self.as_ids)
                 lp = {key: head[key] + lp[key] for key in lp}
         text = prompt_text + text if echo_now else text
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
         k = self.specs[index].prompt_logprobs
-        if k is not None and not delta:  # vLLM's extension: in each completion choice
-            choice["prompt_logprobs"] = _vllm_prompt_logprobs(tok, out, k)
+        if not delta:  # vLLM's fields, in each completion choice, null unless asked for
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(tok, out, k) if k is not None else None
+            choice["prompt_token_ids"] = self.prompt_ids(index)
+            choice["token_ids"] = self.output_ids(out)
         return choice
+
+    def prompt_ids(self, index: int) -> list[int] | None:
+        """Choice ``index``'s prompt token ids, for ``return_token_ids`` (else None)."""
+        return list(self.specs[index].prompt_ids) if self.token_ids else None
+
+    def output_ids(self, out: RequestOutput, start: int = 0) -> list[int] | None:
+        """The output's token ids from ``start`` on, for ``return_token_ids`` (else None)."""
+        if not self.token_ids:
+            return None
+        return [] if self.echo_only else list(out.token_ids[start:])
 
     def usage(self, finals: list[RequestOutput]) -> dict:
         prompt = sum(len(s.prompt_ids) for s in self.specs)
@@ -315,10 +341,12 @@ async def respond(
         created=int(time.time()),
         echo=echo,
         echo_only=echo and req.max_tokens == 0,
+        token_ids=req.return_token_ids,
+        as_ids=req.return_tokens_as_token_ids or state.return_tokens_as_token_ids,
         access={"id": response_id, "prompt_tokens": sum(len(s.prompt_ids) for s in specs), "completion_tokens": 0},
     )
     request.scope[ACCESS_KEY] = r.access
-    return _stream(r, req.include_usage) if req.stream else await _reply(r, request)
+    return _stream(r, req.include_usage, req.continuous_usage) if req.stream else await _reply(r, request)
 
 
 async def _reply(r: _Response, request: Request) -> Response:
@@ -341,22 +369,36 @@ async def _reply(r: _Response, request: Request) -> Response:
         choices = [r.choice(i, out, out.text) for i, out in enumerate(ordered)]
         body = r.head(stream=False) | {"choices": choices, "usage": r.usage(ordered)}
         k = r.specs[0].prompt_logprobs
-        if r.chat and k is not None:  # vLLM's: a chat reply's prompt logprobs, once (every choice shares the prompt)
-            body["prompt_logprobs"] = _vllm_prompt_logprobs(r.state.tokenizer, ordered[0], k)
+        if r.chat:  # vLLM's: a chat reply's prompt logprobs and ids, once (every choice shares the prompt); or null
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(r.state.tokenizer, ordered[0], k) if k is not None else None
+            body["prompt_token_ids"] = r.prompt_ids(0)
         return "".join(json.JSONEncoder(ensure_ascii=False).iterencode(body)).encode()
 
     body = await asyncio.get_running_loop().run_in_executor(r.state.workers, render)
     return Response(body, media_type="application/json")
 
 
-def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
+def _stream(r: _Response, include_usage: bool, continuous_usage: bool = False) -> StreamingResponse:
     """Server-sent events: a chunk whenever a choice gains text (or logprobs, or finishes), then the usage if asked
-    for, then ``[DONE]``."""
+    for, then ``[DONE]``. With ``continuous_usage`` (vLLM's ``continuous_usage_stats``) every chunk also carries
+    its choice's usage so far: the choice's prompt and the tokens generated up to it."""
     head = r.head(stream=True)
     index = {rid: i for i, rid in enumerate(r.request_ids)}
     options = [(s.params.skip_special_tokens, s.params.spaces_between_special_tokens) for s in r.specs]
     streams = [_TextStream(r.state.tokenizer, s.params.stop, o) for s, o in zip(r.specs, options, strict=True)]
     shapers = [s.chat_format.stream() if s.chat_format and not s.chat_format.plain else None for s in r.specs]
+
+    def chunk(choice: dict, num_tokens: int) -> dict:
+        body = head | {"choices": [choice]}
+        if continuous_usage:
+            prompt = len(r.specs[choice["index"]].prompt_ids)
+            completion = 0 if r.echo_only else num_tokens
+            body["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+        return body
 
     async def events() -> AsyncIterator[bytes]:
         finals: list[RequestOutput] = []
@@ -364,9 +406,10 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
             if r.chat:  # a chat stream opens each choice with the assistant's role
                 for i in range(len(r.specs)):
                     delta = {"role": "assistant", "content": ""}
-                    yield _sse(
-                        head | {"choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
-                    )
+                    body = chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}, 0)
+                    if r.token_ids and i == 0:  # vLLM's: the prompt's ids in the stream's first chunk
+                        body["prompt_token_ids"] = r.prompt_ids(0)
+                    yield _sse(body)
             async for out in r.outputs():
                 i = index[out.request_id]
                 stream = streams[i]
@@ -384,7 +427,12 @@ def _stream(r: _Response, include_usage: bool) -> StreamingResponse:
                 )
                 if shapers[i] is not None and not choice["delta"] and not out.finished and not r.logprobs:
                     continue  # all of it held back (a tag in the making)
-                yield _sse(head | {"choices": [choice]})
+                if r.token_ids:  # vLLM's: each chunk's new token ids; completions' first chunk has the prompt's
+                    if not r.chat and stream.ids_sent == 0:
+                        choice["prompt_token_ids"] = r.prompt_ids(i)
+                    choice["token_ids"] = r.output_ids(out, stream.ids_sent)
+                    stream.ids_sent = len(out.token_ids)
+                yield _sse(chunk(choice, len(out.token_ids)))
             if include_usage:
                 yield _sse(head | {"choices": [], "usage": r.usage(finals)})
             yield _sse("[DONE]")

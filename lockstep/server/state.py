@@ -33,6 +33,8 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # vLLM's --return-tokens-as-token-ids: logprobs name every token "token_id:N" (as a request can ask)
+    return_tokens_as_token_ids: bool = False
 
     @property
     def metrics(self) -> Metrics:
@@ -74,8 +76,9 @@ def create_state(
     **engine_kwargs,
 ) -> ServerState:
     """Load ``model`` (default: the embedded SmolLM2) into an engine thread and fingerprint what it serves;
-    ``http`` is how the HTTP layer admits requests, ``chat`` the ``ServerState`` tool and reasoning settings
-    (``enable_auto_tool_choice``, ``tool_call_parser``, ``reasoning_parser``), ``grammar_limits`` bound the
+    ``http`` is how the HTTP layer admits requests, ``chat`` the ``ServerState`` tool, reasoning and logprobs
+    settings (``enable_auto_tool_choice``, ``tool_call_parser``, ``reasoning_parser``,
+    ``return_tokens_as_token_ids``), ``grammar_limits`` bound the
     structured-output constraints and their cache, ``engine_kwargs`` are ``EngineConfig`` fields."""
     import torch
 

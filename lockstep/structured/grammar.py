@@ -67,6 +67,52 @@ def _closed_objects(schema: object) -> object:
     return root
 
 
+# The ASCII meaning of the Perl classes, as JSON Schema (ECMA-262), xgrammar and outlines (so vLLM) read them;
+# llguidance's regexes (Rust's syntax) take them as Unicode classes, so "\d" let a model write "🯸" for a digit.
+_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_classes(regex: str) -> str:
+    r"""``regex`` with ``\d``, ``\w`` (and ``\D``, ``\W``) spelled as their ASCII classes, in and out of brackets
+    (a negated one inside brackets as a nested class, which Rust's syntax takes); everything else as written."""
+    out, i, depth = [], 0, 0  # depth: how many "[" are open
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            e = regex[i + 1]
+            chars = _ASCII_CLASSES.get(e.lower())
+            if chars is None:
+                out.append(regex[i : i + 2])
+            elif e.islower():
+                out.append(chars if depth else f"[{chars}]")
+            else:
+                out.append(f"[^{chars}]")
+            i += 2
+            continue
+        if c == "[":
+            if depth and regex.startswith("[:", i):  # [[:alpha:]]: a POSIX class, copied whole
+                end = regex.find(":]", i + 2)
+                if end != -1:
+                    out.append(regex[i : end + 2])
+                    i = end + 2
+                    continue
+            depth += 1
+            out.append(c)
+            i += 1
+            # a "]" right after "[" or "[^" is a literal, not the end of the class
+            for prefix in ("^]", "]", "^"):
+                if regex.startswith(prefix, i):
+                    out.append(prefix)
+                    i += len(prefix)
+                    break
+            continue
+        if c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON text) for one constraint; GrammarError for one it cannot express."""
     import llguidance
@@ -82,7 +128,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
                 options["whitespace_pattern"] = params.whitespace_pattern
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(params.regex)
+            return llguidance.LLMatcher.grammar_from_regex(ascii_classes(params.regex))
         if kind == "choice":
             # One terminal of alternatives (Lark string literals take JSON's escapes): the lexer follows all of them
             # at once, where a rule of alternatives puts each in the parser's row, which takes at most 2000.

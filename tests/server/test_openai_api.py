@@ -4,11 +4,13 @@ error paths): completions and chat, streaming and not, logprobs, seeds, n, concu
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+import lockstep
 from lockstep.sampling_params import choice_seed
 
 from .conftest import MAX_BODY_BYTES, Server
@@ -91,6 +93,12 @@ def test_seed_and_n(server: Server) -> None:
 def test_models_and_health(server: Server) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == [server.model]
+    # vLLM's card fields, which clients read: root (the weights' path), parent, permission.
+    card = models.data[0].model_extra
+    assert Path(card["root"]).name == server.model and card["parent"] is None
+    [perm] = card["permission"]
+    assert httpx.get(server.url + "/version", headers=server.headers).json() == {"version": lockstep.__version__}
+    assert perm["object"] == "model_permission" and perm["allow_sampling"] and perm["allow_logprobs"]
     health = httpx.get(server.url + "/health", headers=server.headers).json()
     assert health["status"] == "ok" and health["kernels"] == "invariant" and health["device"] == "cpu"
     info = [name for name, value in server.metrics().items() if name.startswith("lockstep_info{") and value == 1]

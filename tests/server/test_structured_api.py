@@ -185,6 +185,21 @@ def test_named_tool_choice_returns_valid_arguments(tools_server: Server) -> None
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_named_tool_call_cut_off_is_still_a_call(tools_server: Server) -> None:
+    # A non-strict schema and too few tokens: the partial arguments are the call's, whole or streamed (vLLM's).
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    loose = {**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": "object"}}}
+    kw = dict(tools=[loose], tool_choice=named, temperature=0.9, seed=2, max_tokens=5)
+    choice = chat(tools_server, **kw).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    chunks = stream_chat(tools_server, **kw)
+    deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_required_tool_choice_returns_calls(tools_server: Server) -> None:
     r = chat(tools_server, tools=[WEATHER, CLOCK], tool_choice="required", temperature=0.6, seed=8, max_tokens=300)
     choice = r.choices[0]
@@ -201,6 +216,37 @@ def test_required_tool_choice_returns_calls(tools_server: Server) -> None:
     want = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
     assert [(d.function.name, d.function.arguments) for d in streamed] == want
     assert [d.index for d in streamed] == list(range(len(want)))
+
+
+def _tool_with_defs(name: str, options: list[str]) -> dict:
+    """A tool whose parameters reach their options through a local ``$ref`` (pydantic writes schemas so)."""
+    params = {
+        "type": "object",
+        "properties": {"options": {"$ref": "#/$defs/Options"}},
+        "required": ["options"],
+        "$defs": {
+            "Options": {
+                "type": "object",
+                "properties": {"unit": {"enum": options}},
+                "required": ["unit"],
+                "additionalProperties": False,
+            }
+        },
+        "additionalProperties": False,
+    }
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
+def test_required_tool_choice_keeps_each_tools_local_defs(tools_server: Server) -> None:
+    # Two tools with a "$defs" of the same name and different contents: each call follows its own tool's.
+    tools = [_tool_with_defs("get_weather", ["C", "F"]), _tool_with_defs("get_depth", ["m", "ft"])]
+    r = chat(tools_server, tools=tools, tool_choice="required", temperature=0.7, seed=3, max_tokens=300)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    units = {"get_weather": ("C", "F"), "get_depth": ("m", "ft")}
+    for call in calls:
+        assert set(json.loads(call.function.arguments)) == {"options"}
+        assert json.loads(call.function.arguments)["options"]["unit"] in units[call.function.name]
 
 
 HERMES_REPLY = (
@@ -350,6 +396,7 @@ def test_constraint_starts_after_the_reasoning(think_server: Server) -> None:
     r = chat(think_server, **kwargs)
     msg = r.choices[0].message
     assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == ("", "Take a coat.", "stop")
+    assert msg.model_extra["reasoning"] == ""  # vLLM's current name, beside the older one
     chunks = stream_chat(think_server, **kwargs)
     content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert content == "Take a coat."
@@ -360,8 +407,9 @@ def test_constraint_starts_after_the_reasoning(think_server: Server) -> None:
     assert msg.reasoning_content and not "Take a coat.".startswith(msg.reasoning_content)
     assert "Take a coat.".startswith(msg.content or "")
     chunks = stream_chat(think_server, temperature=0, max_tokens=12, extra_body={"guided_choice": ["Take a coat."]})
-    streamed = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
-    assert streamed == msg.reasoning_content
+    for name in ("reasoning_content", "reasoning"):
+        streamed = "".join(getattr(ch.choices[0].delta, name, None) or "" for ch in chunks if ch.choices)
+        assert streamed == msg.reasoning_content == msg.model_extra["reasoning"]
     # With thinking off the template closes the reasoning itself: the constraint holds from the first token.
     no_thinking = {"guided_choice": ["Take a coat."], "chat_template_kwargs": {"enable_thinking": False}}
     off = chat(think_server, temperature=0, extra_body=no_thinking)

@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -146,6 +147,27 @@ def test_echo_logprobs_are_the_same_bits_at_any_concurrency(server: Server) -> N
     assert answers[4]["choices"] == alone and answers[-1]["choices"] == alone
 
 
+def test_completion_top_logprobs_hold_the_sampled_and_prompt_token(server: Server) -> None:
+    # vLLM's legacy logprobs: the top N and the chosen token wherever it ranked; logprobs 0 is that token alone.
+    c = client(server)
+    kw = dict(model=server.model, prompt="the cat sat", max_tokens=12, temperature=2.0, seed=9)
+    alone = c.completions.create(**kw, logprobs=0).choices[0].logprobs
+    assert [list(top.items()) for top in alone.top_logprobs] == [
+        [(t, x)] for t, x in zip(alone.tokens, alone.token_logprobs, strict=True)
+    ]
+    one = c.completions.create(**kw, logprobs=1).choices[0].logprobs
+    assert one.tokens == alone.tokens
+    assert all(top[t] == x for t, x, top in zip(one.tokens, one.token_logprobs, one.top_logprobs, strict=True))
+    assert any(len(top) == 2 for top in one.top_logprobs)  # a sampled token off the top 1: both listed
+    assert all(len(top) in (1, 2) for top in one.top_logprobs)
+    echo = c.completions.create(model=server.model, prompt="the cat sat", max_tokens=0, echo=True, logprobs=0)
+    lp = echo.choices[0].logprobs
+    assert lp.top_logprobs[0] is None
+    assert all(
+        top == {t: x} for t, x, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True)
+    )
+
+
 def test_vllm_sampling_extensions(server: Server) -> None:
     c = client(server)
     p_id = VOCAB["p"]
@@ -192,26 +214,63 @@ def test_max_completion_tokens_and_parameters_lockstep_cannot_honour(server: Ser
     for path, body, name in (
         ("/v1/completions", comp | {"use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", comp | {"length_penalty": 2.0}, "length_penalty"),
-        ("/v1/completions", comp | {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ("/v1/completions", comp | {"logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
+        ("/v1/chat/completions", chat | {"logprobs": True, "logprob_token_ids": [5]}, "logprob_token_ids"),
         ("/v1/completions", comp | {"add_special_tokens": False}, "add_special_tokens"),
-        ("/v1/completions", comp | {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous"),
         ("/v1/chat/completions", chat | {"continue_final_message": True}, "continue_final_message"),
         ("/v1/chat/completions", chat | {"echo": True}, "echo"),
         ("/v1/chat/completions", chat | {"modalities": ["text", "audio"]}, "modalities"),
     ):
         err = _assert_error(_post(server, path, body), 400, name)
-        assert err["param"].startswith(name.split(".")[0]) or name == "continuous", err
+        assert err["param"] == name, err
+
+
+def test_stream_options_need_stream_and_continuous_usage_counts_each_chunk(server: Server) -> None:
+    c = client(server)
+    comp = {"model": server.model, "prompt": "hello", "max_tokens": 6, "ignore_eos": True}
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True}
+    for path, body in (("/v1/completions", comp), ("/v1/chat/completions", chat)):
+        # As vLLM: stream_options without stream is a 400; null (or left out) is not.
+        err = _assert_error(_post(server, path, body | {"stream_options": {"include_usage": True}}), 400, "stream")
+        assert err["param"] == "stream_options"
+        assert _post(server, path, body | {"stream_options": None}).status_code == 200
+
+    # vLLM's continuous_usage_stats (guidellm sends it): every chunk carries its choice's usage so far.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model=server.model, max_tokens=6, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(c.completions.create(prompt="hello", n=2, logprobs=0, seed=5, stream_options=options, **kw))
+    *deltas, last = chunks
+    seen = {0: 0, 1: 0}
+    for ch in deltas:
+        [choice] = ch.choices
+        seen[choice.index] += len(choice.logprobs.tokens)  # a chunk per step: its tokens' logprobs
+        assert (ch.usage.prompt_tokens, ch.usage.completion_tokens) == (5, seen[choice.index])
+        assert ch.usage.total_tokens == 5 + seen[choice.index]
+    assert seen == {0: 6, 1: 6} and not last.choices and last.usage.completion_tokens == 12
+    messages = chat["messages"]
+    chat_chunks = list(c.chat.completions.create(messages=messages, logprobs=True, stream_options=options, **kw))
+    prompt = chat_chunks[-1].usage.prompt_tokens
+    assert chat_chunks[0].usage.completion_tokens == 0 and chat_chunks[0].usage.prompt_tokens == prompt  # the role
+    counted = 0
+    for ch in chat_chunks[1:-1]:
+        counted += len(ch.choices[0].logprobs.content)
+        assert (ch.usage.prompt_tokens, ch.usage.completion_tokens) == (prompt, counted)
+    assert counted == 6 == chat_chunks[-1].usage.completion_tokens
+    # Without include_usage it is off, as in vLLM.
+    plain = list(c.completions.create(prompt="hello", stream_options={"continuous_usage_stats": True}, **kw))
+    assert all(ch.usage is None for ch in plain)
 
 
 @pytest.fixture(scope="module")
 def generation_config_server(tiny_server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The tiny model with sampling defaults in its generation_config.json: greedy, 6 new tokens."""
+    """The tiny model with sampling defaults in its generation_config.json: greedy, 6 new tokens (and vLLM's
+    --return-tokens-as-token-ids, which no other test here reads)."""
     folder = tmp_path_factory.mktemp("genconf") / "tiny-genconf"
     shutil.copytree(tiny_server_model_dir, folder)
     file = folder / "generation_config.json"
     file.write_text(json.dumps(json.loads(file.read_text()) | {"temperature": 0.0, "max_new_tokens": 6}))
     log = tmp_path_factory.mktemp("logs") / "genconf.log"
-    s = start_server(folder, log, "--log-level", "info", "--no-access-log")
+    s = start_server(folder, log, "--log-level", "info", "--no-access-log", "--return-tokens-as-token-ids")
     yield s
     stop_server(s.proc)
 
@@ -235,6 +294,8 @@ def test_the_server_takes_the_model_generation_config_defaults(generation_config
     sampled = [c.completions.create(prompt="hello", temperature=1.0, seed=i, **kw).choices[0].text for i in range(4)]
     assert any(t != greedy.choices[0].text for t in sampled)
     assert "POST /v1/completions" not in s.log.read_text()  # --no-access-log
+    lp = c.completions.create(prompt="hello", max_tokens=3, logprobs=0, **kw).choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens)  # --return-tokens-as-token-ids
 
 
 def test_one_access_log_line_per_request_and_never_a_prompt(guarded_server: Server) -> None:
@@ -285,7 +346,7 @@ def test_prompt_logprobs_in_vllms_shape(server: Server) -> None:
     )
     assert batch.choices[1].model_extra["prompt_logprobs"] == plp
     plain = c.completions.create(model=server.model, prompt=prompt, max_tokens=1)
-    assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+    assert plain.choices[0].model_extra["prompt_logprobs"] is None  # null when not asked for, as vLLM sends it
 
     # Chat: once, at the top of the reply (vLLM's place), over the templated prompt; 0 means the token's own only.
     messages = [{"role": "user", "content": "hi"}]
@@ -304,6 +365,61 @@ def test_prompt_logprobs_in_vllms_shape(server: Server) -> None:
     _assert_error(_post(server, "/v1/completions", comp | {"prompt_logprobs": -1}), 400, "prompt_logprobs")
 
 
+def test_return_token_ids_and_the_fields_vllm_sends_as_null(server: Server) -> None:
+    c = client(server)
+    ids = [VOCAB[ch] for ch in "hello"]
+    kw = dict(model=server.model, max_tokens=6, temperature=0.8, seed=3)
+    body = {"return_token_ids": True, "ignore_eos": True}
+    r = c.completions.create(prompt="hello", n=2, logprobs=0, extra_body=body, **kw)
+    for choice in r.choices:
+        assert choice.model_extra["prompt_token_ids"] == ids
+        assert choice.model_extra["token_ids"] == [VOCAB[t] for t in choice.logprobs.tokens] and len(ids) == 5
+    # Streamed: the prompt's ids in each choice's first chunk, then each chunk's new ids, adding up to the same.
+    chunks = [ch for ch in c.completions.create(prompt="hello", n=2, stream=True, extra_body=body, **kw) if ch.choices]
+    for i, choice in enumerate(r.choices):
+        mine = [ch.choices[0].model_extra for ch in chunks if ch.choices[0].index == i]
+        assert mine[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in m for m in mine[1:])
+        assert [t for m in mine for t in m["token_ids"]] == choice.model_extra["token_ids"]
+
+    messages = [{"role": "user", "content": "hi"}]
+    prompt_ids = _post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    chat = c.chat.completions.create(messages=messages, extra_body=body, **kw)
+    assert chat.model_extra["prompt_token_ids"] == prompt_ids
+    out_ids = chat.choices[0].model_extra["token_ids"]
+    assert len(out_ids) == chat.usage.completion_tokens == 6
+    streamed = list(c.chat.completions.create(messages=messages, stream=True, extra_body=body, **kw))
+    assert streamed[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert [t for ch in streamed[1:] for t in ch.choices[0].model_extra["token_ids"]] == out_ids
+
+    # Not asked for: null, in the places vLLM sends them (code reading them gets None, not an AttributeError).
+    comp = _post(server, "/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 2}).json()
+    assert {k: comp["choices"][0][k] for k in ("prompt_logprobs", "prompt_token_ids", "token_ids")} == dict.fromkeys(
+        ("prompt_logprobs", "prompt_token_ids", "token_ids")
+    )
+    reply = _post(server, "/v1/chat/completions", {"model": server.model, "messages": messages, "max_tokens": 2}).json()
+    assert reply["prompt_logprobs"] is None and reply["prompt_token_ids"] is None
+    assert reply["choices"][0]["token_ids"] is None
+    bad = {"model": server.model, "prompt": "hi", "return_token_ids": "yes"}
+    _assert_error(_post(server, "/v1/completions", bad), 400, "return_token_ids")
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(server: Server) -> None:
+    c = client(server)
+    body = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    kw = dict(model=server.model, max_tokens=5, temperature=1.5, seed=4, extra_body=body)
+    r = c.completions.create(prompt="hey", logprobs=1, echo=True, **kw).choices[0]
+    ids = r.model_extra["prompt_token_ids"] + r.model_extra["token_ids"]
+    assert r.logprobs.tokens == [f"token_id:{t}" for t in ids] and r.text.startswith("hey")  # the text is text
+    assert all(f"token_id:{t}" in top for t, top in zip(ids[3:], r.logprobs.top_logprobs[3:], strict=True))
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in r.logprobs.top_logprobs[1:] for k in top)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = c.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **kw).choices[0]
+    names = [f"token_id:{t}" for t in chat.model_extra["token_ids"]]
+    assert [e.token for e in chat.logprobs.content] == names
+    assert all(e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2 for e in chat.logprobs.content)
+    assert all(x.token.startswith("token_id:") for e in chat.logprobs.content for x in e.top_logprobs)
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server: Server) -> None:
     c = client(server)
     kw = dict(model=server.model, max_tokens=3, temperature=0)
@@ -311,6 +427,12 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server: Server) -> None:
     short = c.completions.create(prompt="orld", echo=True, **kw)
     assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == short.choices[0].text
     assert cut.choices[0].text.startswith("orld")
+    right = c.completions.create(
+        prompt="hello world", echo=True, extra_body={"truncate_prompt_tokens": 4, "truncation_side": "right"}, **kw
+    )
+    head = c.completions.create(prompt="hell", echo=True, **kw)
+    assert right.usage.prompt_tokens == 4 and right.choices[0].text == head.choices[0].text
+    assert right.choices[0].text.startswith("hell")
     # -1: as many as leave room to generate; a prompt longer than the context then fits.
     long = c.completions.create(prompt="ab" * 700, extra_body={"truncate_prompt_tokens": -1}, **kw | {"max_tokens": 1})
     assert long.usage.prompt_tokens == 1023
@@ -319,3 +441,4 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server: Server) -> None:
     assert chat.usage.prompt_tokens == 5
     comp = {"model": server.model, "prompt": "hi", "max_tokens": 2}
     _assert_error(_post(server, "/v1/completions", comp | {"truncate_prompt_tokens": 0}), 400, "truncate_prompt_tokens")
+    _assert_error(_post(server, "/v1/completions", comp | {"truncation_side": "middle"}), 400, "truncation_side")

@@ -13,6 +13,7 @@ from lockstep.structured.grammar import (
     GrammarCompiler,
     GrammarError,
     _closed_objects,
+    ascii_classes,
     token_masks,
     unpack_bitmask,
 )
@@ -279,3 +280,22 @@ def test_real_tokenizer_never_allows_special_tokens_inside_json(embedded_model_d
     mask = token_masks([(state, inside, True)], 49152, "cpu")[0]
     assert mask.sum() > 40000  # almost any text continues a string
     assert not mask[tokenizer.all_special_ids].any()
+
+
+def test_perl_classes_are_ascii_as_in_json_schema_and_vllm(embedded_model_dir: Path) -> None:
+    # llguidance reads \d as Unicode digits: a byte-level tokenizer then let "🯸" (U+1FBF8) through as a digit.
+    from lockstep.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(str(embedded_model_dir))
+    compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id])
+    for regex in (r"\d{3}-\d{4}", r"[\d]{3}-\d{4}"):
+        state = compiler.start(S(regex=regex))
+        start = token_masks([(state, [], True)], 49152, "cpu")[0].nonzero().flatten().tolist()
+        assert start and all(re.fullmatch("[0-9]{1,3}", tokenizer.decode([t])) for t in start), regex
+    word = compiler.start(S(regex=r"\w+"))
+    allowed = token_masks([(word, [], True)], 49152, "cpu")[0].nonzero().flatten().tolist()
+    assert allowed and all(re.fullmatch("[0-9A-Za-z_]+", tokenizer.decode([t])) for t in allowed)
+
+    assert ascii_classes(r"\d{3}-\D\w\W") == "[0-9]{3}-[^0-9][0-9A-Za-z_][^0-9A-Za-z_]"
+    assert ascii_classes(r"[\d.][^\d][a\D]") == "[0-9.][^0-9][a[^0-9]]"  # in brackets; negated: a nested class
+    assert ascii_classes(r"\\d[]\d][[:alpha:]\w]\p{L}") == r"\\d[]0-9][[:alpha:]0-9A-Za-z_]\p{L}"
