@@ -109,7 +109,7 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         rq, rk = self.kernels.rotary(q.float(), k.float(), *rope)
         out = self.kernels.vision_attention(
-            rq.to(x.dtype), rk.to(x.dtype), v.contiguous(), cu_seqlens, self.head_dim**-0.5
+            rq.to(x.dtype), rk.to(x.dtype), v, cu_seqlens, self.head_dim**-0.5
         )  # [n, heads, head_dim]
         return self.proj(out.reshape(n, -1))
 
