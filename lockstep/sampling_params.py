@@ -3,7 +3,7 @@
 import dataclasses
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lockstep.structured.params import StructuredOutputsParams
 
@@ -72,6 +72,11 @@ class SamplingParams:
     choice of strings or a grammar: tokens that cannot continue a valid output are set to -inf before the choice
     (like a ``logit_bias``: logprobs stay those of the raw distribution). The allowed tokens are a function of the
     request's own output, so the guarantee holds for constrained requests too.
+
+    vLLM's token controls (``layers/token_bans.py``): ``allowed_token_ids`` sets every other token to -inf;
+    ``bad_words`` bans a word's last token where its other tokens were just generated (each word in its plain and,
+    where that is another token of the same length, its leading-space form). The engine tokenizes ``bad_words``
+    into ``bad_words_token_ids`` (vLLM's internal list; left None, it is filled by ``LLMEngine.add_request``).
     """
 
     n: int = 1
@@ -96,6 +101,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -163,6 +171,29 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be None or a StructuredOutputsParams, got {so!r:.200}")
+        self._check_token_controls()
+
+    def _check_token_controls(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in allowed):
+                raise ValueError(f"allowed_token_ids must be None or a list of token ids >= 0, got {allowed!r:.200}")
+            if not allowed:
+                raise ValueError(f"allowed_token_ids is not None and empty ({allowed!r}): no token could be chosen")
+            self.allowed_token_ids = list(allowed)
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+                raise ValueError(f"bad_words must be None or a list of strings, got {words!r:.200}")
+            self.bad_words = list(words)
+        ids = self.bad_words_token_ids
+        if ids is not None:
+            ok = isinstance(ids, (list, tuple)) and all(
+                isinstance(w, (list, tuple)) and w and all(_is_int(t) and t >= 0 for t in w) for w in ids
+            )
+            if not ok:
+                raise ValueError(f"bad_words_token_ids must be lists of token ids, got {ids!r:.200}")
+            self.bad_words_token_ids = [list(w) for w in ids]
 
     def for_choice(self, index: int) -> "SamplingParams":
         """The parameters of choice ``index`` run as a request of its own (``n=1``, its own seed). Only choice 0
@@ -174,6 +205,11 @@ class SamplingParams:
     def penalized(self) -> bool:
         """True when the logits need the request's tokens (a repetition, frequency or presence penalty)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def token_controlled(self) -> bool:
+        """True when the row's logits get vLLM's ``allowed_token_ids`` or ``bad_words`` treatment."""
+        return bool(self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

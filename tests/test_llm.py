@@ -16,7 +16,8 @@ from lockstep.sampling_params import SamplingParams, choice_seed
 
 BLOCK = 4
 # The requests the matrix follows: greedy, seeded temperature 0.8, seeded with top-k/top-p, greedy with a
-# repetition penalty and a logit bias, and seeded with min-p and presence/frequency penalties; three of them ask
+# repetition penalty and a logit bias, seeded with min-p and presence/frequency penalties, and seeded with vLLM's
+# allowed_token_ids and bad words of two and three tokens (which fire: they change its output); three of them ask
 # for prompt logprobs (top 3, the prompt tokens' own only, top 5).
 TARGET_PROMPTS = [
     [5, 17, 42, 8, 63, 21, 3, 77, 9, 50, 11, 2, 34],  # 13 tokens: three full blocks and a partial one
@@ -24,6 +25,7 @@ TARGET_PROMPTS = [
     [70, 3, 3, 3, 19, 44, 80, 6, 25, 14, 57, 38, 29, 90, 4, 66, 22],
     [8, 8, 30, 52, 61, 7, 19, 33, 2, 91],
     [44, 2, 85, 13, 13, 71, 36, 5, 59, 20, 48],
+    [33, 9, 71, 4, 58, 20, 47, 3, 3, 16],
 ]
 TARGET_PARAMS = [
     SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True, prompt_logprobs=3),
@@ -38,6 +40,10 @@ TARGET_PARAMS = [
     SamplingParams(
         temperature=0.8, seed=5, min_p=0.05, presence_penalty=0.8, frequency_penalty=0.5, max_tokens=10, logprobs=3,
         ignore_eos=True, prompt_logprobs=5,
+    ),
+    SamplingParams(
+        temperature=0.8, seed=77, allowed_token_ids=list(range(20, 70)), bad_words=["TQ", "EQS"], max_tokens=10,
+        logprobs=3, ignore_eos=True,
     ),
 ]  # fmt: skip
 
@@ -174,17 +180,17 @@ def test_invariance_after_prefix_cache_hit(tiny_model_dir: Path, reference: list
 def test_decode_logprobs_equal_a_fresh_prefill(tiny_model_dir: Path, reference: list[tuple]) -> None:
     """Step i's token and logprobs, as decoded, equal what a prefill of prompt + completion[:i] computes (the
     seeded targets resample the same token: the noise is a function of (seed, position)). Not for presence and
-    frequency penalties: they count output tokens, which the fresh prefill holds as prompt."""
+    frequency penalties or bad words: they read output tokens, which the fresh prefill holds as prompt."""
     got, expect = fresh_prefills(make_llm(tiny_model_dir, enable_prefix_caching=False), reference)
     assert got == expect
 
 
 def fresh_prefills(llm: LLM, reference: list[tuple]) -> tuple[list[tuple], list[tuple]]:
-    """Each decode step of the targets (but those with presence or frequency penalties) redone as a one-token
-    prefill of prompt + completion[:i]: the bits it gives, and the decoded bits from ``reference``."""
+    """Each decode step of the targets (but those with presence or frequency penalties or bad words) redone as a
+    one-token prefill of prompt + completion[:i]: the bits it gives, and the decoded bits from ``reference``."""
     prompts, params, expect = [], [], []
     for prompt, p, ref in zip(TARGET_PROMPTS, TARGET_PARAMS, reference, strict=True):
-        if p.presence_penalty or p.frequency_penalty:
+        if p.presence_penalty or p.frequency_penalty or p.bad_words:
             continue
         tokens, lps, tops = ref[:3]
         for i in range(len(tokens)):
@@ -213,7 +219,9 @@ def prompt_vs_decode(llm: LLM, reference: list[tuple]) -> list[bool]:
 def test_prompt_logprobs_equal_decode_logprobs(tiny_model_dir: Path, reference: list[tuple]) -> None:
     """Prompt token i's logprobs, from position i - 1's logits, equal what the decode step that generated the same
     token after the same context reported."""
-    assert prompt_vs_decode(make_llm(tiny_model_dir, max_num_batched_tokens=7, max_num_seqs=7), reference) == [True] * 5
+    assert prompt_vs_decode(make_llm(tiny_model_dir, max_num_batched_tokens=7, max_num_seqs=7), reference) == [
+        True
+    ] * len(TARGET_PROMPTS)
 
 
 def test_prompt_logprobs_across_a_preemption_mid_prefill(tiny_model_dir: Path) -> None:

@@ -1,11 +1,13 @@
 """vLLM's output controls in SamplingParams, end to end on the tiny model: min_tokens, stop strings kept or not,
-special tokens in the text, prompt truncation; and a bad value named with its field."""
+special tokens in the text, prompt truncation, allowed_token_ids and bad_words; and a bad value named with its
+field."""
 
 from pathlib import Path
 
 import pytest
 from tiny_models import TINY_CHARS, TINY_EOS, TINY_VOCAB
 
+from lockstep.layers.token_bans import bad_words_token_ids
 from lockstep.llm import LLM
 from lockstep.sampling_params import SamplingParams
 
@@ -99,6 +101,61 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
     assert len(one(llm, [long], **greedy, truncate_prompt_tokens=-1).prompt_token_ids) == 255
 
 
+def ids_of(text: str) -> list[int]:
+    return [TINY_CHARS.index(c) for c in text]
+
+
+def test_allowed_token_ids_choose_from_those_alone_with_raw_logprobs(llm: LLM) -> None:
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    free = one(llm, "hello", **greedy, logprobs=TINY_VOCAB)  # every token ranked: the raw distribution
+    allowed = ids_of("xyz")
+    assert not set(free.token_ids) <= set(allowed)  # the harness: unconstrained, it leaves the set
+    out = one(llm, "hello", **greedy, allowed_token_ids=allowed)
+    assert set(out.token_ids) <= set(allowed)
+    # The best of the three, by the raw logits, at step 0; its logprob is the raw distribution's, bit for bit.
+    first = max(allowed, key=lambda t: (free.logprobs[0][t].logprob, -t))
+    assert out.token_ids[0] == first and out.token_logprobs[0] == free.logprobs[0][first].logprob
+    # Sampled rows obey it too.
+    sampled = one(llm, "hello", temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(sampled.token_ids) <= set(allowed) and len(set(sampled.token_ids)) > 1
+    with pytest.raises(ValueError, match="allowed_token_ids holds token id 500"):
+        one(llm, "hello", allowed_token_ids=[3, 500])
+
+
+def test_bad_words_ban_the_last_token_after_the_rest(llm: LLM) -> None:
+    greedy = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    base = one(llm, "hello", **greedy)
+    text = base.text
+    assert len(text) == 8 and text[0] != text[1]
+    # A one-token word is banned at every step.
+    out = one(llm, "hello", **greedy, bad_words=[text[0]])
+    assert out.token_ids[0] != base.token_ids[0] and text[0] not in out.text
+    # A two-token word: its first token may come, but not followed by its second.
+    out = one(llm, "hello", **greedy, bad_words=[text[:2]])
+    assert out.token_ids[0] == base.token_ids[0] and out.token_ids[1] != base.token_ids[1]
+    assert text[:2] not in out.text
+    # Only output tokens count: a word begun by the prompt's last token does not ban the first output token.
+    assert one(llm, "hello", **greedy, bad_words=["o" + text[0]]).token_ids[0] == base.token_ids[0]
+    # Leading whitespace is stripped (vLLM's rule); with one token per character " ab" is longer than "ab", so no
+    # space-prefixed form is added (lockstep.layers.token_bans: the same length is required).
+    assert bad_words_token_ids(["  " + text[:2], "q"], llm.get_tokenizer()) == [ids_of(text[:2]), ids_of("q")]
+    with pytest.raises(ValueError, match="at least one token"):
+        one(llm, "hello", bad_words=["   "])
+
+
+def test_bad_words_take_the_leading_space_form_as_vllm_does(embedded_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir)
+    plain, spaced = tok.encode("Paris", add_special_tokens=False), tok.encode(" Paris", add_special_tokens=False)
+    assert len(plain) == len(spaced) and plain[0] != spaced[0]  # byte-level BPE: another token mid-text
+    assert bad_words_token_ids(["Paris", " Paris"], tok) == [plain, spaced, plain, spaced]
+    # A space form of another length is left out (vLLM's rule), the plain form kept: digits are one token each,
+    # and " 123" is a space token before them.
+    assert tok.encode(" 123", add_special_tokens=False)[1:] == tok.encode("123", add_special_tokens=False)
+    assert bad_words_token_ids(["123"], tok) == [tok.encode("123", add_special_tokens=False)]
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
@@ -113,6 +170,10 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+        ({"bad_words": "word"}, "bad_words"),
+        ({"bad_words": ["a", 3]}, "bad_words"),
     ],
 )
 def test_invalid_values_name_field_and_value(kwargs, field) -> None:

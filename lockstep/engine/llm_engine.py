@@ -36,6 +36,7 @@ from lockstep.engine.token_feed import TokenFeed
 from lockstep.engine.tp_workers import WorkerPool
 from lockstep.engine.warmup import compiled_kernels, warm_up
 from lockstep.layers.sampler import PendingSample, Sampled
+from lockstep.layers.token_bans import bad_words_token_ids, needs_newest_token
 from lockstep.multimodal.processor import placeholder_runs
 from lockstep.outputs import CompletionOutput, Logprob, OutputKind, PromptLogprobs, RequestOutput
 from lockstep.sampling_params import SamplingParams
@@ -70,9 +71,13 @@ class _InFlight:
 def _may_run_ahead(batch: ScheduledBatch) -> bool:
     """Whether the step after ``batch`` may be launched before ``batch``'s tokens are on the host: not when a
     sequence that samples in it has penalties (they count the newest token) or a grammar (its mask follows the
-    newest token)."""
+    newest token), or a bad word of several tokens (whether it bans follows the newest token)."""
     return not any(
-        e.sample and not e.seq.is_finished and (e.seq.grammar is not None or e.seq.params.penalized)
+        e.sample
+        and not e.seq.is_finished
+        and (
+            e.seq.grammar is not None or e.seq.params.penalized or needs_newest_token(e.seq.params.bad_words_token_ids)
+        )
         for e in batch.entries
     )
 
@@ -233,6 +238,7 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r}: logit_bias token {bad_bias[0]} is not a token id in [0, {self.vocab_size})"
             )
+        params = self._resolve_token_controls(request_id, params)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and the model has none")
         ids = list(prompt_token_ids)
@@ -267,6 +273,30 @@ class LLMEngine:
                 raise GrammarError(f"request {request_id!r}: {e}") from None
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(seq, prompt, ids, kind=output_kind)
+
+    def _resolve_token_controls(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``bad_words`` tokenized (unless given as ``bad_words_token_ids``); ValueError for a token
+        id outside the vocabulary, or bad words without a tokenizer."""
+        if params.bad_words and params.bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id!r}: bad_words need a tokenizer, and the model has none")
+            try:
+                params = dataclasses.replace(
+                    params, bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer)
+                )
+            except ValueError as e:
+                raise ValueError(f"request {request_id!r}: {e}") from None
+        for name, ids in (
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words", [t for w in params.bad_words_token_ids or () for t in w]),
+        ):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {request_id!r}: {name} holds token id {bad[0]}, not a token id in [0, {self.vocab_size})"
+                    " (out of the vocabulary)"
+                )
+        return params
 
     def _check_images(self, request_id: str, ids: list[int], mm: MultimodalInputs | None, params) -> None:
         """ValueError unless the prompt's image tokens are exactly its images' placeholders."""

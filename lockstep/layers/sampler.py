@@ -3,8 +3,10 @@
 Every row's result is a function of that row's logits and its request's (params, seed, position, tokens) alone:
 
 - ``logit_bias`` and the repetition, frequency and presence penalties first change the row's logits, from its
-  own prompt and output tokens; a structured output's mask then sets the tokens its grammar does not allow to
-  -inf (an elementwise select of the row: the mask comes from the request's own output, ``lockstep.structured``);
+  own prompt and output tokens (vLLM's ``allowed_token_ids``, ``bad_words`` and ``min_tokens`` set the tokens
+  they rule out to -inf first, ``layers/token_bans.py``); a structured output's mask then sets the tokens its
+  grammar does not allow to -inf (an elementwise select of the row: the mask comes from the request's own output,
+  ``lockstep.structured``);
 - greedy (``temperature == 0``): the largest logit, ties to the lowest token id (an exact integer reduction);
 - ``temperature > 0``: divide by the temperature, drop tokens outside top-k, min-p and top-p, then Gumbel-max:
   add noise ``-log(-log(u))`` and take the largest score. ``u`` is a counter-based hash of ``(seed, position,
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lockstep import ops
+from lockstep.layers.token_bans import bad_word_bans
 from lockstep.ops.gumbel import _GOLDEN, _M1, _M2, greedy_argmax, gumbel_argmax  # _GOLDEN...: splitmix64's
 from lockstep.ops.top_p import top_p_mask
 from lockstep.sampling_params import SamplingParams
@@ -238,10 +241,14 @@ def adjust_row(
     num_prompt: int,
     banned: list[int] | tuple[int, ...] = (),
 ) -> torch.Tensor:
-    """One row's logits ``[V]`` after ``logit_bias`` and the penalties (vLLM's order and formulas), from the
-    request's tokens: ``token_ids[:num_prompt]`` its prompt, the rest its output so far. ``banned`` ids get -inf
-    (``min_tokens``), which no later step can undo."""
+    """One row's logits ``[V]`` after ``allowed_token_ids``, ``logit_bias`` and the penalties (vLLM's order and
+    formulas), from the request's tokens: ``token_ids[:num_prompt]`` its prompt, the rest its output so far.
+    ``banned`` ids get -inf (``min_tokens``, ``bad_words``), which no later step can undo."""
     x = logits
+    if params.allowed_token_ids:
+        keep = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        keep[device_tensor(params.allowed_token_ids, torch.int64, x.device)] = True
+        x = x.masked_fill(~keep, float("-inf"))
     if banned:
         x = x.index_fill(0, device_tensor(list(banned), torch.int64, x.device), float("-inf"))
     if params.logit_bias:
@@ -309,6 +316,14 @@ class Sampler:
         ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
         return sorted({t for t in ids if t < vocab})
 
+    def banned(self, params: SamplingParams, history: tuple[list[int], int], vocab: int) -> list[int]:
+        """Every id the row may not choose at this step: ``min_tokens_banned`` and the last tokens of the bad words
+        whose other tokens were just generated (``token_bans.bad_word_bans``)."""
+        banned = self.min_tokens_banned(params, history, vocab)
+        if params.bad_words_token_ids:
+            banned += bad_word_bans(params.bad_words_token_ids, *history)
+        return sorted({t for t in banned if t < vocab})
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -351,14 +366,16 @@ class Sampler:
         logits = logits.float()
         errors: dict[int, str] = {}
         scores = logits  # what the choice is made from; logprobs stay raw
-        adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.penalized or p.min_tokens]
+        adjusted = [
+            i for i, p in enumerate(params) if p.logit_bias or p.penalized or p.min_tokens or p.token_controlled
+        ]
         if adjusted:
             if histories is None:
                 raise ValueError("penalties need each row's (token ids, number of prompt tokens)")
             scores = logits.clone()
             for i in adjusted:
                 try:
-                    banned = self.min_tokens_banned(params[i], histories[i], logits.shape[-1])
+                    banned = self.banned(params[i], histories[i], logits.shape[-1])
                     scores[i] = adjust_row(logits[i], params[i], *histories[i], banned=banned)
                 except Exception as e:  # this row's fault: reported with it
                     errors[i] = _describe(e)

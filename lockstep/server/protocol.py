@@ -7,7 +7,8 @@ honour (``UNHONOURED``, and ``best_of`` > n, ``suffix``): set to anything that c
 rejected with 400 rather than silently ignored. Besides OpenAI's fields, vLLM's sampling extensions ``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``spaces_between_special_tokens``, ``prompt_logprobs``, ``truncate_prompt_tokens``,
-``truncation_side``, ``return_token_ids`` and ``return_tokens_as_token_ids`` are read (the openai client sends them
+``truncation_side``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``allowed_token_ids`` and ``bad_words``
+are read (the openai client sends them
 through ``extra_body``).
 """
 
@@ -23,6 +24,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128  # as token sequences the engine caps them the same (layers/token_bans.py)
 MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: no vocabulary has 10**10 tokens
 INT64_MAX = 2**63 - 1
 STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
@@ -64,8 +66,6 @@ UNHONOURED: dict[str, tuple] = {
     "web_search_options": (),
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
-    "allowed_token_ids": (),
-    "bad_words": ([],),
     "logits_processors": ([],),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
@@ -167,6 +167,9 @@ class _Request(BaseModel):
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
     return_token_ids: bool = False  # vLLM's: the prompt's and the choices' token ids in the reply
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:N"
+    # vLLM's: choose only from these ids; never end a banned word (SamplingParams' meanings, layers/token_bans.py)
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
 
     unhonoured: ClassVar[dict[str, tuple]] = UNHONOURED
 

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, TypeVar
 from pydantic import ValidationError
 
 from lockstep.engine.multimodal import MultimodalInputs
+from lockstep.layers.token_bans import bad_words_token_ids
 from lockstep.multimodal.chat import has_images, split_content, text_chars
 from lockstep.sampling_params import SamplingParams
 from lockstep.server import chat_template
@@ -100,7 +101,8 @@ def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceS
         ChoiceSpec(
             p,
             dataclasses.replace(
-                _params(req, m, req.logprobs, i, defaults, structured), prompt_logprobs=prompt_logprobs
+                _params(req, m, req.logprobs, i, defaults, structured, state.tokenizer),
+                prompt_logprobs=prompt_logprobs,
             ),
             prompt_text=text,
             prompt_logprobs=req.prompt_logprobs,
@@ -176,7 +178,8 @@ def chat_specs(
         ChoiceSpec(
             prompt,
             dataclasses.replace(
-                _params(req, max_tokens, logprobs, i, defaults, structured), prompt_logprobs=req.prompt_logprobs
+                _params(req, max_tokens, logprobs, i, defaults, structured, state.tokenizer),
+                prompt_logprobs=req.prompt_logprobs,
             ),
             fmt,
             prompt_logprobs=req.prompt_logprobs,
@@ -351,9 +354,17 @@ def _params(
     index: int,
     defaults: dict | None = None,
     structured: StructuredOutputsParams | None = None,
+    tokenizer=None,
 ) -> SamplingParams:
-    """Choice ``index``'s SamplingParams; ``defaults`` (the model's generation config) fill what ``req`` left out."""
+    """Choice ``index``'s SamplingParams; ``defaults`` (the model's generation config) fill what ``req`` left out;
+    ``tokenizer`` (the server's) tokenizes ``bad_words``."""
     sampling = {name: getattr(req, name) for name in GENERATION_FIELDS}
+    bad_words_ids = None
+    if req.bad_words and tokenizer is not None:  # tokenized here, in a request thread, not on the engine's
+        try:
+            bad_words_ids = bad_words_token_ids(req.bad_words, tokenizer)
+        except ValueError as e:
+            raise APIError(400, str(e), param="bad_words") from None
     sampling |= {k: v for k, v in (defaults or {}).items() if k in sampling and k not in req.model_fields_set}
     try:
         return SamplingParams(
@@ -372,6 +383,9 @@ def _params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
+            bad_words_token_ids=bad_words_ids,
         ).for_choice(index)
     except ValueError as e:
         raise APIError(400, str(e)) from None
