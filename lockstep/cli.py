@@ -239,6 +239,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     add_limit_args(p)
     add_grammar_limit_args(p)
     add_chat_args(p)
+    add_vllm_serve_args(p)
     add_generation_config_arg(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
@@ -271,6 +272,40 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's serve options for what replies hold and where the server lives (``vllm_serve_args`` reads them)."""
+    p.add_argument(
+        "--max-logprobs", type=int, default=20,
+        help="the most logprobs a request may ask for per token (logprobs, top_logprobs, prompt_logprobs; a "
+        "request's -1 asks for the whole vocabulary); -1: no cap (default 20, vLLM's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--root-path", default="", help="also serve every path under this prefix (e.g. /llm: a reverse proxy's)"
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details", action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held (else null)",
+    )  # fmt: skip
+    p.add_argument(
+        "--enable-force-include-usage", action="store_true",
+        help="a stream's usage chunk even when stream_options does not ask for it",
+    )  # fmt: skip
+    p.add_argument(
+        "--enable-tokenizer-info-endpoint", action="store_true",
+        help="GET /tokenizer_info: the tokenizer's settings and chat template",
+    )  # fmt: skip
+
+
+def vllm_serve_args(args: argparse.Namespace) -> tuple[dict, dict]:
+    """``add_vllm_serve_args``' options: the ``ServerState`` settings and the ``EngineConfig`` fields."""
+    state = {
+        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+        "enable_force_include_usage": args.enable_force_include_usage,
+        "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint,
+    }
+    return state, {"max_logprobs": args.max_logprobs}
+
+
 def chat_args(args: argparse.Namespace) -> dict:
     """``ServerState``'s tool, reasoning and logprobs settings; --enable-auto-tool-choice without a parser is an
     error."""
@@ -298,6 +333,7 @@ def http_config(args: argparse.Namespace):
         body_timeout=args.body_timeout,
         body_idle_timeout=args.body_idle_timeout,
         access_log=args.access_log,
+        root_path=args.root_path,
     )
 
 
@@ -380,7 +416,8 @@ def run_serve(args: argparse.Namespace) -> int:
     grammars = grammar_limits(args)
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    chat = chat_args(args)
+    vllm_state, vllm_engine = vllm_serve_args(args)
+    chat = chat_args(args) | vllm_state
     multimodal = multimodal_args(args)
     if args.model is None and args.revision is not None:
         raise ValueError("--revision needs a Hugging Face model id")
@@ -400,6 +437,7 @@ def run_serve(args: argparse.Namespace) -> int:
             **kernel_args(args),
             **engine_args(args),
             **multimodal,
+            **vllm_engine,
         )
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         print(

@@ -113,6 +113,9 @@ class EngineConfig:
     # online (an FP8 checkpoint is read as FP8 whatever this says); kv_cache_dtype "fp8" keeps K/V in e4m3.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    # vLLM's cap on the logprobs a request may ask for (top logprobs per token and per prompt token); -1: the whole
+    # vocabulary (which is also what a request's -1 asks for).
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -158,6 +161,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _check_int("max_logprobs", self.max_logprobs, -1)
         self._resolve_kernels()
         self._resolve_tp()
         if self.async_scheduling is None:

@@ -221,7 +221,15 @@ class LLM:
             first = done[group[0]]
             choices = [dataclasses.replace(done[rid].outputs[0], index=i) for i, rid in enumerate(group)]
             outputs.append(
-                RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, choices, first.prompt_logprobs)
+                RequestOutput(
+                    first.request_id,
+                    first.prompt,
+                    first.prompt_token_ids,
+                    choices,
+                    first.prompt_logprobs,
+                    num_cached_tokens=first.num_cached_tokens,
+                    metrics=first.metrics,
+                )
             )
         return outputs
 

@@ -59,18 +59,41 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestStateStats:
+    """When a request reached each stage (vLLM's ``RequestStateStats``, ``RequestOutput.metrics``): ``arrival_time``
+    is wall-clock (``time.time()`` when ``add_request`` took it); ``queued_ts``, ``scheduled_ts`` (its first step),
+    ``first_token_ts`` and ``last_token_ts`` are ``time.monotonic()`` (0.0 until they happen);
+    ``first_token_latency`` is ``first_token_ts - queued_ts``. ``num_generation_tokens`` counts its output tokens.
+    ``is_corrupted``: the engine aborted it for a fault of its own (``CompletionOutput.error``; vLLM: NaN logits).
+    Timings are observations of the run; they are no part of the output the contract covers."""
+
+    num_generation_tokens: int = 0
+    arrival_time: float = 0.0
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    first_token_latency: float = 0.0
+    is_corrupted: bool = False
+
+
+@dataclass
 class RequestOutput:
     """One request's result so far (``finished``) or in full: its prompt and ``outputs``, one per choice, as in
     vLLM. ``prompt_logprobs`` is None unless the request asked for ``SamplingParams.prompt_logprobs = N``; then
     entry ``i`` maps prompt token ``i`` and the top N at its position to their ``Logprob`` (entry 0 is None), the
     values a decode step would report for the same tokens. ``text``, ``token_ids``, ``token_logprobs``,
-    ``logprobs``, ``finish_reason`` and ``seed`` are those of ``outputs[0]``: the whole answer when ``n == 1``."""
+    ``logprobs``, ``finish_reason`` and ``seed`` are those of ``outputs[0]``: the whole answer when ``n == 1``.
+    ``num_cached_tokens`` (vLLM's) is how many prompt tokens the prefix cache held when the request was first
+    scheduled (None before), ``metrics`` its ``RequestStateStats`` (of choice 0, for ``n > 1``)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int | None = None
+    metrics: RequestStateStats | None = None
 
     @property
     def finished(self) -> bool:

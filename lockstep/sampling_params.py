@@ -47,7 +47,8 @@ class SamplingParams:
     i)``. ``top_k`` of ``-1`` or ``0`` turns top-k off; ``0`` is normalised to ``-1``. ``min_p`` drops tokens
     whose probability (after temperature) is below ``min_p`` times the most likely one's. ``stop`` may be one
     string or a list and is normalised to a list. ``logprobs`` is the number of top logprobs to return per
-    generated token (``0``: only the sampled token's own logprob; ``None``: none); they are of the raw
+    generated token (``0``: only the sampled token's own logprob; ``-1``: the whole vocabulary, as in vLLM, within
+    the engine's ``max_logprobs``; ``None``: none); they are of the raw
     distribution, before any penalty, bias or temperature (vLLM's default).
 
     Penalties and biases change the logits before greedy or random choice, as in vLLM and the OpenAI API:
@@ -135,8 +136,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = stop_token_ids
 
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < -1):
+            raise ValueError(f"logprobs must be None or an int >= 0 (-1: the whole vocabulary), got {self.logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
@@ -160,8 +161,9 @@ class SamplingParams:
     def _check_output_controls(self) -> None:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}")
+        k = self.prompt_logprobs
+        if k is not None and (not _is_int(k) or k < -1):
+            raise ValueError(f"prompt_logprobs must be None or an int >= 0 (-1: the whole vocabulary), got {k!r}")
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

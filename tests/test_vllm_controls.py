@@ -2,6 +2,7 @@
 special tokens in the text, prompt truncation, allowed_token_ids and bad_words; and a bad value named with its
 field."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ UNK = TINY_VOCAB - 2  # the char tokenizer's other special token
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: Path) -> LLM:
-    return LLM(str(tiny_model_dir), block_size=4, num_kv_blocks=512, seed=0)
+    return LLM(str(tiny_model_dir), block_size=4, num_kv_blocks=512, seed=0, max_logprobs=-1)
 
 
 def one(llm: LLM, prompt, **kwargs):
@@ -107,7 +108,8 @@ def ids_of(text: str) -> list[int]:
 
 def test_allowed_token_ids_choose_from_those_alone_with_raw_logprobs(llm: LLM) -> None:
     greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
-    free = one(llm, "hello", **greedy, logprobs=TINY_VOCAB)  # every token ranked: the raw distribution
+    free = one(llm, "hello", **greedy, logprobs=-1)  # vLLM's -1: every token ranked, the raw distribution
+    assert all(len(step) == TINY_VOCAB for step in free.logprobs)
     allowed = ids_of("xyz")
     assert not set(free.token_ids) <= set(allowed)  # the harness: unconstrained, it leaves the set
     out = one(llm, "hello", **greedy, allowed_token_ids=allowed)
@@ -162,7 +164,8 @@ def test_bad_words_take_the_leading_space_form_as_vllm_does(embedded_model_dir: 
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 17}, "min_tokens"),  # more than max_tokens (16)
         ({"min_tokens": 1.0}, "min_tokens"),
-        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"prompt_logprobs": True}, "prompt_logprobs"),
         ({"skip_special_tokens": 0}, "skip_special_tokens"),
         ({"spaces_between_special_tokens": "yes"}, "spaces_between_special_tokens"),
@@ -180,3 +183,26 @@ def test_invalid_values_name_field_and_value(kwargs, field) -> None:
     with pytest.raises(ValueError) as err:
         SamplingParams(**kwargs)
     assert str(err.value).startswith(field) and repr(next(iter(kwargs.values()))) in str(err.value)
+
+
+def test_max_logprobs_caps_what_a_request_may_ask_for(tiny_model_dir: Path) -> None:
+    default = LLM(str(tiny_model_dir), block_size=4, num_kv_blocks=64)  # vLLM's default cap: 20
+    assert len(one(default, "hi", max_tokens=1, logprobs=20).logprobs[0]) in (20, 21)
+    for kwargs, name in (({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+                         ({"prompt_logprobs": -1}, "prompt_logprobs")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"requested {name} of {kwargs[name] if kwargs[name] > 0 else TINY_VOCAB}"):
+            one(default, "hi", max_tokens=1, **kwargs)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(str(tiny_model_dir), max_logprobs=-2)
+
+
+def test_request_metrics_and_cached_tokens(llm: LLM) -> None:
+    prompt = "a prompt of seven full blocks"  # 29 tokens: 7 full blocks of 4
+    first = one(llm, prompt, max_tokens=3, temperature=0, ignore_eos=True)
+    again = one(llm, prompt, max_tokens=3, temperature=0, ignore_eos=True)
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 28  # vLLM's field: prefix-cache hits
+    assert again.token_ids == first.token_ids
+    m = again.metrics
+    assert m.num_generation_tokens == 3 and not m.is_corrupted
+    assert 0 < m.queued_ts <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts
+    assert m.first_token_latency == m.first_token_ts - m.queued_ts and abs(m.arrival_time - time.time()) < 600

@@ -22,6 +22,7 @@ import dataclasses
 import os
 import random
 import secrets
+import time
 from dataclasses import dataclass, field
 
 from lockstep.config import EngineConfig
@@ -38,7 +39,7 @@ from lockstep.engine.warmup import compiled_kernels, warm_up
 from lockstep.layers.sampler import PendingSample, Sampled
 from lockstep.layers.token_bans import bad_words_token_ids, needs_newest_token
 from lockstep.multimodal.processor import placeholder_runs
-from lockstep.outputs import CompletionOutput, Logprob, OutputKind, PromptLogprobs, RequestOutput
+from lockstep.outputs import CompletionOutput, Logprob, OutputKind, PromptLogprobs, RequestOutput, RequestStateStats
 from lockstep.sampling_params import SamplingParams
 from lockstep.structured.grammar import GrammarCompiler, GrammarError
 from lockstep.structured.limits import GrammarLimits
@@ -58,6 +59,8 @@ class _Request:
     kind: OutputKind = OutputKind.CUMULATIVE  # what its outputs hold (add_request)
     num_sent: int = 0  # output tokens already reported, for DELTA
     error: str | None = None  # why the engine aborted it, for a fault of its own
+    metrics: RequestStateStats = field(default_factory=RequestStateStats)  # vLLM's RequestOutput.metrics
+    num_cached_tokens: int | None = None  # prefix-cache hits at its first admission (vLLM's)
 
 
 @dataclass
@@ -239,6 +242,7 @@ class LLMEngine:
                 f"request {request_id!r}: logit_bias token {bad_bias[0]} is not a token id in [0, {self.vocab_size})"
             )
         params = self._resolve_token_controls(request_id, params)
+        params = self._resolve_logprobs(request_id, params)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and the model has none")
         ids = list(prompt_token_ids)
@@ -272,7 +276,27 @@ class LLMEngine:
             except GrammarError as e:
                 raise GrammarError(f"request {request_id!r}: {e}") from None
         self.scheduler.add(seq)
-        self._requests[request_id] = _Request(seq, prompt, ids, kind=output_kind)
+        metrics = RequestStateStats(arrival_time=time.time(), queued_ts=time.monotonic())
+        self._requests[request_id] = _Request(seq, prompt, ids, kind=output_kind, metrics=metrics)
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for per token (``config.max_logprobs``; -1 there: the vocabulary)."""
+        return self.vocab_size if self.config.max_logprobs == -1 else self.config.max_logprobs
+
+    def _resolve_logprobs(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """``params`` with a logprobs count of -1 as the vocabulary size; ValueError past ``max_logprobs``."""
+        changes = {}
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n == -1:
+                n = changes[name] = self.vocab_size
+            if n is not None and n > self.max_logprobs:
+                raise ValueError(
+                    f"request {request_id!r}: requested {name} of {n}, which is greater than max allowed: "
+                    f"{self.max_logprobs} (max_logprobs; -1 allows the whole vocabulary)"
+                )
+        return dataclasses.replace(params, **changes) if changes else params
 
     def _resolve_token_controls(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """``params`` with ``bad_words`` tokenized (unless given as ``bad_words_token_ids``); ValueError for a token
@@ -347,6 +371,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return self._idle(batch)
+        self._note_scheduled(batch)
         sampled = self._on_every_rank(self.runner.run, batch)
         self.scheduler.advance(batch, pending=False)
         return self._report(batch, sampled)
@@ -374,6 +399,7 @@ class LLMEngine:
         try:
             batch = self.scheduler.schedule()
             if batch:
+                self._note_scheduled(batch)
                 feed = TokenFeed(prev.sample.tokens, assumed) if assumed else None
                 self._in_flight = _InFlight(batch, self.runner.launch(batch, feed))
         finally:  # also when the launch failed: the pending tokens must become real ones
@@ -382,6 +408,15 @@ class LLMEngine:
         if not batch and not outputs and prev is None:
             return self._idle(batch)
         return outputs
+
+    def _note_scheduled(self, batch: ScheduledBatch) -> None:
+        """A request's first step: when it came (metrics) and how much of its prompt the prefix cache held."""
+        now = time.monotonic()
+        for e in batch.entries:
+            request = self._live(e.seq)
+            if request is not None and request.num_cached_tokens is None:
+                request.num_cached_tokens = e.seq.num_cached_tokens
+                request.metrics.scheduled_ts = now
 
     def _resolve(self, launched: _InFlight) -> list[RequestOutput]:
         """Read a launched step's samples back and report them (its ``Scheduler.advance`` already done)."""
@@ -397,10 +432,14 @@ class LLMEngine:
                 self._fail(request, why)  # apply_tokens skips finished sequences
         self.scheduler.apply_tokens(batch, sampled.token_ids, sampled.logprobs)
         outputs: list[RequestOutput] = []
+        now = time.monotonic()
         for entry in sampling:
             request = self._live(entry.seq)
             if request is None:
                 continue
+            stats = request.metrics
+            stats.first_token_ts = stats.first_token_ts or now
+            stats.last_token_ts = now
             if entry.seq.grammar is not None and request.error is None:
                 self._advance_grammar(request)
             if request.error is None:
@@ -520,7 +559,23 @@ class LLMEngine:
             error=request.error,
         )
         prompt_logprobs = self._prompt_logprobs(request) if seq.params.prompt_logprobs is not None else None
-        return RequestOutput(seq.request_id, request.prompt, request.prompt_token_ids, [completion], prompt_logprobs)
+        stats = dataclasses.replace(
+            request.metrics,
+            num_generation_tokens=seq.num_output_tokens,
+            first_token_latency=request.metrics.first_token_ts - request.metrics.queued_ts
+            if request.metrics.first_token_ts
+            else 0.0,
+            is_corrupted=request.error is not None,
+        )
+        return RequestOutput(
+            seq.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            [completion],
+            prompt_logprobs,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=stats,
+        )
 
     def _prompt_logprobs(self, request: _Request) -> PromptLogprobs:
         """vLLM's prompt logprobs: None for the first token, then a dict per prompt token (built once; fewer only

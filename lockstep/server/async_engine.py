@@ -149,6 +149,14 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """``fn(engine)`` on the engine thread, between steps (``AsyncEngine.call``)."""
+
+    fn: object
+    done: Future = field(default_factory=Future)
+
+
 _WAKE = object()  # a command that only wakes the thread (drain)
 _STOP = object()
 
@@ -168,6 +176,7 @@ class _Delta:
     seed: int | None
     error: str | None
     prompt_logprobs: list | None = None  # vLLM's prompt logprob dicts, when asked for (the engine's list, shared)
+    num_cached_tokens: int | None = None  # prefix-cache hits at its first step (vLLM's; usage's cached_tokens)
 
 
 def weights_hash(folder: str | Path) -> str:
@@ -276,6 +285,14 @@ class AsyncEngine:
             raise
         return group
 
+    async def call(self, fn):
+        """``fn(engine)``'s result, run on the engine thread between two steps (where the engine's state may be
+        touched); its exception is raised here."""
+        self._check_serving()
+        cmd = _Call(fn)
+        self._commands.put(cmd)
+        return await asyncio.wrap_future(cmd.done)
+
     def _check_serving(self) -> None:
         if not self.alive:
             raise EngineDeadError("the engine failed; the server cannot serve requests")
@@ -309,6 +326,11 @@ class AsyncEngine:
                     self._add(cmd, queued)
                 elif isinstance(cmd, _Abort):
                     self._abort(cmd.request_id)
+                elif isinstance(cmd, _Call) and cmd.done.set_running_or_notify_cancel():
+                    try:
+                        cmd.done.set_result(cmd.fn(self.engine))
+                    except Exception as e:  # the caller's to answer
+                        cmd.done.set_exception(e)
                 block = False
             if self.engine.has_unfinished_requests():
                 self._step()
@@ -394,6 +416,8 @@ class AsyncEngine:
             delta = self._delta(out)
             if out.finished:
                 self._forget(out.request_id, group)
+                reason = out.outputs[0].finish_reason or "abort"
+                self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
                 if delta.error is not None:
                     logger.warning("lockstep: request %s aborted by the engine: %s", out.request_id, delta.error)
             posts.setdefault(group.loop, []).append((group, delta))
@@ -422,6 +446,7 @@ class AsyncEngine:
             c.seed,
             c.error,
             out.prompt_logprobs,
+            out.num_cached_tokens,
         )
 
     def _fail(self, group: "RequestGroup", error: EngineError) -> None:
@@ -489,7 +514,7 @@ class AsyncEngine:
                 cmd = self._commands.get(block=False)
             except queue.Empty:
                 break
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, (_Add, _Call)):
                 _fail_future(cmd.done, EngineDeadError(dead))
         try:
             self._update_gauges()
@@ -540,6 +565,7 @@ class _Output:
         self.seed: int | None = None
         self.error: str | None = None
         self.prompt_logprobs: list | None = None
+        self.num_cached_tokens: int | None = None
 
     def add(self, d: _Delta) -> None:
         self.token_ids += d.token_ids
@@ -550,6 +576,8 @@ class _Output:
         self.finish_reason, self.seed, self.error = d.finish_reason, d.seed, d.error
         if d.prompt_logprobs is not None:
             self.prompt_logprobs = d.prompt_logprobs
+        if d.num_cached_tokens is not None:
+            self.num_cached_tokens = d.num_cached_tokens
 
     def output(self) -> RequestOutput:
         logprobs = list(self.logprobs) if self.logprobs is not None else None
@@ -563,7 +591,9 @@ class _Output:
             seed=self.seed,
             error=self.error,
         )
-        return RequestOutput(self.request_id, None, self.prompt_token_ids, [c], self.prompt_logprobs)
+        return RequestOutput(
+            self.request_id, None, self.prompt_token_ids, [c], self.prompt_logprobs, self.num_cached_tokens
+        )
 
 
 class RequestGroup:

@@ -55,6 +55,14 @@ _HEAD_END = re.compile(rb"\n\r?\n")  # where h11 ends a request head (it accepts
 SERVED, REFUSED, DROPPED = "served", "refused", "dropped"
 
 
+def route_path(path: str, root_path: str) -> str:
+    """The path a request names, as FastAPI's ``root_path`` routes it (vLLM's ``--root-path``): under the prefix,
+    the rest of it (a proxy that forwards the prefix); any other path as it is (a proxy that strips it)."""
+    if root_path and (path == root_path or path.startswith(root_path + "/")):
+        return path[len(root_path) :] or "/"
+    return path
+
+
 def _json_response(status: int, reason: str, body: dict) -> bytes:
     payload = json.dumps(body).encode()
     head = (
@@ -154,11 +162,18 @@ class GuardedProtocol(H11Protocol):
     under ``CONNECTION_KEY``, for ``until_read``."""
 
     def __init__(
-        self, *args, ledger: ConnectionLedger, header_timeout: float, max_header_bytes: int = 16 * 1024, **kwargs
+        self,
+        *args,
+        ledger: ConnectionLedger,
+        header_timeout: float,
+        max_header_bytes: int = 16 * 1024,
+        root_path: str = "",
+        **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.limit_concurrency = None  # the ledger's instead
         self.ledger, self.header_timeout, self.max_header_bytes = ledger, header_timeout, max_header_bytes
+        self.root_path = root_path  # --root-path: /health under it is /health too
         self.verdict: str | None = None
         self._peer: str | None = None
         self._header_deadline: asyncio.TimerHandle | None = None
@@ -180,7 +195,7 @@ class GuardedProtocol(H11Protocol):
             scope[CONNECTION_KEY] = self
             if not refused:
                 return await app(scope, receive, send)
-            if scope["path"] != HEALTH_PATH:
+            if route_path(scope["path"], self.root_path) != HEALTH_PATH:
                 return await _over_capacity(scope, receive, send)
 
             async def closing(message) -> None:  # a refused connection serves one request

@@ -31,7 +31,8 @@ class HTTPConfig:
     and headers may hold ``max_header_bytes`` (431). Timeouts are in seconds: ``header_timeout`` for a request's
     line and headers, ``body_timeout`` for its whole body and ``body_idle_timeout`` between two of its pieces,
     ``keep_alive_timeout`` for an idle connection between requests. ``access_log``: one info line per request
-    (``Gatekeeper``).
+    (``Gatekeeper``). ``root_path`` (vLLM's ``--root-path``, e.g. "/llm"): the server also answers every path under
+    that prefix, for a reverse proxy that forwards it (``connection.route_path``).
     """
 
     api_key: str | None = None
@@ -46,6 +47,7 @@ class HTTPConfig:
     keep_alive_timeout: int = 5
     workers: int = 4  # threads that parse, tokenize and render off the event loop
     access_log: bool = True  # a log line per request: method, path, status, time, tokens (never the prompt)
+    root_path: str = ""
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -59,6 +61,9 @@ class HTTPConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        root = self.root_path
+        if root and (not root.startswith("/") or root.endswith("/") or not root.isascii() or " " in root):
+            raise ValueError(f"root_path must be empty or a path like /llm (no trailing slash), got {root!r}")
 
     def host_allowed(self, host_header: bytes | None) -> bool:
         """Whether a request's ``Host`` header (``name``, ``name:port``, ``[v6]:port``) names an allowed host."""
@@ -132,7 +137,11 @@ def listen_with(config: uvicorn.Config, http: HTTPConfig, metrics=None) -> Conne
     ``metrics``' connection figures when given."""
     ledger = ConnectionLedger(http.max_connections, http.max_connections_per_client, metrics)
     config.http = functools.partial(
-        GuardedProtocol, ledger=ledger, header_timeout=http.header_timeout, max_header_bytes=http.max_header_bytes
+        GuardedProtocol,
+        ledger=ledger,
+        header_timeout=http.header_timeout,
+        max_header_bytes=http.max_header_bytes,
+        root_path=http.root_path,
     )
     config.timeout_keep_alive = http.keep_alive_timeout
     config.h11_max_incomplete_event_size = http.max_header_bytes  # h11's own check, behind the protocol's

@@ -1,5 +1,11 @@
 """Server metrics in the Prometheus text exposition format (version 0.0.4), written by hand.
 
+lockstep's own names (``lockstep_*``), and beside them the same figures under vLLM's names (``vllm:*``, labelled
+``model_name`` as vLLM labels them) so that dashboards built for vLLM read them: ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (and the older ``vllm:gpu_cache_usage_perc``: the
+fraction of KV blocks held, 0 to 1), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
+``vllm:request_success_total``, ``vllm:time_to_first_token_seconds`` and ``vllm:e2e_request_latency_seconds``.
+
 Counters and histograms are updated from the event loop and the engine thread; gauges are set by the engine
 thread after every step. Plain attribute updates are enough here: a scrape may be one step stale.
 """
@@ -25,14 +31,17 @@ class Histogram:
         self.total += value
         self.count += 1
 
-    def lines(self, name: str) -> list[str]:
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        """The histogram's lines; ``labels``: more labels, as ``key="value"`` pairs joined by commas."""
         out, cumulative = [], 0
+        more = f"{labels}," if labels else ""
         for le, c in zip(self.buckets, self.counts, strict=False):
             cumulative += c
-            out.append(f'{name}_bucket{{le="{le}"}} {cumulative}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{name}_sum {self.total}")
-        out.append(f"{name}_count {self.count}")
+            out.append(f'{name}_bucket{{{more}le="{le}"}} {cumulative}')
+        out.append(f'{name}_bucket{{{more}le="+Inf"}} {self.count}')
+        tail = f"{{{labels}}}" if labels else ""
+        out.append(f"{name}_sum{tail} {self.total}")
+        out.append(f"{name}_count{tail} {self.count}")
         return out
 
 
@@ -55,6 +64,8 @@ class Metrics:
     first_token_seconds: Histogram = field(default_factory=Histogram)
     step_seconds: Histogram = field(default_factory=Histogram)
     info: dict[str, str] = field(default_factory=dict)  # what is served: kernel set, device, dtype, version
+    model_name: str = ""  # the served model's name: the label of vLLM's metric names
+    finished: dict[str, int] = field(default_factory=dict)  # requests ended, by finish reason (vLLM's)
 
     def count_request(self, status: int) -> None:
         key = str(status)
@@ -91,4 +102,31 @@ class Metrics:
             ("engine_step_seconds", self.step_seconds, "Duration of one engine step."),
         ):
             lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} histogram", *hist.lines(p + name)]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + self.vllm_lines()) + "\n"
+
+    def vllm_lines(self) -> list[str]:
+        """The figures above under vLLM's metric names and label (the module docstring)."""
+        label = 'model_name="{}"'.format(self.model_name.replace("\\", "\\\\").replace('"', '\\"'))
+        usage = self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+        lines = []
+        for name, kind, value, doc in (
+            ("num_requests_running", "gauge", self.running, "Number of requests in model execution batches."),
+            ("num_requests_waiting", "gauge", self.waiting, "Number of requests waiting to be processed."),
+            ("kv_cache_usage_perc", "gauge", usage, "KV-cache usage. 1 means 100 percent usage."),
+            ("gpu_cache_usage_perc", "gauge", usage, "KV-cache usage (vLLM's older name). 1 means 100 percent usage."),
+            ("prompt_tokens_total", "counter", self.prompt_tokens, "Number of prefill tokens processed."),
+            ("generation_tokens_total", "counter", self.generation_tokens, "Number of generation tokens processed."),
+        ):
+            lines += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} {kind}", f"vllm:{name}{{{label}}} {value}"]
+        lines += ["# HELP vllm:request_success_total Count of finished requests, by finish reason."]
+        lines += ["# TYPE vllm:request_success_total counter"]
+        lines += [
+            f'vllm:request_success_total{{{label},finished_reason="{reason}"}} {count}'
+            for reason, count in sorted(self.finished.items())
+        ]
+        for name, hist, doc in (
+            ("time_to_first_token_seconds", self.first_token_seconds, "Histogram of time to first token in seconds."),
+            ("e2e_request_latency_seconds", self.request_seconds, "Histogram of end to end request latency."),
+        ):
+            lines += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} histogram", *hist.lines(f"vllm:{name}", label)]
+        return lines

@@ -24,7 +24,7 @@ import uuid
 
 from fastapi import FastAPI
 
-from lockstep.server.connection import CONNECTION_KEY, UNREAD_BYTES
+from lockstep.server.connection import CONNECTION_KEY, UNREAD_BYTES, route_path
 from lockstep.server.protocol import error_body
 from lockstep.server.state import ServerState
 
@@ -133,6 +133,9 @@ class Gatekeeper:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        root = self.state.http.root_path
+        if root:  # --root-path: every check below, and the routes, see the path under the prefix
+            scope = {**scope, "path": route_path(scope["path"], root), "root_path": root}
         start = time.perf_counter()
         status, logged = [500], False
         started = [False]

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one ``AsyncEngine``.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (SSE streaming or not), ``GET /v1/models``, ``/health``,
-``/metrics``, and vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``). Every completion carries
+``/metrics``, vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``), ``GET /version``, and the rest of vLLM's
+routes (``vllm_routes``: ``/tokenizer_info``, ``/invocations``, ``/reset_prefix_cache``). Every completion carries
 ``system_fingerprint``: a hash of the weights, lockstep's version, the device, the dtype and the kernel set, the key
 under which a request's output is reproducible. Errors are OpenAI-style JSON bodies; nothing a client sends can
 take the server down.
@@ -31,6 +32,7 @@ from lockstep.server.requests import parse_call
 from lockstep.server.responses import DISCONNECT_POLL_SECONDS, respond
 from lockstep.server.state import ServerState
 from lockstep.server.tokenize import detokenize, tokenize
+from lockstep.server.vllm_routes import add_vllm_routes
 
 
 def json_response(body: dict, status: int = 200) -> Response:
@@ -157,6 +159,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await call(request, chat=True)
 
+    add_vllm_routes(app, state, call)
     return app
 
 
@@ -196,7 +199,7 @@ def serve(
     # uvicorn's own grace period starts after the drain: the answers still being written, the idle connections.
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
-    )
+    )  # --root-path is the Gatekeeper's (HTTPConfig.root_path), not uvicorn's: that one breaks prefixed paths
     listen_with(config, state.http, state.metrics)
     # The model, torch and transformers are ~200k objects that live as long as the server: out of the garbage
     # collector's sight, a full collection (a request's many small lists can set one off) holds the GIL for

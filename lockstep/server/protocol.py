@@ -17,7 +17,6 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 MAX_N = 128
-MAX_TOP_LOGPROBS = 20
 # Stop conditions are checked at every step of a request (the strings on the event loop, the ids on the engine
 # thread): OpenAI's 4 strings, each at most 1024 characters (the text held back while it might begin one is
 # bounded by it), and at most 1024 stop token ids.
@@ -25,6 +24,7 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_BAD_WORDS = 128  # as token sequences the engine caps them the same (layers/token_bans.py)
+MAX_ROLE_CHARS = 64
 MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: no vocabulary has 10**10 tokens
 INT64_MAX = 2**63 - 1
 STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
@@ -74,9 +74,6 @@ UNHONOURED: dict[str, tuple] = {
     "priority": (0,),
 }
 CHAT_UNHONOURED = UNHONOURED | {
-    "echo": (False,),  # vLLM's chat echo (of the last message)
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
     "add_special_tokens": (False,),
     "chat_template": (),
     "documents": (),
@@ -162,7 +159,8 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # vLLM's: the top N logprobs at each prompt position (and the prompt token's own), returned in vLLM's shape.
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # (-1: the whole vocabulary; the engine's max_logprobs, vLLM's --max-logprobs, caps them: requests.py)
+    prompt_logprobs: int | None = Field(None, ge=-1, le=INT64_MAX)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # keep the last k (-1: all that fit)
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
     return_token_ids: bool = False  # vLLM's: the prompt's and the choices' token ids in the reply
@@ -267,7 +265,7 @@ Prompt = Annotated[
 class CompletionRequest(_Request):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)  # 0 only with echo: the prompt (and its logprobs) alone
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1: the whole vocabulary (within --max-logprobs)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
@@ -303,7 +301,8 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = STRICT
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles, or any other the chat template accepts (vLLM's custom roles: the template decides)
+    role: str = Field(min_length=1, max_length=MAX_ROLE_CHARS)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
@@ -357,12 +356,31 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1: the whole vocabulary (within --max-logprobs)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     # vLLM's: the image processor's min_pixels / max_pixels for this request's images (server/images.py bounds them)
     mm_processor_kwargs: dict[str, Any] | None = None
+    # vLLM's template controls: render without the assistant's opening, or continue the final message as it is;
+    # echo puts the final message's content before the reply's when the reply continues that role.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _one_template_mode(self) -> "ChatCompletionRequest":
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "cannot set both continue_final_message and add_generation_prompt to true (the default): send "
+                "add_generation_prompt false to continue the final message"
+            )
+        return self
+
+    @property
+    def response_role(self) -> str:
+        """The reply's role, as vLLM's: the assistant's after a generation prompt, else the final message's."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
     unhonoured: ClassVar[dict[str, tuple]] = CHAT_UNHONOURED

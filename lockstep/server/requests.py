@@ -94,18 +94,20 @@ def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceS
         for ids in prompts:
             check_token_ids(state, ids, "prompt", "prompt token")
     texts = _echo_texts(state, req, prompts) if req.echo else [None] * len(prompts)
-    wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    vocab = state.engine.engine.vocab_size
+    logprobs, asked_prompt = (vocab if k == -1 else k for k in (req.logprobs, req.prompt_logprobs))  # -1: all
+    wanted = [k for k in (logprobs if req.echo else None, asked_prompt) if k is not None]
     prompt_logprobs = max(wanted) if wanted else None
     defaults = state.engine.engine.default_sampling
     return [
         ChoiceSpec(
             p,
             dataclasses.replace(
-                _params(req, m, req.logprobs, i, defaults, structured, state.tokenizer),
+                _params(req, m, logprobs, i, defaults, structured, state.tokenizer),
                 prompt_logprobs=prompt_logprobs,
             ),
             prompt_text=text,
-            prompt_logprobs=req.prompt_logprobs,
+            prompt_logprobs=asked_prompt,
         )
         for p, m, text in zip(prompts, max_tokens, texts, strict=True)
         for i in range(req.n)
@@ -172,17 +174,19 @@ def chat_specs(
         max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
     else:  # the model's generation config's max_new_tokens, as far as the context allows
         max_tokens = _default_max_tokens(state, len(prompt), "messages")
+    vocab = state.engine.engine.vocab_size
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    logprobs, asked_prompt = (vocab if k == -1 else k for k in (logprobs, req.prompt_logprobs))  # -1: all
     defaults = state.engine.engine.default_sampling
     return [
         ChoiceSpec(
             prompt,
             dataclasses.replace(
                 _params(req, max_tokens, logprobs, i, defaults, structured, state.tokenizer),
-                prompt_logprobs=req.prompt_logprobs,
+                prompt_logprobs=asked_prompt,
             ),
             fmt,
-            prompt_logprobs=req.prompt_logprobs,
+            prompt_logprobs=asked_prompt,
             mm=mm,
         )
         for i in range(req.n)
@@ -276,6 +280,27 @@ def _tool_format(state: ServerState, req: ChatCompletionRequest) -> tuple[ChatFo
     return fmt, StructuredOutputsParams(json=named_tool_schema(function))
 
 
+def _check_logprobs(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
+    """vLLM's cap on logprobs (``--max-logprobs``; -1 asks for the whole vocabulary): a 400 naming the parameter."""
+    engine = state.engine.engine
+    asked = [("prompt_logprobs", req.prompt_logprobs)]
+    asked.append(
+        ("top_logprobs", req.top_logprobs) if isinstance(req, ChatCompletionRequest) else ("logprobs", req.logprobs)
+    )
+    for name, n in asked:
+        if n is None:
+            continue
+        if n == -1:
+            n = engine.vocab_size
+        if n > engine.max_logprobs:
+            raise APIError(
+                400,
+                f"Requested {name} of {n}, which is greater than max allowed: {engine.max_logprobs} (the server's "
+                "--max-logprobs; -1 asks for the whole vocabulary)",
+                param=name,
+            )
+
+
 def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.model not in (state.model_name, state.model_path):
         raise APIError(
@@ -292,6 +317,7 @@ def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionReq
         raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
     if req.stream and req.prompt_logprobs is not None:  # as vLLM refuses them
         raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+    _check_logprobs(state, req)
 
 
 def _check_num_seqs(state: ServerState, req: CompletionRequest) -> None:
@@ -494,7 +520,14 @@ def _chat_prompt(
         _check_chars(state, sum(text_chars(m["content"]) for m in messages), "messages")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     text = render_chat(
-        state, messages, tools=tools, kwargs=req.chat_template_kwargs, truncating=truncating, cancelled=cancelled
+        state,
+        messages,
+        tools=tools,
+        kwargs=req.chat_template_kwargs,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        truncating=truncating,
+        cancelled=cancelled,
     )
     if not truncating:
         _check_chars(state, len(text), "messages")

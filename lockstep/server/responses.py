@@ -210,6 +210,8 @@ class _Response:
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token generated is left out)
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and the output's token ids
     as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    role: str = "assistant"  # chat: the reply's role (vLLM's: the final message's without a generation prompt)
+    chat_echo: str = ""  # chat's echo: the final message's content, put before each choice's
     access: dict = field(default_factory=dict)  # the call's access log fields (middleware.ACCESS_KEY)
 
     @property
@@ -257,9 +259,11 @@ class _Response:
                 body = {"delta": {"content": text} if text else {}}
             elif fmt is not None and not fmt.plain:
                 message, finish_reason = fmt.message(text, out.finish_reason)
-                body = {"message": message}
+                body = {"message": message | {"role": self.role}}
             else:
-                body = {"message": {"role": "assistant", "content": text}}
+                body = {"message": {"role": self.role, "content": text}}
+            if self.chat_echo and not delta:  # vLLM's: the echo before whatever content the reply has
+                body["message"]["content"] = self.chat_echo + (body["message"]["content"] or "")
             choice = {"index": index, **body, "logprobs": lp, "finish_reason": finish_reason}
             if not delta:  # vLLM's field, null unless asked for (a stream's chunks add it in _stream)
                 choice["token_ids"] = self.output_ids(out)
@@ -296,7 +300,11 @@ class _Response:
     def usage(self, finals: list[RequestOutput]) -> dict:
         prompt = sum(len(s.prompt_ids) for s in self.specs)
         completion = 0 if self.echo_only else sum(len(o.token_ids) for o in finals)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        details = None  # vLLM's: null unless --enable-prompt-tokens-details
+        if self.state.enable_prompt_tokens_details:
+            details = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in finals)}
+        return usage | {"prompt_tokens_details": details}
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The group's outputs as steps make them, timing the first one and the whole call."""
@@ -343,10 +351,26 @@ async def respond(
         echo_only=echo and req.max_tokens == 0,
         token_ids=req.return_token_ids,
         as_ids=req.return_tokens_as_token_ids or state.return_tokens_as_token_ids,
+        role=req.response_role if chat else "assistant",
+        chat_echo=_chat_echo(req) if chat else "",
         access={"id": response_id, "prompt_tokens": sum(len(s.prompt_ids) for s in specs), "completion_tokens": 0},
     )
     request.scope[ACCESS_KEY] = r.access
-    return _stream(r, req.include_usage, req.continuous_usage) if req.stream else await _reply(r, request)
+    if not req.stream:
+        return await _reply(r, request)
+    # vLLM's --enable-force-include-usage: the usage chunk whatever the request says (not the continuous one)
+    return _stream(r, req.include_usage or state.enable_force_include_usage, req.continuous_usage)
+
+
+def _chat_echo(req: ChatCompletionRequest) -> str:
+    """What vLLM's chat ``echo`` puts first: the final message's content when the reply continues its role (no
+    generation prompt), its text parts joined by newlines; else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.role != req.response_role or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part["text"] for part in last.content if part.get("type") == "text")
 
 
 async def _reply(r: _Response, request: Request) -> Response:
@@ -403,13 +427,16 @@ def _stream(r: _Response, include_usage: bool, continuous_usage: bool = False) -
     async def events() -> AsyncIterator[bytes]:
         finals: list[RequestOutput] = []
         try:
-            if r.chat:  # a chat stream opens each choice with the assistant's role
+            if r.chat:  # a chat stream opens each choice with the reply's role
                 for i in range(len(r.specs)):
-                    delta = {"role": "assistant", "content": ""}
+                    delta = {"role": r.role, "content": ""}
                     body = chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}, 0)
                     if r.token_ids and i == 0:  # vLLM's: the prompt's ids in the stream's first chunk
                         body["prompt_token_ids"] = r.prompt_ids(0)
                     yield _sse(body)
+                for i in range(len(r.specs) if r.chat_echo else 0):  # vLLM's echo: a chunk of its own per choice
+                    delta = {"content": r.chat_echo}
+                    yield _sse(chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}, 0))
             async for out in r.outputs():
                 i = index[out.request_id]
                 stream = streams[i]

@@ -35,6 +35,11 @@ class ServerState:
     reasoning_parser: str | None = None
     # vLLM's --return-tokens-as-token-ids: logprobs name every token "token_id:N" (as a request can ask)
     return_tokens_as_token_ids: bool = False
+    # vLLM's --enable-prompt-tokens-details (usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix
+    # cache held) and --enable-force-include-usage (a stream's usage chunk even without stream_options)
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    enable_tokenizer_info_endpoint: bool = False  # vLLM's: GET /tokenizer_info (it shows the chat template)
 
     @property
     def metrics(self) -> Metrics:
@@ -112,5 +117,6 @@ def create_state(
     tokenizer = load_tokenizer(model) if engine.tokenizer is not None else None
     async_engine = AsyncEngine(engine)
     async_engine.metrics.info = {k: v for k, v in parts.items() if k != "weights_blake2b"}
+    async_engine.metrics.model_name = name
     fingerprint = make_fingerprint(parts)
     return ServerState(async_engine, tokenizer, name, model, fingerprint, parts, http or HTTPConfig(), **(chat or {}))

@@ -1,0 +1,76 @@
+"""vLLM's (and SGLang's) routes beside the OpenAI API: ``GET /tokenizer_info`` (with
+``--enable-tokenizer-info-endpoint``), ``POST /invocations`` (SageMaker's one route, dispatched on the body's
+shape) and ``POST /reset_prefix_cache`` (SGLang's ``/flush_cache`` the same).
+
+``/reset_prefix_cache`` forgets every cached prefix block, on the engine thread between two steps. vLLM answers
+200 whether or not it could; here a cache that cannot be reset because requests are running (their blocks are in
+use, as vLLM refuses too) is a 409 that says so, not a 200 that did nothing. Outputs do not change either way:
+a prefix hit gives the bits a fresh prefill gives (docs/design.md).
+"""
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from lockstep.server.protocol import APIError, error_body
+from lockstep.server.state import ServerState
+
+# Tokenizer settings that name files on the server's disk, left out of /tokenizer_info (vLLM drops the same).
+_PRIVATE_TOKENIZER_KEYS = ("tokenizer_object", "vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+
+
+def tokenizer_info(state: ServerState) -> dict:
+    """vLLM's ``TokenizerInfo``: the tokenizer's init settings as JSON, its class and the chat template."""
+    tok = state.tokenizer
+    if tok is None:
+        raise APIError(404, "this model has no tokenizer", type="not_found_error")
+    config = {k: v for k, v in (getattr(tok, "init_kwargs", None) or {}).items() if k not in _PRIVATE_TOKENIZER_KEYS}
+    info = json.loads(json.dumps(config, default=str))  # AddedToken and the like as their text
+    info["tokenizer_class"] = type(tok).__name__
+    if getattr(tok, "chat_template", None):
+        info["chat_template"] = tok.chat_template
+    return info
+
+
+def _reset_prefix_cache(engine) -> bool:
+    """On the engine thread: forget the cached prefixes unless requests hold blocks (vLLM's rule)."""
+    if engine.has_unfinished_requests():
+        return False
+    engine.scheduler.block_manager.reset_prefix_cache()
+    return True
+
+
+def add_vllm_routes(app: FastAPI, state: ServerState, call) -> None:
+    """The routes above; ``call(request, chat)`` answers a completion (``chat=False``) or chat completion call."""
+
+    if state.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info_route() -> Response:
+            return Response(json.dumps(tokenizer_info(state)), media_type="application/json")
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        # SageMaker's single route: a body with messages is a chat completion, one with a prompt a completion.
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None  # the completion route's parser says what is wrong with it
+        if isinstance(body, dict) and "messages" in body:
+            return await call(request, chat=True)
+        if isinstance(body, dict) and "prompt" in body:
+            return await call(request, chat=False)
+        raise APIError(
+            400,
+            "cannot find a handler for this request: /invocations takes a chat completion (messages) or a "
+            "completion (prompt) body",
+        )
+
+    @app.post("/reset_prefix_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def reset_prefix_cache() -> Response:
+        if not await state.engine.call(_reset_prefix_cache):
+            body = error_body("requests are running: the prefix cache was not reset", "conflict_error")
+            return Response(json.dumps(body), status_code=409, media_type="application/json")
+        return Response(status_code=200)
