@@ -2,10 +2,37 @@
 and bad_words, chat's echo / add_generation_prompt / continue_final_message and custom roles, logprobs -1 under
 --max-logprobs, cached_tokens and per-request metrics, and the extra routes and metric names."""
 
-from tiny_models import TINY_CHARS
+import shutil
+from pathlib import Path
 
-from .conftest import Server
+import httpx
+import pytest
+from tiny_models import TINY_CHARS, TINY_VOCAB
+
+from .conftest import Server, start_server, stop_server
 from .test_openai_api import _assert_error, _post, client
+
+ROOT_PATH = "/llm"
+# The char tokenizer's template, but with the generation prompt only when asked for (the shared one always adds it).
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+VLLM_FLAGS = (
+    "--root-path", ROOT_PATH, "--max-logprobs", "-1", "--enable-prompt-tokens-details",
+    "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One server for every vLLM option tested here (VLLM_FLAGS), on the tiny model with TEMPLATE."""
+    folder = tmp_path_factory.mktemp("vllm2") / "tiny-vllm"
+    shutil.copytree(tiny_server_model_dir, folder)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)  # where transformers keeps the template
+    s = start_server(folder, tmp_path_factory.mktemp("logs") / "vllm2.log", *VLLM_FLAGS)
+    yield s
+    stop_server(s.proc)
 
 
 def ids_of(text: str) -> list[int]:
@@ -43,3 +70,156 @@ def test_allowed_token_ids_and_bad_words(server: Server) -> None:
     err = _assert_error(_post(server, "/v1/completions", comp | {"bad_words": [" "]}), 400, "at least one token")
     assert err["param"] == "bad_words"
     err = _assert_error(_post(server, "/v1/completions", comp | {"bad_words": ["a"] * 129}), 400, "bad_words")
+
+
+def test_chat_echo_generation_prompt_continue_final_message_and_custom_roles(vllm_server: Server) -> None:
+    server = vllm_server
+    c = client(server)
+    kw = dict(model=server.model, max_tokens=5, temperature=0)
+    user = [{"role": "user", "content": "hi"}]
+    # No generation prompt: the template's text stops after the messages; the reply takes the final message's role.
+    r = c.chat.completions.create(messages=user, **kw, extra_body={"add_generation_prompt": False})
+    assert r.usage.prompt_tokens == len("user: hi\n") and r.choices[0].message.role == "user"
+    # Continue the final message: the prompt ends inside it (its text, without the template's closing newline).
+    partial = user + [{"role": "assistant", "content": "The ans"}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    r = c.chat.completions.create(messages=partial, **kw, extra_body=cont)
+    assert r.usage.prompt_tokens == len("user: hi\nassistant: The ans") and r.choices[0].message.role == "assistant"
+    tokenized = _post(server, "/tokenize", {"messages": partial} | cont).json()
+    assert tokenized["count"] == r.usage.prompt_tokens
+    # echo: the continued message's text first, then the reply; streamed the same (the echo in a chunk of its own).
+    echoed = c.chat.completions.create(messages=partial, **kw, extra_body=cont | {"echo": True})
+    assert echoed.choices[0].message.content == "The ans" + r.choices[0].message.content
+    chunks = list(c.chat.completions.create(messages=partial, **kw, stream=True, extra_body=cont | {"echo": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[1].choices[0].delta.content == "The ans"
+    *deltas, usage = chunks  # --enable-force-include-usage: the usage chunk without stream_options
+    assert not usage.choices and usage.usage.completion_tokens == 5
+    assert "".join(ch.choices[0].delta.content or "" for ch in deltas) == echoed.choices[0].message.content
+    # With a generation prompt the reply is a new assistant message: nothing of the user's is echoed (vLLM's rule).
+    plain = c.chat.completions.create(messages=user, **kw).choices[0].message.content
+    assert c.chat.completions.create(messages=user, **kw, extra_body={"echo": True}).choices[0].message.content == plain
+    # A role the template takes is the template's business (vLLM's custom roles).
+    narrator = [{"role": "narrator", "content": "x"}]
+    assert c.chat.completions.create(messages=narrator, **kw).usage.prompt_tokens == len("narrator: x\nassistant:")
+    both = {"model": server.model, "messages": partial, "continue_final_message": True}
+    _assert_error(_post(server, "/v1/chat/completions", both), 400, "continue_final_message", "add_generation_prompt")
+    _assert_error(_post(server, "/v1/chat/completions", {**both, "messages": [{"role": "", "content": "x"}]}), 400)
+
+
+def test_logprobs_are_capped_at_max_logprobs_default_20(server: Server) -> None:
+    comp = {"model": server.model, "prompt": "hi", "max_tokens": 1}
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert (
+        len(
+            _post(server, "/v1/completions", comp | {"logprobs": 20}).json()["choices"][0]["logprobs"]["top_logprobs"][
+                0
+            ]
+        )
+        >= 20
+    )
+    for path, body, name, n in (
+        ("/v1/completions", comp | {"logprobs": 21}, "logprobs", 21),
+        ("/v1/completions", comp | {"logprobs": -1}, "logprobs", 97),
+        ("/v1/completions", comp | {"prompt_logprobs": -1}, "prompt_logprobs", 97),
+        ("/v1/chat/completions", chat | {"logprobs": True, "top_logprobs": -1}, "top_logprobs", 97),
+    ):
+        err = _assert_error(_post(server, path, body), 400, f"Requested {name} of {n}", "max allowed: 20")
+        assert err["param"] == name
+    _assert_error(_post(server, "/v1/completions", comp | {"logprobs": -2}), 400, "logprobs")
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary_under_max_logprobs_minus_one(vllm_server: Server) -> None:
+    c = client(vllm_server)
+    m = vllm_server.model
+    r = c.completions.create(
+        model=m, prompt="hi", max_tokens=2, temperature=0, logprobs=-1, extra_body={"prompt_logprobs": -1}
+    )
+    top = r.choices[0].logprobs.top_logprobs
+    assert [len(t) for t in top] == [TINY_VOCAB, TINY_VOCAB]  # every token of the vocabulary, named by its text
+    assert r.choices[0].prompt_logprobs[0] is None and len(r.choices[0].prompt_logprobs[1]) == TINY_VOCAB
+    chat = c.chat.completions.create(
+        model=m, messages=[{"role": "user", "content": "hi"}], max_tokens=1, logprobs=True, top_logprobs=-1
+    )
+    [step] = chat.choices[0].logprobs.content
+    assert len(step.top_logprobs) == TINY_VOCAB and step.top_logprobs[0].logprob >= step.top_logprobs[-1].logprob
+
+
+def test_cached_tokens_and_reset_prefix_cache(vllm_server: Server, server: Server) -> None:
+    c = client(vllm_server)
+    prompt = "a prompt long enough for three full blocks of 16!"  # 49 tokens: the first 48 can be hits
+    assert len(prompt) == 49
+    kw = dict(model=vllm_server.model, prompt=prompt, max_tokens=2, temperature=0)
+    details = [c.completions.create(**kw).usage.prompt_tokens_details.cached_tokens for _ in range(2)]
+    assert details == [0, 48]
+    chat = dict(model=vllm_server.model, messages=[{"role": "user", "content": prompt}], max_tokens=1)
+    assert c.chat.completions.create(**chat).usage.prompt_tokens_details.cached_tokens == 0
+    again = c.chat.completions.create(**chat).usage  # "user: ...\nassistant:", 66 tokens: 4 full blocks
+    assert again.prompt_tokens == 66 and again.prompt_tokens_details.cached_tokens == 64
+    # Streamed, in the usage chunk.
+    *_, last = c.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    assert last.usage.prompt_tokens_details.cached_tokens == 48
+    # Without --enable-prompt-tokens-details the field is null, as vLLM sends it.
+    other = client(server).completions.create(model=server.model, prompt=prompt, max_tokens=1)
+    assert other.usage.prompt_tokens_details is None
+
+    # /reset_prefix_cache (and SGLang's /flush_cache): the next identical prompt hits nothing.
+    for route in ("/reset_prefix_cache", "/flush_cache"):
+        r = httpx.post(vllm_server.url + route, timeout=30)
+        assert r.status_code == 200, r.text
+        assert c.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+    # While a request runs its blocks are in use: not reset, and the answer says so (409, not a silent 200).
+    long = c.completions.create(**kw | {"max_tokens": 400}, stream=True, extra_body={"ignore_eos": True})
+    with long:
+        next(iter(long))
+        r = httpx.post(vllm_server.url + "/reset_prefix_cache", timeout=30)
+        assert r.status_code == 409 and "running" in r.json()["error"]["message"]
+    assert httpx.post(vllm_server.url + "/reset_prefix_cache", timeout=30).status_code in (200, 409)
+
+
+def test_root_path_tokenizer_info_and_invocations(
+    vllm_server: Server, server: Server, tiny_server_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    url = vllm_server.url
+    # --root-path: the paths under the prefix are the server's paths; without it, too (a proxy that strips it).
+    for prefix in (ROOT_PATH, ""):
+        assert httpx.get(url + prefix + "/health", timeout=10).status_code == 200
+        assert httpx.get(url + prefix + "/v1/models", timeout=10).json()["data"][0]["id"] == vllm_server.model
+    prefixed = client(vllm_server).with_options(base_url=url + ROOT_PATH + "/v1")
+    assert prefixed.completions.create(model=vllm_server.model, prompt="hi", max_tokens=1).usage.prompt_tokens == 2
+    assert httpx.get(url + "/llmx/v1/models", timeout=10).status_code == 404
+
+    info = httpx.get(url + "/tokenizer_info", timeout=10).json()
+    tokenizer_class = type(AutoTokenizer.from_pretrained(tiny_server_model_dir)).__name__
+    assert info["tokenizer_class"] == tokenizer_class and info["chat_template"] == TEMPLATE
+    assert info["eos_token"] == "</s>" and "tokenizer_file" not in info
+    assert httpx.get(server.url + "/tokenizer_info", headers=server.headers, timeout=10).status_code == 404  # off
+
+    # SageMaker's /invocations: dispatched on the body's shape, under the API key like every other route.
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = _post(server, "/invocations", chat)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    r = _post(server, "/invocations", {"model": server.model, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    _assert_error(_post(server, "/invocations", {"model": server.model}), 400, "messages", "prompt")
+    _assert_error(_post(server, "/invocations", {"model": server.model, "prompt": 5}), 400, "prompt")
+    assert httpx.post(server.url + "/invocations", json=chat, timeout=10).status_code == 401
+
+
+def test_vllm_metric_names_beside_locksteps(server: Server) -> None:
+    client(server).completions.create(model=server.model, prompt="hello", max_tokens=3, extra_body={"ignore_eos": True})
+    m = server.metrics()
+    label = f'{{model_name="{server.model}"}}'
+    assert m[f"vllm:prompt_tokens_total{label}"] == m["lockstep_prompt_tokens_total"] > 0
+    assert m[f"vllm:generation_tokens_total{label}"] == m["lockstep_generation_tokens_total"] > 0
+    assert m[f"vllm:num_requests_running{label}"] == m["lockstep_num_requests_running"]
+    assert m[f"vllm:num_requests_waiting{label}"] == m["lockstep_num_requests_waiting"]
+    usage = m["lockstep_kv_blocks_used"] / m["lockstep_kv_blocks_total"]
+    assert m[f"vllm:kv_cache_usage_perc{label}"] == m[f"vllm:gpu_cache_usage_perc{label}"] == usage
+    assert m[f'vllm:request_success_total{{model_name="{server.model}",finished_reason="length"}}'] >= 1
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        lock = "request_latency_seconds" if name.startswith("e2e") else name
+        assert m[f"vllm:{name}_count{label}"] == m[f"lockstep_{lock}_count"] > 0
+        inf = f'vllm:{name}_bucket{{model_name="{server.model}",le="+Inf"}}'
+        assert m[inf] == m[f"vllm:{name}_count{label}"]

@@ -217,8 +217,7 @@ def test_max_completion_tokens_and_parameters_lockstep_cannot_honour(server: Ser
         ("/v1/completions", comp | {"logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
         ("/v1/chat/completions", chat | {"logprobs": True, "logprob_token_ids": [5]}, "logprob_token_ids"),
         ("/v1/completions", comp | {"add_special_tokens": False}, "add_special_tokens"),
-        ("/v1/chat/completions", chat | {"continue_final_message": True}, "continue_final_message"),
-        ("/v1/chat/completions", chat | {"echo": True}, "echo"),
+        ("/v1/chat/completions", chat | {"add_special_tokens": True}, "add_special_tokens"),
         ("/v1/chat/completions", chat | {"modalities": ["text", "audio"]}, "modalities"),
     ):
         err = _assert_error(_post(server, path, body), 400, name)
