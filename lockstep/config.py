@@ -116,6 +116,8 @@ class EngineConfig:
     # vLLM's cap on the logprobs a request may ask for (top logprobs per token and per prompt token); -1: the whole
     # vocabulary (which is also what a request's -1 asks for).
     max_logprobs: int = 20
+    # vLLM's: load no tokenizer; prompts are then token ids and outputs have no text (nor decoded logprob tokens).
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -162,6 +164,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check_int("max_logprobs", self.max_logprobs, -1)
+        _check_bool("skip_tokenizer_init", self.skip_tokenizer_init)
         self._resolve_kernels()
         self._resolve_tp()
         if self.async_scheduling is None:

@@ -1,7 +1,9 @@
 """The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, sampling_params)``."""
 
 import dataclasses
+import os
 from collections.abc import Sequence as SequenceABC
+from pathlib import Path
 from typing import Any
 
 from lockstep.config import EngineConfig
@@ -9,6 +11,7 @@ from lockstep.engine.llm_engine import LLMEngine
 from lockstep.engine.multimodal import MultimodalInputs
 from lockstep.outputs import CompletionOutput, OutputKind, RequestOutput
 from lockstep.sampling_params import SamplingParams
+from lockstep.vllm_args import engine_config_args
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
@@ -18,15 +21,6 @@ Prompt = str | list[int] | dict
 Message = dict[str, Any]  # content: a string, or OpenAI content parts (text, image_url, image)
 _Item = tuple[str | None, list[int], MultimodalInputs | None]  # a prompt's text, token ids and images
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
-# vLLM's LLM arguments that cannot change what lockstep computes, accepted and dropped (None: any value), or
-# accepted only at the value that changes nothing: lockstep keeps no periodic stats log; it has no custom
-# all-reduce kernel to turn off (its sums are torch.distributed's or its own fixed-order tree); it reads no
-# precomputed multimodal embeddings.
-_VLLM_NO_OPS: dict[str, object] = {
-    "disable_log_stats": None,
-    "disable_custom_all_reduce": None,
-    "enable_mm_embeds": False,
-}
 
 
 def _is_token_ids(x: object) -> bool:
@@ -73,16 +67,11 @@ class LLM:
     ``if __name__ == "__main__":`` (the workers are spawned, and re-import the main module).
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        for name, neutral in _VLLM_NO_OPS.items():
-            if name in engine_args and (neutral is not None and engine_args[name] != neutral):
-                raise ValueError(f"LLM({name}={engine_args[name]!r}) is not supported (only {neutral!r})")
-            engine_args.pop(name, None)
+    def __init__(self, model: str | None = None, chat_template: str | None = None, **engine_args: Any) -> None:
         fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
-        unknown = sorted(set(engine_args) - fields)
-        if unknown:
-            raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; it takes {', '.join(sorted(fields))}")
-        self.engine = LLMEngine(EngineConfig(model=None if model is None else str(model), **engine_args))
+        config_args = engine_config_args(model, engine_args, fields)  # vLLM's arguments too (lockstep.vllm_args)
+        self.engine = LLMEngine(EngineConfig(model=None if model is None else str(model), **config_args))
+        self.chat_template = chat_template  # vLLM's: chat()'s template when a call names none
         self._next_id = 0
 
     def close(self) -> None:
@@ -174,6 +163,8 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for ``prompts`` (text, token ids, or vLLM's ``{"prompt": ...}`` /
         ``{"prompt_token_ids": ...}`` dicts); outputs come back in input order.
@@ -182,9 +173,19 @@ class LLM:
         ``get_default_sampling_params()``, the model's generation config over SamplingParams' defaults). Every
         request is validated before any runs: a bad one raises ValueError naming it, and nothing is queued. With
         ``n > 1`` each choice runs as a request of its own (``SamplingParams.for_choice``) and the prompt's
-        ``RequestOutput`` holds them all in ``outputs``.
+        ``RequestOutput`` holds them all in ``outputs``. vLLM's ``priority`` (one per prompt) must be all 0, as under
+        vLLM's default first-come-first-served policy (lockstep has no other; the order never changes an output),
+        and ``lora_request`` None.
         """
-        return self._generate(self._prompts(prompts), sampling_params, use_tqdm)
+        items = self._prompts(prompts)
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: lockstep serves no LoRA adapters (merge them first)")
+        if priority is not None and (len(priority) != len(items) or any(p != 0 for p in priority)):
+            raise ValueError(
+                f"priority must be None or one 0 per prompt ({len(items)}): lockstep schedules first come, first "
+                "served (vLLM's scheduling_policy 'fcfs', where a non-zero priority is refused too)"
+            )
+        return self._generate(items, sampling_params, use_tqdm)
 
     def _generate(
         self,
@@ -272,9 +273,13 @@ class LLM:
         chat_template: str | None = None,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
-        rendered with the tokenizer's chat template and the generation prompt added. ``tools`` (OpenAI function
+        rendered with the chat template (``chat_template``, else the ``LLM``'s, else the tokenizer's) and the
+        generation prompt added (``add_generation_prompt=False``: not; ``continue_final_message=True``: the reply
+        continues the final message, as vLLM's). ``tools`` (OpenAI function
         definitions) and ``chat_template_kwargs`` go to the template, as in vLLM's ``LLM.chat``. A message's content
         may be OpenAI content parts: text, and for a vision-language model ``image_url`` parts (a data URL, or a
         ``file://`` URL under ``allowed_local_media_path``) or ``{"type": "image", "image": PIL.Image}``."""
@@ -284,7 +289,10 @@ class LLM:
             raise ValueError("chat needs a tokenizer with a chat template; this model folder has no tokenizer")
         if messages and isinstance(messages[0], dict):
             messages = [messages]
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
         extra = dict(chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
+        extra |= {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
         items = []
         for i, conv in enumerate(messages):
             if not isinstance(conv, list) or not all(isinstance(m, dict) for m in conv):
@@ -306,8 +314,10 @@ class LLM:
         """The conversation as the prompt text; ``kwargs`` (``tools``, template variables) go to the template."""
         if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
             raise TypeError(f"a conversation must be a list of message dicts, got {conversation!r}")
+        chat_template = chat_template if chat_template is not None else self.chat_template
+        if chat_template is not None and os.path.isfile(chat_template):  # vLLM's: a template or a file holding one
+            chat_template = Path(chat_template).read_text()
         if chat_template is None and not self.tokenizer.chat_template:
             raise ValueError("the tokenizer has no chat template; use generate() or pass chat_template")
-        return self.tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, add_generation_prompt=True, tokenize=False, **kwargs
-        )
+        kwargs.setdefault("add_generation_prompt", True)
+        return self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, **kwargs)

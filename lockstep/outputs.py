@@ -36,7 +36,9 @@ class CompletionOutput:
     ``include_stop_str_in_output``) and decoded as ``skip_special_tokens`` says; it is complete once the sequence
     has finished (unfinished outputs of requests without stop strings leave it empty).
     ``error`` says why the engine aborted the sequence (``finish_reason`` "abort") for a fault of its own, such as
-    a row it could not sample; it is None otherwise, a client's abort included.
+    a row it could not sample; it is None otherwise, a client's abort included. ``stop_reason`` is vLLM's: the stop
+    string or the ``stop_token_ids`` id that ended it (None for EOS, a length limit, or while it runs).
+    ``cumulative_logprob`` (vLLM's field, a keyword here) is the sum of ``token_logprobs`` in order when not given.
     """
 
     index: int
@@ -47,15 +49,16 @@ class CompletionOutput:
     finish_reason: str | None = None
     seed: int | None = None
     error: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.cumulative_logprob is None:
+            self.cumulative_logprob = sum(self.token_logprobs)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def cumulative_logprob(self) -> float:
-        """The sum of ``token_logprobs``, in order (vLLM's field)."""
-        return sum(self.token_logprobs)
 
 
 @dataclass
@@ -85,7 +88,8 @@ class RequestOutput:
     values a decode step would report for the same tokens. ``text``, ``token_ids``, ``token_logprobs``,
     ``logprobs``, ``finish_reason`` and ``seed`` are those of ``outputs[0]``: the whole answer when ``n == 1``.
     ``num_cached_tokens`` (vLLM's) is how many prompt tokens the prefix cache held when the request was first
-    scheduled (None before), ``metrics`` its ``RequestStateStats`` (of choice 0, for ``n > 1``)."""
+    scheduled (None before), ``metrics`` its ``RequestStateStats`` (of choice 0, for ``n > 1``). ``finished``
+    (vLLM's field, a keyword here) is whether every output has finished when not given."""
 
     request_id: str
     prompt: str | None
@@ -94,10 +98,11 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int | None = None
     metrics: RequestStateStats | None = None
+    finished: bool | None = None
 
-    @property
-    def finished(self) -> bool:
-        return all(o.finished for o in self.outputs)
+    def __post_init__(self) -> None:
+        if self.finished is None:
+            self.finished = all(o.finished for o in self.outputs)
 
     @property
     def text(self) -> str:

@@ -105,6 +105,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    flat_logprobs: bool = False  # vLLM's container choice: logprobs stay lists of dicts, which read the same
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -164,7 +165,12 @@ class SamplingParams:
         k = self.prompt_logprobs
         if k is not None and (not _is_int(k) or k < -1):
             raise ValueError(f"prompt_logprobs must be None or an int >= 0 (-1: the whole vocabulary), got {k!r}")
-        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+        for name in (
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+            "flat_logprobs",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         k = self.truncate_prompt_tokens

@@ -11,7 +11,7 @@ import pytest
 from tiny_models import TINY_VOCAB
 
 from lockstep.llm import LLM
-from lockstep.outputs import Logprob, RequestOutput
+from lockstep.outputs import CompletionOutput, Logprob, RequestOutput
 from lockstep.sampling_params import SamplingParams, choice_seed
 
 BLOCK = 4
@@ -453,10 +453,62 @@ def test_load_format_dummy_serves_a_folder_without_weights(tiny_model_dir: Path,
 
 
 def test_vllm_arguments_that_change_nothing_are_accepted(tiny_model_dir: Path) -> None:
-    llm = make_llm(tiny_model_dir, disable_log_stats=True, disable_custom_all_reduce=True, enable_mm_embeds=False)
+    # What vLLM scripts pass: no-ops here (vllm_args.IGNORED), vLLM's defaults (NEUTRAL), a renamed field.
+    vllm_style = dict(
+        disable_log_stats=True, disable_custom_all_reduce=True, enable_mm_embeds=False, swap_space=4,
+        enable_chunked_prefill=False, attention_config={"backend": "FLASH_ATTN"}, kernel_config={},
+        compilation_config={"cudagraph_mode": "FULL"}, trust_remote_code=True, tokenizer=str(tiny_model_dir),
+        tokenizer_mode="auto", distributed_executor_backend="mp", logprobs_mode="raw_logprobs",
+        scheduling_policy="fcfs", max_logprobs=5, num_gpu_blocks_override=300, allowed_local_media_path="",
+    )  # fmt: skip
+    llm = LLM(str(tiny_model_dir), block_size=BLOCK, **vllm_style)
+    assert llm.engine.config.num_kv_blocks == 300 and llm.engine.config.max_logprobs == 5
     [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2 and llm.llm_engine is llm.engine  # vLLM's name for the engine
-    with pytest.raises(ValueError, match="enable_mm_embeds=True"):
-        make_llm(tiny_model_dir, enable_mm_embeds=True)
+    # The same bits as an LLM built without them.
+    [plain] = make_llm(tiny_model_dir).generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
+    assert bits(plain) == bits(out)
+    with pytest.raises(ValueError, match="same setting"):
+        make_llm(tiny_model_dir, num_gpu_blocks_override=300)  # and make_llm's num_kv_blocks
+    for bad in (
+        {"enable_mm_embeds": True}, {"tokenizer_mode": "slow"}, {"tokenizer": "/elsewhere"}, {"enable_lora": True},
+        {"logprobs_mode": "processed_logprobs"}, {"scheduling_policy": "priority"}, {"pipeline_parallel_size": 2},
+        {"speculative_config": {"method": "ngram"}}, {"logits_processors": ["my.Processor"]}, {"hf_token": "x"},
+    ):  # fmt: skip
+        [(name, value)] = bad.items()
+        with pytest.raises(ValueError, match=f"LLM\\({name}="):
+            make_llm(tiny_model_dir, **bad)
     with pytest.raises(TypeError, match="unknown argument"):
         make_llm(tiny_model_dir, disable_log_statz=True)
+
+
+def test_vllm_offline_extras(tiny_model_dir: Path, tiny_llm: LLM) -> None:
+    # skip_tokenizer_init: token ids in, token ids out, no text.
+    bare = make_llm(tiny_model_dir, skip_tokenizer_init=True)
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=1)
+    [out] = bare.generate([[5, 6, 7]], greedy)
+    [ref] = tiny_llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
+    assert out.token_ids == ref.token_ids and out.text == "" and out.logprobs[0][out.token_ids[0]].decoded_token is None
+    with pytest.raises(ValueError, match="no tokenizer"):
+        bare.generate("hello")
+    # priority: all 0 (vLLM's first-come-first-served), lora_request None; flat_logprobs reads the same.
+    outs = tiny_llm.generate(
+        ["ab", "cd"], SamplingParams(max_tokens=2, flat_logprobs=True, logprobs=1), priority=[0, 0]
+    )
+    assert len(outs) == 2 and outs[0].logprobs[0][outs[0].token_ids[0]].rank >= 1
+    with pytest.raises(ValueError, match="priority"):
+        tiny_llm.generate(["ab", "cd"], priority=[0, 1])
+    # stop_reason: the stop string, or the stop token id, that ended it (None for EOS and length), as vLLM's.
+    text = tiny_llm.generate("hello", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].text
+    stopped = tiny_llm.generate("hello", SamplingParams(max_tokens=6, temperature=0, stop=[text[2:4]]))[0]
+    assert stopped.finish_reason == "stop" and stopped.outputs[0].stop_reason == text[2:4]
+    tid = ref.token_ids[1]
+    by_id = tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[tid]))[0]
+    assert by_id.outputs[0].stop_reason == tid and ref.outputs[0].stop_reason is None
+    # vLLM's constructors, by keyword: RequestOutput(finished=...), CompletionOutput(cumulative_logprob=...).
+    c = CompletionOutput(index=0, text="x", token_ids=[1], cumulative_logprob=-0.5, logprobs=None)
+    r = RequestOutput(
+        request_id="r", prompt="p", prompt_token_ids=[2], prompt_logprobs=None, outputs=[c], finished=True
+    )
+    assert r.finished and c.cumulative_logprob == -0.5 and not RequestOutput("s", None, [2], [c]).finished
+    assert ref.outputs[0].cumulative_logprob == sum(ref.token_logprobs)

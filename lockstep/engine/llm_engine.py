@@ -61,6 +61,7 @@ class _Request:
     error: str | None = None  # why the engine aborted it, for a fault of its own
     metrics: RequestStateStats = field(default_factory=RequestStateStats)  # vLLM's RequestOutput.metrics
     num_cached_tokens: int | None = None  # prefix-cache hits at its first admission (vLLM's)
+    stop_string: str | None = None  # the stop string that ended it
 
 
 @dataclass
@@ -106,7 +107,7 @@ class LLMEngine:
 
             config = dataclasses.replace(config, model=resolve_model(config.model, config.revision), revision=None)
         self.default_sampling = _generation_defaults(config)  # read first: a bad file fails before the load
-        self.tokenizer = _load_tokenizer_or_none(config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else _load_tokenizer_or_none(config.model)
         self.workers: WorkerPool | None = None
         if config.tensor_parallel_size > 1:
             self.workers = _start_workers(config)
@@ -531,6 +532,7 @@ class LLMEngine:
             request.stop_checked = len(text)
             hit = find_stop(text, stops, start)
             if hit is not None:
+                request.stop_string = hit[1]
                 text = text[: hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)]
                 if not seq.is_finished:
                     self.scheduler.finish(seq.request_id, FinishReason.STOP)
@@ -557,6 +559,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             seed=seq.params.seed,
             error=request.error,
+            stop_reason=self._stop_reason(request),
         )
         prompt_logprobs = self._prompt_logprobs(request) if seq.params.prompt_logprobs is not None else None
         stats = dataclasses.replace(
@@ -576,6 +579,18 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             metrics=stats,
         )
+
+    def _stop_reason(self, request: _Request) -> int | str | None:
+        """vLLM's ``stop_reason``: the stop string, or the stop token id (not EOS), that ended the request."""
+        seq = request.seq
+        if seq.finish_reason is not FinishReason.STOP:
+            return None
+        if request.stop_string is not None:
+            return request.stop_string
+        last = seq.token_ids[-1]
+        if last in seq.params.stop_token_ids and (seq.params.ignore_eos or last not in self.eos_token_ids):
+            return last
+        return None
 
     def _prompt_logprobs(self, request: _Request) -> PromptLogprobs:
         """vLLM's prompt logprobs: None for the first token, then a dict per prompt token (built once; fewer only
