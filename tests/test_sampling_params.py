@@ -74,7 +74,7 @@ def test_normalisation():
         ({"stop": ["ok", 3]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": [1.0]}, "stop_token_ids"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),  # -1 is vLLM's whole vocabulary
         ({"logprobs": 1.5}, "logprobs"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"n": 0}, "n"),

@@ -177,6 +177,7 @@ class _Delta:
     error: str | None
     prompt_logprobs: list | None = None  # vLLM's prompt logprob dicts, when asked for (the engine's list, shared)
     num_cached_tokens: int | None = None  # prefix-cache hits at its first step (vLLM's; usage's cached_tokens)
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 def weights_hash(folder: str | Path) -> str:
@@ -447,6 +448,7 @@ class AsyncEngine:
             c.error,
             out.prompt_logprobs,
             out.num_cached_tokens,
+            c.stop_reason,
         )
 
     def _fail(self, group: "RequestGroup", error: EngineError) -> None:
@@ -566,6 +568,7 @@ class _Output:
         self.error: str | None = None
         self.prompt_logprobs: list | None = None
         self.num_cached_tokens: int | None = None
+        self.stop_reason: int | str | None = None
 
     def add(self, d: _Delta) -> None:
         self.token_ids += d.token_ids
@@ -578,6 +581,7 @@ class _Output:
             self.prompt_logprobs = d.prompt_logprobs
         if d.num_cached_tokens is not None:
             self.num_cached_tokens = d.num_cached_tokens
+        self.stop_reason = d.stop_reason
 
     def output(self) -> RequestOutput:
         logprobs = list(self.logprobs) if self.logprobs is not None else None
@@ -590,6 +594,7 @@ class _Output:
             finish_reason=self.finish_reason,
             seed=self.seed,
             error=self.error,
+            stop_reason=self.stop_reason,
         )
         return RequestOutput(
             self.request_id, None, self.prompt_token_ids, [c], self.prompt_logprobs, self.num_cached_tokens

@@ -94,8 +94,7 @@ def completion_specs(state: ServerState, req: CompletionRequest) -> list[ChoiceS
         for ids in prompts:
             check_token_ids(state, ids, "prompt", "prompt token")
     texts = _echo_texts(state, req, prompts) if req.echo else [None] * len(prompts)
-    vocab = state.engine.engine.vocab_size
-    logprobs, asked_prompt = (vocab if k == -1 else k for k in (req.logprobs, req.prompt_logprobs))  # -1: all
+    logprobs, asked_prompt = (_whole_vocab(state, k) for k in (req.logprobs, req.prompt_logprobs))
     wanted = [k for k in (logprobs if req.echo else None, asked_prompt) if k is not None]
     prompt_logprobs = max(wanted) if wanted else None
     defaults = state.engine.engine.default_sampling
@@ -174,9 +173,8 @@ def chat_specs(
         max_tokens = _check_length(state, len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
     else:  # the model's generation config's max_new_tokens, as far as the context allows
         max_tokens = _default_max_tokens(state, len(prompt), "messages")
-    vocab = state.engine.engine.vocab_size
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    logprobs, asked_prompt = (vocab if k == -1 else k for k in (logprobs, req.prompt_logprobs))  # -1: all
+    logprobs, asked_prompt = (_whole_vocab(state, k) for k in (logprobs, req.prompt_logprobs))
     defaults = state.engine.engine.default_sampling
     return [
         ChoiceSpec(
@@ -278,6 +276,11 @@ def _tool_format(state: ServerState, req: ChatCompletionRequest) -> tuple[ChatFo
         raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice")
     fmt = ChatFormat("named", name, state.tool_call_parser, reasoning=reasoning)
     return fmt, StructuredOutputsParams(json=named_tool_schema(function))
+
+
+def _whole_vocab(state: ServerState, k: int | None) -> int | None:
+    """A logprobs count with vLLM's -1 (the whole vocabulary) as the vocabulary's size."""
+    return state.engine.engine.vocab_size if k == -1 else k
 
 
 def _check_logprobs(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:

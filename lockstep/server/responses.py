@@ -265,8 +265,11 @@ class _Response:
             if self.chat_echo and not delta:  # vLLM's: the echo before whatever content the reply has
                 body["message"]["content"] = self.chat_echo + (body["message"]["content"] or "")
             choice = {"index": index, **body, "logprobs": lp, "finish_reason": finish_reason}
-            if not delta:  # vLLM's field, null unless asked for (a stream's chunks add it in _stream)
+            if not delta:  # vLLM's fields: token_ids null unless asked for (a stream's chunks add it in _stream)
+                choice["stop_reason"] = out.outputs[0].stop_reason
                 choice["token_ids"] = self.output_ids(out)
+            elif finish_reason is not None:
+                choice["stop_reason"] = out.outputs[0].stop_reason
             return choice
         if self.echo_only:  # the token generated to compute the prompt is not part of the answer
             text, start = "", len(out.token_ids)
@@ -280,6 +283,8 @@ class _Response:
                 lp = {key: head[key] + lp[key] for key in lp}
         text = prompt_text + text if echo_now else text
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+        if not delta or out.finish_reason is not None:  # vLLM's: the stop string or token id that ended it
+            choice["stop_reason"] = out.outputs[0].stop_reason
         k = self.specs[index].prompt_logprobs
         if not delta:  # vLLM's fields, in each completion choice, null unless asked for
             choice["prompt_logprobs"] = _vllm_prompt_logprobs(tok, out, k) if k is not None else None

@@ -223,3 +223,21 @@ def test_vllm_metric_names_beside_locksteps(server: Server) -> None:
         assert m[f"vllm:{name}_count{label}"] == m[f"lockstep_{lock}_count"] > 0
         inf = f'vllm:{name}_bucket{{model_name="{server.model}",le="+Inf"}}'
         assert m[inf] == m[f"vllm:{name}_count{label}"]
+
+
+def test_stop_reason_names_the_stop_string_or_token(server: Server) -> None:
+    c = client(server)
+    kw = dict(model=server.model, prompt="hello", max_tokens=6, temperature=0)
+    text = c.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    r = c.completions.create(**kw, stop=[text[2:4]])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason == text[2:4]
+    *_, last = c.completions.create(**kw, stop=[text[2:4]], stream=True)
+    assert last.choices[0].finish_reason == "stop" and last.choices[0].stop_reason == text[2:4]
+    tid = TINY_CHARS.index(text[1])
+    r = c.completions.create(**kw, extra_body={"stop_token_ids": [tid], "ignore_eos": True})
+    assert r.choices[0].stop_reason == tid
+    assert c.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].stop_reason is None  # length
+    chat = c.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stop=["e"]
+    )
+    assert chat.choices[0].stop_reason == ("e" if chat.choices[0].finish_reason == "stop" else None)
