@@ -10,7 +10,7 @@ from lockstep.config import EngineConfig
 from lockstep.engine.llm_engine import LLMEngine
 from lockstep.engine.multimodal import MultimodalInputs
 from lockstep.outputs import CompletionOutput, OutputKind, RequestOutput
-from lockstep.sampling_params import SamplingParams
+from lockstep.sampling_params import BeamSearchParams, SamplingParams
 from lockstep.vllm_args import engine_config_args
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
@@ -186,6 +186,28 @@ class LLM:
                 "served (vLLM's scheduling_policy 'fcfs', where a non-zero priority is refused too)"
             )
         return self._generate(items, sampling_params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: BeamSearchParams,
+        lora_request: None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list:
+        """vLLM's beam search (``lockstep.beam_search``): a ``BeamSearchOutput`` per prompt, its ``beam_width`` best
+        sequences first to last, the same bits in any batch. ``concurrency_limit`` runs that many prompts at a
+        time (all by default)."""
+        from lockstep.beam_search import beam_search
+
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: lockstep serves no LoRA adapters (merge them first)")
+        items = self._prompts(prompts)
+        if any(mm is not None for _, _, mm in items):
+            raise ValueError("beam search takes text prompts (no images yet)")
+        ids = [list(token_ids) for _, token_ids, _ in items]
+        step = concurrency_limit or max(1, len(ids))
+        return [out for j in range(0, len(ids), step) for out in beam_search(self, ids[j : j + step], params, use_tqdm)]
 
     def _generate(
         self,

@@ -224,3 +224,34 @@ class SamplingParams:
         """True when the argmax is taken (``temperature == 0``); top_p, top_k, min_p and seed are then irrelevant
         (penalties and biases still apply)."""
         return self.temperature == 0
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam-search parameters (``LLM.beam_search``): keep the ``beam_width`` best sequences, each step
+    extending every beam by its top ``2 * beam_width`` tokens, for at most ``max_tokens`` tokens. A beam's score is
+    its summed logprob over its length (prompt included, a final EOS not) to the power ``length_penalty``.
+    ``ignore_eos`` keeps EOS from ending a beam. The logprobs are the raw distribution's, so ``temperature`` can
+    only be 0 here (in vLLM it changes only the one sampled token that joins the candidates)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.temperature != 0:
+            raise ValueError(
+                f"temperature must be 0 for beam search, got {self.temperature!r}: beams are scored by the raw "
+                "logprobs, which no temperature changes"
+            )
+        if not _is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
