@@ -47,56 +47,93 @@ def beam_score(beam: BeamSearchSequence, eos_token_id: int | None, length_penalt
     return beam.cum_logprob / (length**length_penalty)
 
 
-def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, use_tqdm: bool = False) -> list:
-    """``BeamSearchOutput`` for each prompt (token ids), in order; ``llm`` is the ``LLM`` whose engine runs it."""
-    engine = llm.engine
-    width = params.beam_width
-    eos = engine.eos_token_ids[0] if engine.eos_token_ids else None
-    eos_ids = set() if params.ignore_eos else set(engine.eos_token_ids)
-    step_params = SamplingParams(max_tokens=1, temperature=0, logprobs=2 * width, ignore_eos=True)
+class BeamSearch:
+    """The search's state for a list of prompts (token ids), advanced one step at a time by whoever runs the
+    engine: ``pending()`` is the token ids of every live beam, in order; ``advance(steps)`` takes each one's
+    candidates (the ``Logprob`` dict of its one-token request, ``STEP_PARAMS(width)``'s); ``done`` says when no
+    beam is left or ``max_tokens`` steps ran; ``outputs(tokenizer)`` is the result."""
 
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_score(beam, eos, params.length_penalty)
+    def __init__(
+        self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: tuple[int, ...], max_model_len: int
+    ) -> None:
+        self.params, self.max_model_len = params, max_model_len
+        self.eos = eos_token_ids[0] if eos_token_ids else None
+        self.eos_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.live = [[BeamSearchSequence(list(p), [])] for p in prompts]
+        self.finished: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+        self._retire_full()
 
-    live = [[BeamSearchSequence(list(p), [])] for p in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    steps = range(params.max_tokens)
-    if use_tqdm:
-        from tqdm.auto import tqdm
+    @property
+    def step_params(self) -> SamplingParams:
+        """What each beam's one-token request asks for: the raw top ``2 * beam_width`` logprobs."""
+        return SamplingParams(max_tokens=1, temperature=0, logprobs=2 * self.params.beam_width, ignore_eos=True)
 
-        steps = tqdm(steps, desc="Beam search", unit="token")
-    for _ in steps:
-        for i, beams in enumerate(live):  # a beam at the context's end cannot grow: it is done
-            done[i] += [b for b in beams if len(b.tokens) >= engine.max_model_len]
-            live[i] = [b for b in beams if len(b.tokens) < engine.max_model_len]
-        flat = [b for beams in live for b in beams]
-        if not flat:
-            break
-        outs = llm._generate([(None, b.tokens, None) for b in flat], step_params, use_tqdm=False)
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.params.max_tokens or not any(self.live)
+
+    def _score(self, beam: BeamSearchSequence) -> float:
+        return beam_score(beam, self.eos, self.params.length_penalty)
+
+    def _retire_full(self) -> None:
+        # A beam at the context's end cannot grow: it is finished as it is.
+        for i, beams in enumerate(self.live):
+            self.finished[i] += [b for b in beams if len(b.tokens) >= self.max_model_len]
+            self.live[i] = [b for b in beams if len(b.tokens) < self.max_model_len]
+
+    def pending(self) -> list[list[int]]:
+        return [b.tokens for beams in self.live for b in beams]
+
+    def advance(self, steps: list[dict[int, Logprob]]) -> None:
         k = 0
-        for i, beams in enumerate(live):
+        for i, beams in enumerate(self.live):
             grown = []
             for beam in beams:
-                step = outs[k].outputs[0].logprobs[0]
+                step = steps[k]
                 k += 1
                 # The candidates in rank order (the dict holds the sampled token first, then the top 2k).
                 for token, lp in sorted(step.items(), key=lambda item: item[1].rank):
                     new = BeamSearchSequence(
                         beam.tokens + [token], beam.logprobs + [step], beam.cum_logprob + lp.logprob
                     )
-                    if token in eos_ids:
+                    if token in self.eos_ids:
                         new.finish_reason = "stop"
-                        done[i].append(new)
+                        self.finished[i].append(new)
                     else:
                         grown.append(new)
-            live[i] = sorted(grown, key=score, reverse=True)[:width]
-    tokenizer = engine.tokenizer
-    outputs = []
-    for i in range(len(prompts)):
-        for beam in live[i]:
-            beam.finish_reason = beam.finish_reason or "length"
-        best = sorted(done[i] + live[i], key=score, reverse=True)[:width]
-        for beam in best:
-            beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
-        outputs.append(BeamSearchOutput(best))
-    return outputs
+            self.live[i] = sorted(grown, key=self._score, reverse=True)[: self.params.beam_width]
+        if k != len(steps):
+            raise ValueError(f"{len(steps)} steps for {k} live beams")
+        self.steps += 1
+        self._retire_full()
+
+    def outputs(self, tokenizer) -> list[BeamSearchOutput]:
+        result = []
+        for finished, live in zip(self.finished, self.live, strict=True):
+            for beam in live:
+                beam.finish_reason = beam.finish_reason or "length"
+            best = sorted(finished + live, key=self._score, reverse=True)[: self.params.beam_width]
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
+            result.append(BeamSearchOutput(best))
+        return result
+
+
+def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, use_tqdm: bool = False) -> list:
+    """``BeamSearchOutput`` for each prompt (token ids), in order; ``llm`` is the ``LLM`` whose engine runs it."""
+    engine = llm.engine
+    search = BeamSearch(prompts, params, engine.eos_token_ids, engine.max_model_len)
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=params.max_tokens, desc="Beam search", unit="token")
+    while not search.done:
+        outs = llm._generate([(None, ids, None) for ids in search.pending()], search.step_params, use_tqdm=False)
+        search.advance([out.outputs[0].logprobs[0] for out in outs])
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return search.outputs(engine.tokenizer)

@@ -25,6 +25,7 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lockstep.server.async_engine import EngineError
+from lockstep.server.beam import beam_reply
 from lockstep.server.listener import bind_socket, listen_with
 from lockstep.server.middleware import ERROR_ID_KEY, Gatekeeper, authorized, new_error_id, server_error_body
 from lockstep.server.protocol import APIError, error_body
@@ -137,6 +138,8 @@ def build_app(state: ServerState) -> FastAPI:
         if parsed is None:  # nothing was submitted: a departed client's call costs the engine nothing
             return Response(status_code=499)
         req, specs = parsed
+        if req.use_beam_search:
+            return await beam_reply(state, request, req, specs, chat=chat)
         return await respond(state, request, req, specs, chat=chat)
 
     async def in_worker(request: Request, handler) -> Response:

@@ -64,8 +64,6 @@ UNHONOURED: dict[str, tuple] = {
     "audio": (),
     "reasoning_effort": (),
     "web_search_options": (),
-    "use_beam_search": (False,),
-    "length_penalty": (1.0,),
     "logits_processors": ([],),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
@@ -168,6 +166,9 @@ class _Request(BaseModel):
     # vLLM's: choose only from these ids; never end a banned word (SamplingParams' meanings, layers/token_bans.py)
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    # vLLM's beam search: n is the beam width (server/beam.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     unhonoured: ClassVar[dict[str, tuple]] = UNHONOURED
 

@@ -241,3 +241,35 @@ def test_stop_reason_names_the_stop_string_or_token(server: Server) -> None:
         model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stop=["e"]
     )
     assert chat.choices[0].stop_reason == ("e" if chat.choices[0].finish_reason == "stop" else None)
+
+
+def test_use_beam_search_gives_the_offline_beams(server: Server, tiny_server_model_dir: Path) -> None:
+    from lockstep.llm import LLM
+    from lockstep.sampling_params import BeamSearchParams
+
+    c = client(server)
+    extra = {"use_beam_search": True, "ignore_eos": True, "return_token_ids": True}
+    r = c.completions.create(model=server.model, prompt=["hello", "beam"], n=3, max_tokens=4, extra_body=extra)
+    assert [ch.index for ch in r.choices] == list(range(6))
+    [ref_hello, ref_beam] = LLM(str(tiny_server_model_dir)).beam_search(
+        [ids_of("hello"), ids_of("beam")], BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
+    )
+    for ch, seq in zip(r.choices, ref_hello.sequences + ref_beam.sequences, strict=True):
+        prompt = ids_of("hello" if ch.index < 3 else "beam")
+        assert ch.token_ids == seq.tokens[len(prompt) :] and ch.text == "".join(TINY_CHARS[t] for t in ch.token_ids)
+        assert ch.finish_reason == "length"
+    assert len({tuple(ch.token_ids) for ch in r.choices[:3]}) == 3 and r.usage.completion_tokens == 24
+    chat = c.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=3, extra_body=extra
+    )
+    assert len(chat.choices) == 2 and chat.choices[0].message.content != chat.choices[1].message.content
+    comp = {"model": server.model, "prompt": "hi", "max_tokens": 2, "use_beam_search": True}
+    for extra_field, name in (
+        ({"stream": True}, "stream"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"stop": ["x"]}, "stop"),
+        ({"n": 11}, "n"),
+    ):
+        err = _assert_error(_post(server, "/v1/completions", comp | extra_field), 400, name)
+        assert err["param"] == name

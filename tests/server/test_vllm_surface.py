@@ -212,8 +212,7 @@ def test_max_completion_tokens_and_parameters_lockstep_cannot_honour(server: Ser
     assert _post(server, "/v1/completions", comp | harmless).status_code == 200
     assert _post(server, "/v1/chat/completions", chat | harmless | {"add_generation_prompt": True}).status_code == 200
     for path, body, name in (
-        ("/v1/completions", comp | {"use_beam_search": True}, "use_beam_search"),
-        ("/v1/completions", comp | {"length_penalty": 2.0}, "length_penalty"),
+        ("/v1/completions", comp | {"logits_processors": ["my.Processor"]}, "logits_processors"),
         ("/v1/completions", comp | {"logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
         ("/v1/chat/completions", chat | {"logprobs": True, "logprob_token_ids": [5]}, "logprob_token_ids"),
         ("/v1/completions", comp | {"add_special_tokens": False}, "add_special_tokens"),
