@@ -7,8 +7,8 @@ honour (``UNHONOURED``, and ``best_of`` > n, ``suffix``): set to anything that c
 rejected with 400 rather than silently ignored. Besides OpenAI's fields, vLLM's sampling extensions ``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``spaces_between_special_tokens``, ``prompt_logprobs``, ``truncate_prompt_tokens``,
-``truncation_side``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``allowed_token_ids`` and ``bad_words``
-are read (the openai client sends them
+``truncation_side``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``allowed_token_ids``, ``bad_words``,
+``use_beam_search`` and ``length_penalty`` are read (the openai client sends them
 through ``extra_body``).
 """
 
