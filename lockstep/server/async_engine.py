@@ -209,6 +209,7 @@ class AsyncEngine:
         self._groups: dict[str, RequestGroup] = {}
         self._active: dict[RequestGroup, None] = {}  # insertion-ordered
         self._texts: dict[str, str] = {}
+        self._token_times: dict[str, float] = {}  # perf_counter() of each live request's latest tokens
         self._failures = 0  # consecutive failed steps
         self._next_sweep = 0.0
         self._dead: BaseException | None = None
@@ -396,6 +397,7 @@ class AsyncEngine:
     def _forget(self, request_id: str, group: "RequestGroup") -> None:
         del self._groups[request_id]
         self._texts.pop(request_id, None)
+        self._token_times.pop(request_id, None)
         group.num_live -= 1
         if group.num_live == 0:
             self._active.pop(group, None)
@@ -408,13 +410,19 @@ class AsyncEngine:
             self._step_failed(e)
             return
         self._failures = 0
-        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        now = time.perf_counter()
+        self.metrics.step_seconds.observe(now - start)
         posts: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             group = self._groups.get(out.request_id)
             if group is None:
                 continue
             delta = self._delta(out)
+            if delta.token_ids:  # the time since this request's previous tokens (vLLM's inter-token latency)
+                before = self._token_times.get(out.request_id)
+                if before is not None:
+                    self.metrics.inter_token_seconds.observe((now - before) / len(delta.token_ids))
+                self._token_times[out.request_id] = now
             if out.finished:
                 self._forget(out.request_id, group)
                 reason = out.outputs[0].finish_reason or "abort"

@@ -4,7 +4,8 @@ lockstep's own names (``lockstep_*``), and beside them the same figures under vL
 ``model_name`` as vLLM labels them) so that dashboards built for vLLM read them: ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (and the older ``vllm:gpu_cache_usage_perc``: the
 fraction of KV blocks held, 0 to 1), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
-``vllm:request_success_total``, ``vllm:time_to_first_token_seconds`` and ``vllm:e2e_request_latency_seconds``.
+``vllm:request_success_total``, ``vllm:time_to_first_token_seconds``, ``vllm:e2e_request_latency_seconds`` and
+``vllm:inter_token_latency_seconds``.
 
 Counters and histograms are updated from the event loop and the engine thread; gauges are set by the engine
 thread after every step. Plain attribute updates are enough here: a scrape may be one step stale.
@@ -63,6 +64,7 @@ class Metrics:
     request_seconds: Histogram = field(default_factory=Histogram)
     first_token_seconds: Histogram = field(default_factory=Histogram)
     step_seconds: Histogram = field(default_factory=Histogram)
+    inter_token_seconds: Histogram = field(default_factory=Histogram)  # a request's tokens, one from the next
     info: dict[str, str] = field(default_factory=dict)  # what is served: kernel set, device, dtype, version
     model_name: str = ""  # the served model's name: the label of vLLM's metric names
     finished: dict[str, int] = field(default_factory=dict)  # requests ended, by finish reason (vLLM's)
@@ -100,6 +102,7 @@ class Metrics:
             ("request_latency_seconds", self.request_seconds, "Request latency, arrival to last token."),
             ("time_to_first_token_seconds", self.first_token_seconds, "Arrival to first generated token."),
             ("engine_step_seconds", self.step_seconds, "Duration of one engine step."),
+            ("inter_token_latency_seconds", self.inter_token_seconds, "A request's time from one token to the next."),
         ):
             lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} histogram", *hist.lines(p + name)]
         return "\n".join(lines + self.vllm_lines()) + "\n"
@@ -127,6 +130,7 @@ class Metrics:
         for name, hist, doc in (
             ("time_to_first_token_seconds", self.first_token_seconds, "Histogram of time to first token in seconds."),
             ("e2e_request_latency_seconds", self.request_seconds, "Histogram of end to end request latency."),
+            ("inter_token_latency_seconds", self.inter_token_seconds, "Histogram of inter-token latency."),
         ):
             lines += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} histogram", *hist.lines(f"vllm:{name}", label)]
         return lines

@@ -218,7 +218,9 @@ def test_vllm_metric_names_beside_locksteps(server: Server) -> None:
     usage = m["lockstep_kv_blocks_used"] / m["lockstep_kv_blocks_total"]
     assert m[f"vllm:kv_cache_usage_perc{label}"] == m[f"vllm:gpu_cache_usage_perc{label}"] == usage
     assert m[f'vllm:request_success_total{{model_name="{server.model}",finished_reason="length"}}'] >= 1
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+    # The 3 tokens of the call above are 2 gaps; other tests' calls add theirs.
+    assert m["lockstep_inter_token_latency_seconds_count"] >= 2
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds"):
         lock = "request_latency_seconds" if name.startswith("e2e") else name
         assert m[f"vllm:{name}_count{label}"] == m[f"lockstep_{lock}_count"] > 0
         inf = f'vllm:{name}_bucket{{model_name="{server.model}",le="+Inf"}}'
