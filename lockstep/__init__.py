@@ -10,13 +10,14 @@ from lockstep.ops.mode import (
     is_batch_invariant_mode_enabled,
 )
 from lockstep.outputs import Logprob
-from lockstep.sampling_params import SamplingParams, choice_seed
+from lockstep.sampling_params import BeamSearchParams, SamplingParams, choice_seed
 from lockstep.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "InvarianceReport",
     "Logprob",
