@@ -206,3 +206,19 @@ def test_request_metrics_and_cached_tokens(llm: LLM) -> None:
     assert m.num_generation_tokens == 3 and not m.is_corrupted
     assert 0 < m.queued_ts <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts
     assert m.first_token_latency == m.first_token_ts - m.queued_ts and abs(m.arrival_time - time.time()) < 600
+
+
+def test_chat_modes_and_a_default_template(llm: LLM, tiny_model_dir: Path, tmp_path: Path) -> None:
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The ans"}]
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    [out] = llm.chat(convo, greedy, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    continued = llm.get_tokenizer().encode("user: hi\nassistant: The ans", add_special_tokens=False)
+    assert out.prompt_token_ids == continued  # the final message continued, the template's closing newline cut
+    with pytest.raises(ValueError, match="both"):
+        llm.chat(convo, greedy, continue_final_message=True)
+    # vLLM's LLM(chat_template=...): a template, or a file holding one, for calls that name none.
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}!")
+    for template in ("{{ messages[0]['content'] }}!", str(tmp_path / "t.jinja")):
+        custom = LLM(str(tiny_model_dir), block_size=4, num_kv_blocks=64, chat_template=template)
+        [out] = custom.chat(convo, greedy, use_tqdm=False)
+        assert custom.get_tokenizer().decode(out.prompt_token_ids) == "hi!"
