@@ -101,7 +101,8 @@ def create_state(
     dev = engine.runner.device
     device_name = f"cuda:{torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else "cpu"
     parts = {
-        "weights_blake2b": weights_hash(model),
+        # dummy weights are drawn from config.json's shape: nothing on disk to hash, the identity says so
+        "weights_blake2b": "dummy" if config.load_format == "dummy" else weights_hash(model),
         "lockstep": lockstep.__version__,
         "device": device_name,
         "dtype": str(engine.runner.model.dtype).removeprefix("torch."),
