@@ -130,12 +130,16 @@ def main() -> None:
     if args.vlm:
         import vlm_engine  # bench/vlm_engine.py
 
-        folder = vlm_engine.make_folder(workdir, 2 if args.smoke else args.layers or 36, args.smoke)
+        # The vocabulary is the tokenizer's (104 characters and special tokens) so that every sampled id decodes to
+        # text the audit can compare; Qwen3-VL's 151,936 would mostly sample ids the char tokenizer decodes to "".
+        layers = 2 if args.smoke else args.layers or 36
+        folder = vlm_engine.make_folder(workdir, layers, args.smoke, vlm_engine.VLM_VOCAB)
         image_size = (112, 112) if args.smoke else (448, 448)
         image = workdir / "needle.png"
         vlm_engine.image(image_size[0], 0).save(image)
         prompt = vlm_engine.NEEDLE
-        info = {"folder": folder.name, "layers": 2 if args.smoke else args.layers or 36, "load_format": "dummy"}
+        info = {"folder": folder.name, "layers": layers, "load_format": "dummy",
+                "vocab_size": vlm_engine.VLM_VOCAB}  # fmt: skip
         vocab = vlm_engine.VLM_VOCAB
     else:
         rng = random.Random(0)

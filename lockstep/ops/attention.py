@@ -446,15 +446,16 @@ def _inline_splits(programs: int, num_sms: int) -> int:
     return 4 if 2 * programs >= 3 * num_sms else 1
 
 
-def _col_groups(decode: bool, programs: int, num_sms: int) -> int:
+def _col_groups(decode: bool, programs: int, num_sms: int, d_pad: int) -> int:
     """How many programs share each (query tile, KV head)'s output columns (the same bits for any count).
 
     Measured on the H200 (bench/attention_check.py, 32/8 heads, head_dim 128, a 40,960-position block table):
     batch-1 decode runs 8 programs per split on 132 SMs; two column groups took 13.1 us at 1k context against 18.5
     and 21.0 against 23.9 at 4k (each group reads all of K, mostly from L2), batch 4 17.1 against 19.2 at 1k and
     33.5 against 32.2 at 4k; at batch 8 (64 programs a split) they lose as often as they win, four groups lose
-    everywhere past batch 1. So decode grids of at most one program per 4 SMs take two."""
-    return 2 if decode and 4 * programs <= num_sms else 1
+    everywhere past batch 1. So decode grids of at most one program per 4 SMs take two, when the head has the 32
+    columns two groups of 16 need (tiny test models have 16)."""
+    return 2 if decode and 4 * programs <= num_sms and d_pad >= 32 else 1
 
 
 def _ids_ahead(decode: bool, programs: int, num_sms: int) -> bool:
@@ -550,7 +551,7 @@ def _paged_attention_triton(
     # heads_inner (the kernel says what it does) was up to 4% faster on the H200 in decode, a few per cent either
     # way in causal prefill (bench/attention_check.py: 1 x 4096 592 vs 620 us, 1 x 16384 8891 vs 8586 at BLOCK_M 64).
     if col_groups is None:
-        col_groups = _col_groups(decode, programs, sms)
+        col_groups = _col_groups(decode, programs, sms, d_pad)
     if ids_ahead is None:
         ids_ahead = _ids_ahead(decode, programs, sms)
     if skip_empty is None:
