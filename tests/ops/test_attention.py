@@ -13,6 +13,7 @@ from lockstep.ops.attention import (
     _PART_CAP_BYTES,
     TILE,
     _bmm,
+    _col_groups,
     _ids_ahead,
     _inline_splits,
     _paged_attention_cpu,
@@ -447,6 +448,9 @@ def test_default_launch_path():
     assert [_ids_ahead(True, b * 8, num_sms=132) for b in (1, 8, 16, 32, 256)] == [False] * 3 + [True] * 2
     assert [_skip_empty(True, b * 8, num_sms=132) for b in (1, 4, 8, 256)] == [False] * 2 + [True] * 2
     assert not _ids_ahead(False, 256 * 8, num_sms=132) and not _skip_empty(False, 256 * 8, num_sms=132)
+    # Two column groups for batch-1/4 decode at head_dim 128, never for a 16-column head (groups of 8 cannot run).
+    assert [_col_groups(True, b * 8, num_sms=132, d_pad=128) for b in (1, 4, 8)] == [2, 2, 1]
+    assert _col_groups(True, 8, num_sms=132, d_pad=16) == 1 and _col_groups(False, 8, num_sms=132, d_pad=128) == 1
 
 
 def test_split_must_be_tile_times_a_power_of_two():
