@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lockstep.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from lockstep.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, resolve_device
 from lockstep.distributed import ControlChannel, TPGroup
 from lockstep.engine.block_tables import DeviceBlockTables, TableUpdate
 from lockstep.engine.cuda_graph import DecodeGraphs
@@ -26,7 +26,7 @@ from lockstep.engine.encoder_cache import EncoderCache
 from lockstep.engine.scheduler import ScheduledBatch
 from lockstep.engine.sequence import Sequence
 from lockstep.engine.token_feed import FedRows, TokenFeed
-from lockstep.layers.attention import FlatBatch, flatten_batch
+from lockstep.layers.batch import FlatBatch, flatten_batch
 from lockstep.layers.sampler import PendingSample, Sampled, Sampler, TokenLogprobs, device_tensor, gather_logprobs
 from lockstep.models.loader import load_model
 from lockstep.structured.grammar import token_masks
@@ -48,12 +48,6 @@ STEP, WEIGHTS, STOP = 1, 2, 3
 # sequence, serving met table shapes the start-up warm-up had not (compiles while serving, 2026-12-01). Columns
 # past a sequence's length are never read, so the bits do not change.
 TABLE_COLUMNS = 16
-
-
-def resolve_device(device: str | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def rank_device(device: str | None, rank: int, size: int) -> torch.device:

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from lockstep.distributed import Shard, TPGroup, kv_head_range, split_evenly
-from lockstep.layers.attention import Attention, AttentionMetadata
+from lockstep.layers.attention import Attention
+from lockstep.layers.batch import AttentionMetadata
 from lockstep.layers.embedding import LMHead, VocabEmbedding
 from lockstep.layers.kernels import Kernels, get_kernels
 from lockstep.layers.linear import Linear, RowParallelLinear

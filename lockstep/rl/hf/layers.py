@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.batch import AttentionMetadata
 from lockstep.ops.matmul import linear as _linear
 from lockstep.ops.matmul import mm
 from lockstep.rl.hf.batch import PAGE
