@@ -234,7 +234,7 @@ class ModelRunner:
         the tensors are whole checkpoint tensors: rank 0 broadcasts each one and every rank keeps its slice.
         """
         todo = self._plan_weights(weights.items() if isinstance(weights, Mapping) else weights)
-        shards = self.model.checkpoint_shards()
+        shards = self._checkpoint_shards()
         if self.channel is not None:
             self.channel.send(torch.tensor([WEIGHTS]))
             self.channel.send_object([(name, list(tensor.shape)) for name, _, tensor in todo])
@@ -247,8 +247,7 @@ class ModelRunner:
         buffers dropped); ValueError for an unknown name or a wrong shape. Meta tensors check an announced update."""
         if any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters()):
             raise ValueError("load_weights into FP8 layers is not supported yet (they would need quantizing)")
-        slots = self.model.checkpoint_tensors()
-        shards = self.model.checkpoint_shards()
+        slots, shards = self._checkpoint_tensors(), self._checkpoint_shards()
         tied = self.model.config.tie_word_embeddings
         todo = []
         for name, tensor in self.model.released_names(items):
@@ -266,6 +265,15 @@ class ModelRunner:
             todo.append((name, dest, tensor))
         return todo
 
+    def _checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's checkpoint views (those taken before sleeping, while asleep: engine/sleep.py)."""
+        state = self.sleep_state
+        return state.slots if state is not None and state.slots is not None else self.model.checkpoint_tensors()
+
+    def _checkpoint_shards(self) -> dict:
+        state = self.sleep_state
+        return state.shards if state is not None and state.shards is not None else self.model.checkpoint_shards()
+
     def _copy_weight(self, name: str, dest: torch.Tensor, full: torch.Tensor, shard, broadcast: bool = True) -> None:
         if self.tp.size > 1 and broadcast:
             self.tp.broadcast(full.contiguous())
@@ -276,7 +284,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _receive_weights(self) -> None:
         """Ranks > 0: rank 0's ``load_weights``."""
-        slots, shards = self.model.checkpoint_tensors(), self.model.checkpoint_shards()
+        slots, shards = self._checkpoint_tensors(), self._checkpoint_shards()
         for name, shape in self.channel.recv_object():
             dest = slots[name]
             full = torch.empty(shape, dtype=dest.dtype, device=self.device)
@@ -331,7 +339,7 @@ class ModelRunner:
         specs, bucket_bytes = parse_update_info(update_info)
         plan = buckets(specs, bucket_bytes)
         buffer = torch.empty(max((b.nbytes for b in plan), default=0), dtype=torch.uint8, device=self.device)
-        shards = self.model.checkpoint_shards()
+        shards = self._checkpoint_shards()
         for bucket in plan:
             self.weight_group.broadcast(buffer[: bucket.nbytes])
             for name, dest, tensor in self._plan_weights(unpack(bucket, buffer)):

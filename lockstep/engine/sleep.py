@@ -55,6 +55,10 @@ class SleepState:
         self.kv_asleep = False
         self._weights: dict[int, _Storage] = {}  # by storage address while awake: weights that are freed
         self._by_name: dict[str, _Storage] = {}
+        # The model's checkpoint views and shards, taken before the storages shrink (a view of a 0-byte storage
+        # cannot be made; one made before stays valid and sees the bytes again once they are back).
+        self.slots: dict[str, torch.Tensor] | None = None
+        self.shards: dict | None = None
 
     @property
     def is_sleeping(self) -> bool:
@@ -62,7 +66,7 @@ class SleepState:
 
     def _weight_storages(self) -> dict[int, _Storage]:
         found: dict[int, _Storage] = {}
-        for name, t in self.model.checkpoint_tensors().items():
+        for name, t in self.slots.items():
             s = t.untyped_storage()
             entry = found.setdefault(s.data_ptr(), _Storage(s, s.nbytes(), []))
             entry.names.append(name)
@@ -75,6 +79,7 @@ class SleepState:
             raise RuntimeError(f"the engine is already sleeping (level {self.level})")
         for p in self.model.parameters():
             _forget_derived(p)
+        self.slots, self.shards = self.model.checkpoint_tensors(), self.model.checkpoint_shards()
         self._weights = self._weight_storages()
         pinned = self.device.type == "cuda"
         for entry in self._weights.values():
@@ -145,5 +150,5 @@ class SleepState:
                     t.zero_()
             self.kv_asleep = False
         if not self._weights and not self.kv_asleep:
-            self.level = None
+            self.level, self.slots, self.shards = None, None, None
         return self.level is None
