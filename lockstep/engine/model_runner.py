@@ -350,7 +350,7 @@ class ModelRunner:
 
     def _sleeping(self) -> SleepState:
         if self.sleep_state is None:
-            raise RuntimeError("sleep mode is off: build the LLM with enable_sleep_mode=True")
+            raise RuntimeError("sleep mode is off: LLM(enable_sleep_mode=True), lockstep serve --enable-sleep-mode")
         return self.sleep_state
 
     def sleep(self, level: int) -> None:

@@ -15,10 +15,12 @@ rank 0 broadcasts that bucket, so at most one bucket of full tensors exists at a
 """
 
 import datetime
+import socket
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 
+import httpx
 import torch
 
 from lockstep.distributed.weight_group import (
@@ -31,7 +33,7 @@ from lockstep.distributed.weight_group import (
     pack,
 )
 
-__all__ = ["WeightClient", "WeightSender", "send_sharded"]
+__all__ = ["WeightClient", "WeightSender", "alongside", "local_address", "send_sharded"]
 
 
 def _full_shape_and_dtype(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
@@ -127,13 +129,44 @@ def send_sharded(
     _send_buckets(sender, list(named), bucket_bytes, dtype)
 
 
+def alongside(request, work):
+    """Run ``request()`` (an HTTP call that makes the sampler join a collective) and ``work()`` (this side of it) at
+    the same time; ``work``'s result. If either fails first, its error is raised at once: a collective left
+    waiting for a sampler that refused (a 4xx) then times out on its own, in the background."""
+    futures: dict[str, Future] = {"request": Future(), "work": Future()}
+
+    def run(key: str, fn) -> None:
+        try:
+            futures[key].set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - raised below
+            futures[key].set_exception(e)
+
+    for key, fn in (("request", request), ("work", work)):
+        threading.Thread(target=run, args=(key, fn), daemon=True, name=f"lockstep-weights-{key}").start()
+    pending = set(futures.values())
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+        for f in done:
+            f.result()  # raises the first failure
+    return futures["work"].result()
+
+
+def local_address(host: str, port: int) -> str:
+    """This machine's address as ``host`` would see it (the interface that routes there): what the trainer
+    announces as ``master_address``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((socket.gethostbyname(host), port))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
 class WeightClient:
     """A ``lockstep serve`` (run with ``--dev-mode``) as the sampler: the HTTP calls of vLLM's weight-transfer API
     made while this process broadcasts. ``base_url``: ``http://host:port``."""
 
     def __init__(self, base_url: str, headers: dict | None = None, timeout: float = 600.0) -> None:
-        import httpx
-
         self.base_url = base_url.rstrip("/")
         self.http = httpx.Client(headers=headers or {}, timeout=timeout)
         self.sender: WeightSender | None = None
@@ -145,34 +178,25 @@ class WeightClient:
         return r.json()
 
     def _while(self, path: str, body: dict, work) -> object:
-        """POST ``path`` in a thread while ``work()`` runs here (both ends of a collective)."""
-        done: Future = Future()
-
-        def call() -> None:
-            try:
-                done.set_result(self._post(path, body))
-            except BaseException as e:
-                done.set_exception(e)
-
-        thread = threading.Thread(target=call, daemon=True)
-        thread.start()
-        try:
-            result = work()
-        finally:
-            thread.join()
-        done.result()
-        return result
+        """POST ``path`` while ``work()`` runs (both ends of a collective); ``work``'s result."""
+        return alongside(lambda: self._post(path, body), work)
 
     def world_size(self) -> int:
         r = self.http.get(self.base_url + "/get_world_size")
+        if r.status_code == 404:
+            raise RuntimeError(f"{self.base_url} serves no weight updates: start it with lockstep serve --dev-mode")
         r.raise_for_status()
         return int(r.json()["world_size"])
 
     def connect(
-        self, master_address: str, master_port: int, device: torch.device | str, **sender_kwargs
+        self, master_port: int, device: torch.device | str, master_address: str | None = None, **sender_kwargs
     ) -> WeightSender:
-        """Join the server's ranks in a new weight-update group, this process as rank 0."""
+        """Join the server's ranks in a new weight-update group, this process as rank 0 hosting the rendezvous on
+        ``master_port`` (``master_address``: this machine's address as the server sees it, by default)."""
         world = self.world_size() + 1
+        if master_address is None:
+            url = httpx.URL(self.base_url)
+            master_address = local_address(url.host, url.port or 80)
         init = {"master_address": master_address, "master_port": master_port, "rank_offset": 1, "world_size": world}
         self.sender = self._while(
             "/init_weight_transfer_engine",
