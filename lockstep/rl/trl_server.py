@@ -36,7 +36,7 @@ import torch
 from lockstep.distributed.weight_group import DEFAULT_BUCKET_BYTES
 from lockstep.rl.weight_sync import WeightSender, alongside, local_address
 
-__all__ = ["LockstepVLLMClient", "patch_trainer", "use_lockstep_server"]
+__all__ = ["patch_trainer", "use_lockstep_server"]
 
 
 @contextmanager
