@@ -157,3 +157,52 @@ def test_tp2_sampler_every_rank_receives(tiny_model_dir, tiny_rl_model_dir_b):
         sampler.load_weights(load_model(tiny_model_dir).checkpoint_tensors())
         assert _bits(sampler.generate(PROMPTS, PARAMS, use_tqdm=False)) != _bits(after)  # negative control
         sender.close()
+
+
+def _fsdp_trainer(group, model_dir: str, port: int, world: int, bucket_bytes: int) -> list[str]:
+    """A trainer rank of an FSDP2 (``fully_shard``) transformers model over the trainer's own gloo group: every
+    rank gathers each bucket (DTensor.full_tensor), rank 0 broadcasts it to the sampler."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from lockstep.rl.weight_sync import send_sharded
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (group.size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    named = list(model.named_parameters())
+    assert all(isinstance(p, DTensor) for _, p in named)
+    assert any(p.to_local().shape != p.shape for _, p in named)  # really sharded
+    sender = WeightSender.connect("127.0.0.1", port, world, "cpu", bucket_bytes) if group.rank == 0 else None
+    send_sharded(sender, named, bucket_bytes)
+    if sender is not None:
+        sender.close()
+    return [name for name, _ in named]
+
+
+def test_fsdp2_trainer_gathers_per_bucket(tiny_model_dir, tiny_rl_model_dir_b):
+    from tp_spawn import run_ranks
+    from transformers import AutoModelForCausalLM
+
+    hf = dict(AutoModelForCausalLM.from_pretrained(tiny_rl_model_dir_b, dtype=torch.float32).named_parameters())
+    info = {"names": list(hf), "dtype_names": ["float32"] * len(hf), "shapes": [list(t.shape) for t in hf.values()],
+            "bucket_bytes": 16384}  # fmt: skip
+    sampler = LLM(str(tiny_model_dir), max_num_batched_tokens=32, max_num_seqs=2)
+    before = sampler.generate(PROMPTS, PARAMS, use_tqdm=False)
+    port = free_port()
+    join = _in_thread(lambda: run_ranks(_fsdp_trainer, 2, str(tiny_rl_model_dir_b), port, 2, 16384, timeout=240))
+    sampler.init_weight_transfer_engine(
+        {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+    )
+    sampler.update_weights(info)
+    names = join()
+    assert names[0] == list(hf)  # the order update_info announced
+    after = sampler.generate(PROMPTS, PARAMS, use_tqdm=False)
+    reference = LLM(str(tiny_model_dir), max_num_batched_tokens=32, max_num_seqs=2)
+    reference.load_weights({n: t.detach() for n, t in hf.items()})
+    assert _bits(after) == _bits(reference.generate(PROMPTS, PARAMS, use_tqdm=False))
+    assert _bits(after) != _bits(before)
