@@ -68,10 +68,8 @@ class LockstepServer:
         if self._paused:
             return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
         group = await self.engine.submit([(request_id, list(prompt_ids), params)])
-        out = None
-        async for out in group:
-            pass
-        c = out.outputs[0]
+        outputs = [out async for out in group]  # one per step; the last is whole
+        c = outputs[-1].outputs[0]
         stop = "aborted" if c.finish_reason == "abort" else "completed"
         return TokenOutput(token_ids=list(c.token_ids), log_probs=list(c.token_logprobs), stop_reason=stop)
 
@@ -201,4 +199,3 @@ def __getattr__(name: str):
     if name == "LockstepReplica":
         return _replica_class()
     raise AttributeError(name)
-
