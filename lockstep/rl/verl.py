@@ -74,7 +74,7 @@ class LockstepServer:
         return TokenOutput(token_ids=list(c.token_ids), log_probs=list(c.token_logprobs), stop_reason=stop)
 
     async def _call(self, fn):
-        return await self.engine.call(fn)
+        return await self.engine.run_on_engine(fn)
 
     async def update_weights(self, named: list) -> int:
         return len(await self._call(lambda e: e.load_weights(named)))

@@ -156,12 +156,12 @@ class _Abort:
 
 
 @dataclass
-class _Call:
-    """Run ``fn(engine)`` in the engine thread (weight updates, sleep): with ``idle``, once no request is in
+class _EngineCall:
+    """Run ``fn(engine)`` in the engine thread (weight updates, sleep): with ``wait_idle``, once no request is in
     flight, the commands that arrive meanwhile (but aborts) waiting behind it in order."""
 
     fn: Callable[[LLMEngine], object]
-    idle: bool
+    wait_idle: bool
     done: Future = field(default_factory=Future)
 
 
@@ -219,7 +219,7 @@ class AsyncEngine:
         self._next_sweep = 0.0
         self._dead: BaseException | None = None
         self._drain_deadline: float | None = None  # set by drain()
-        self._held: deque = deque()  # engine thread: commands waiting behind a _Call for the engine to be idle
+        self._held: deque = deque()  # engine thread: commands waiting behind an _EngineCall for the engine to be idle
         self._thread = threading.Thread(target=self._run, name="lockstep-engine", daemon=True)
         self._next_id = 0
         self._update_gauges()
@@ -301,12 +301,13 @@ class AsyncEngine:
         if self.engine.is_sleeping:
             raise EngineSleepingError("the engine is sleeping: POST /wake_up first")
 
-    async def call(self, fn: Callable[[LLMEngine], object], idle: bool = True) -> object:
-        """``fn(engine)`` in the engine thread, between steps (with ``idle``: once no request is in flight, calls
-        submitted later waiting behind it); its result, or its exception raised here."""
+    async def run_on_engine(self, fn: Callable[[LLMEngine], object], wait_idle: bool = True) -> object:
+        """``fn(engine)`` in the engine thread, between steps (with ``wait_idle``: once no request is in flight,
+        calls submitted later waiting behind it); its result, or its exception raised here. Not refused while the
+        engine sleeps (``wake_up`` comes this way)."""
         if not self.alive:
             raise EngineDeadError("the engine failed; the server cannot serve requests")
-        cmd = _Call(fn, idle)
+        cmd = _EngineCall(fn, wait_idle)
         self._commands.put(cmd)
         if self._dead is not None:
             _fail_future(cmd.done, EngineDeadError("the engine failed; the server cannot serve requests"))
@@ -342,7 +343,7 @@ class AsyncEngine:
                     break
                 if cmd is _STOP:
                     for held in self._held:
-                        if isinstance(held, (_Add, _Call)):
+                        if isinstance(held, (_Add, _EngineCall)):
                             _fail_future(held.done, EngineDeadError("the engine was stopped"))
                     return
                 if isinstance(cmd, _Add):
@@ -352,11 +353,11 @@ class AsyncEngine:
                     self._add(cmd, queued)
                 elif isinstance(cmd, _Abort):
                     self._abort(cmd.request_id)
-                elif isinstance(cmd, _Call):
-                    if cmd.idle and self.engine.has_unfinished_requests():
+                elif isinstance(cmd, _EngineCall):
+                    if cmd.wait_idle and self.engine.has_unfinished_requests():
                         self._held.append(cmd)
                     else:
-                        self._run_call(cmd)
+                        self._run_engine_call(cmd)
                 block = False
             if self.engine.has_unfinished_requests():
                 self._step()
@@ -364,7 +365,7 @@ class AsyncEngine:
                     self._sweep()
             self._update_gauges()
 
-    def _run_call(self, cmd: _Call) -> None:
+    def _run_engine_call(self, cmd: _EngineCall) -> None:
         if not cmd.done.set_running_or_notify_cancel():
             return
         try:
@@ -553,10 +554,10 @@ class AsyncEngine:
                 cmd = self._commands.get(block=False)
             except queue.Empty:
                 break
-            if isinstance(cmd, (_Add, _Call)):
+            if isinstance(cmd, (_Add, _EngineCall)):
                 _fail_future(cmd.done, EngineDeadError(dead))
         for cmd in self._held:
-            if isinstance(cmd, (_Add, _Call)):
+            if isinstance(cmd, (_Add, _EngineCall)):
                 _fail_future(cmd.done, EngineDeadError(dead))
         self._held.clear()
         try:

@@ -9,9 +9,9 @@ prepare or finalize). ``GET /get_world_size`` (the server's ranks), ``GET /serve
 ``POST /reset_prefix_cache`` -> ``{"success": bool}``. Sleep mode (``--enable-sleep-mode``): ``POST /sleep?level=1|2``,
 ``POST /wake_up`` (``?tags=weights``/``kv_cache``), ``GET /is_sleeping``; a request while asleep gets 503.
 
-Each engine call runs in the engine thread once no request is in flight (``AsyncEngine.call``); calls that arrive
-meanwhile wait behind it. After a weight update ``system_fingerprint`` counts it (``weight_updates``): the served
-weights are no longer the checkpoint's files.
+Each engine call runs in the engine thread once no request is in flight (``AsyncEngine.run_on_engine``); calls
+that arrive meanwhile wait behind it. After a weight update ``system_fingerprint`` counts it (``weight_updates``):
+the served weights are no longer the checkpoint's files.
 """
 
 import json
@@ -48,9 +48,9 @@ def add_rl_routes(app: FastAPI, state: ServerState) -> None:
     """Add the routes above to ``app``."""
     engine = state.engine
 
-    async def run(fn, idle: bool = True) -> Response | object:
+    async def run(fn, wait_idle: bool = True) -> Response | object:
         try:
-            return await engine.call(fn, idle)
+            return await engine.run_on_engine(fn, wait_idle)
         except (ValueError, RuntimeError) as e:
             if type(e).__module__.startswith("lockstep.server"):  # EngineError: the app's handler answers
                 raise
@@ -112,7 +112,7 @@ def add_rl_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
-        done = await run(lambda e: e.reset_prefix_cache(), idle=False)  # False while requests run, as vLLM's
+        done = await run(lambda e: e.reset_prefix_cache(), wait_idle=False)  # False while requests run, as vLLM's
         return answer(done, {"success": done is True})
 
     @app.post("/sleep")

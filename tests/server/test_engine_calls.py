@@ -1,4 +1,4 @@
-"""``AsyncEngine.call`` (the server's weight updates and sleep): a call waits for the requests in flight, which
+"""``AsyncEngine.run_on_engine`` (the server's weight updates and sleep): a call waits for the requests in flight, which
 finish with their own bits; calls submitted after it wait behind it in order; while the engine sleeps a new request
 is refused with ``EngineSleepingError`` (503) and nothing is queued; after waking the bits are those of before."""
 
@@ -35,7 +35,7 @@ def test_sleep_waits_for_requests_in_flight_then_refuses_new_ones(async_engine):
     async def scenario():
         reference = await finals(await async_engine.submit(reqs("ref")))
         running = await async_engine.submit(reqs("run"))
-        sleep = asyncio.ensure_future(async_engine.call(lambda e: e.sleep(1)))
+        sleep = asyncio.ensure_future(async_engine.run_on_engine(lambda e: e.sleep(1)))
         await asyncio.sleep(0)
         # Submitted after the sleep: it waits behind it and is refused (nothing lost, nothing queued).
         with pytest.raises(EngineSleepingError):
@@ -45,7 +45,7 @@ def test_sleep_waits_for_requests_in_flight_then_refuses_new_ones(async_engine):
         assert async_engine.engine.is_sleeping and not async_engine.engine.has_unfinished_requests()
         with pytest.raises(EngineSleepingError):
             await async_engine.submit(reqs("asleep"))
-        await async_engine.call(lambda e: e.wake_up())
+        await async_engine.run_on_engine(lambda e: e.wake_up())
         after = await finals(await async_engine.submit(reqs("ref2")))
         return reference, done, after
 
@@ -58,8 +58,8 @@ def test_sleep_waits_for_requests_in_flight_then_refuses_new_ones(async_engine):
 def test_call_errors_reach_the_caller(async_engine):
     async def scenario():
         with pytest.raises(ValueError, match="level"):
-            await async_engine.call(lambda e: e.sleep(5))
-        return await async_engine.call(lambda e: e.reset_prefix_cache())
+            await async_engine.run_on_engine(lambda e: e.sleep(5))
+        return await async_engine.run_on_engine(lambda e: e.reset_prefix_cache())
 
     assert asyncio.run(scenario()) is True
     assert async_engine.alive
