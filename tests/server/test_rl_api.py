@@ -105,9 +105,15 @@ def _grpo(server, model_dir: Path, tmp_path: Path) -> list[dict]:
     return example.main(argv)
 
 
+def _updates(server) -> int:
+    return httpx.get(server.url + "/health", timeout=10).json().get("weight_updates", 0)
+
+
 def test_trl_server_mode_has_zero_mismatch(rl_server, rl_model_dir, tmp_path):
+    updates = _updates(rl_server)
     steps = _grpo(rl_server, rl_model_dir, tmp_path)
     assert len(steps) == 3
+    assert _updates(rl_server) == updates + 3  # TRL pushed the weights before each step's generation
     for logs in steps:
         assert logs["sampling/sampling_logp_difference/max"] == 0.0, logs
         assert logs["sampling/importance_sampling_ratio/min"] == logs["sampling/importance_sampling_ratio/max"] == 1.0
