@@ -126,6 +126,8 @@ class EngineConfig:
     # online (an FP8 checkpoint is read as FP8 whatever this says); kv_cache_dtype "fp8" keeps K/V in e4m3.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    # vLLM's: allow LLM.sleep / wake_up (engine/sleep.py), freeing the KV cache and the weights for a trainer.
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -161,6 +163,7 @@ class EngineConfig:
         if not isinstance(mem, (int, float)) or isinstance(mem, bool) or not 0 < mem <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {mem!r}")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_bool("enable_sleep_mode", self.enable_sleep_mode)
         _check_bool("enforce_eager", self.enforce_eager)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")

@@ -35,6 +35,8 @@ class ServerState:
     reasoning_parser: str | None = None
     # vLLM's --return-tokens-as-token-ids: logprobs name every token "token_id:N" (as a request can ask)
     return_tokens_as_token_ids: bool = False
+    # vLLM's development endpoints (VLLM_SERVER_DEV_MODE): weight transfer, prefix-cache reset, sleep (rl_api)
+    dev_mode: bool = False
 
     @property
     def metrics(self) -> Metrics:
