@@ -29,6 +29,7 @@ from lockstep.engine.token_feed import FedRows, TokenFeed
 from lockstep.layers.attention import FlatBatch, flatten_batch
 from lockstep.layers.sampler import PendingSample, Sampled, Sampler, TokenLogprobs, device_tensor, gather_logprobs
 from lockstep.models.loader import load_model
+from lockstep.models.quantization import checkpoint_slots, conform, load_full_precision
 from lockstep.structured.grammar import token_masks
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -224,10 +225,7 @@ class ModelRunner:
         Raises ValueError for an unknown name or a wrong shape before anything is copied. Under tensor parallelism
         the tensors are whole checkpoint tensors: rank 0 broadcasts each one and every rank keeps its slice.
         """
-        if any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters()):
-            raise ValueError("load_weights into FP8 layers is not supported yet (they would need quantizing)")
-        slots = self.model.checkpoint_tensors()
-        shards = self.model.checkpoint_shards()
+        slots, shards = self._weight_slots()
         items = list(self.model.released_names(weights.items() if isinstance(weights, Mapping) else weights))
         tied = self.model.config.tie_word_embeddings
         todo = []
@@ -241,29 +239,55 @@ class ModelRunner:
             shard = shards.get(name)
             if shard is not None:
                 expected[shard.dim] = shard.full
+            tensor = conform(name, tensor) if getattr(self.model, "fp8_scheme", None) is not None else tensor
             if list(tensor.shape) != expected:
                 raise ValueError(f"load_weights: {name!r} has shape {list(tensor.shape)}, expected {expected}")
             todo.append((name, dest, tensor))
+        # Scales before weights: a full-precision weight into a checkpoint's FP8 layer quantizes with its scales.
+        todo.sort(key=lambda item: item[0].endswith(".weight"))
         if self.channel is not None:
             self.channel.send(torch.tensor([WEIGHTS]))
-            self.channel.send_object([(name, list(tensor.shape)) for name, _, tensor in todo])
+            wire = [(name, list(tensor.shape), str(self._wire_dtype(dest, tensor))) for name, dest, tensor in todo]
+            self.channel.send_object(wire)
         for name, dest, tensor in todo:
-            self._copy_weight(name, dest, tensor.detach().to(self.device, dest.dtype), shards.get(name))
+            full = tensor.detach().to(self.device, self._wire_dtype(dest, tensor))
+            self._copy_weight(name, dest, full, shards.get(name))
         return [name for name, _, _ in todo]
 
-    def _copy_weight(self, name: str, dest: torch.Tensor, full: torch.Tensor, shard) -> None:
+    def _weight_slots(self) -> tuple[dict, dict]:
+        """``load_weights``' destinations and shards: the model's, with an FP8 checkpoint's scale names and shapes."""
+        slots, shards = self.model.checkpoint_tensors(), self.model.checkpoint_shards()
+        self._raw_slots = (slots, shards)  # an FP8 layer's own weight_scale slots, for _copy_weight
+        scheme = getattr(self.model, "fp8_scheme", None)
+        if scheme is not None and not scheme.online:
+            slots, shards = checkpoint_slots(slots, scheme, set(), shards)
+        return slots, shards
+
+    def _wire_dtype(self, dest, tensor: torch.Tensor) -> torch.dtype:
+        # A full-precision weight bound for an FP8 layer travels in the model's dtype and is quantized on arrival.
+        if dest.dtype == torch.float8_e4m3fn and tensor.dtype != torch.float8_e4m3fn:
+            return self.model.dtype
+        return dest.dtype
+
+    def _copy_weight(self, name: str, dest, full: torch.Tensor, shard) -> None:
         if self.tp.size > 1:
             self.tp.broadcast(full.contiguous())
+        if dest.dtype == torch.float8_e4m3fn and full.dtype != torch.float8_e4m3fn:
+            # quantization.load_full_precision: this part's row scales are the model's own weight_scale slot
+            scale_name = name.removesuffix(".weight") + ".weight_scale"
+            raw, raw_shards = self._raw_slots
+            scale, scale_shard = raw[scale_name], raw_shards.get(scale_name)
+            load_full_precision(dest, full, shard, scale, scale_shard, self.model.fp8_scheme)
+            return
         dest.copy_(full if shard is None else full[shard.index()])
 
     @torch.inference_mode()
     def _receive_weights(self) -> None:
         """Ranks > 0: rank 0's ``load_weights``."""
-        slots, shards = self.model.checkpoint_tensors(), self.model.checkpoint_shards()
-        for name, shape in self.channel.recv_object():
-            dest = slots[name]
-            full = torch.empty(shape, dtype=dest.dtype, device=self.device)
-            self._copy_weight(name, dest, full, shards.get(name))
+        slots, shards = self._weight_slots()
+        for name, shape, dtype in self.channel.recv_object():
+            full = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=self.device)
+            self._copy_weight(name, slots[name], full, shards.get(name))
 
     def run(self, batch: ScheduledBatch) -> Sampled:
         """Run one step: a token and its logprobs for each entry that samples, in batch order (``Sampled.errors``

@@ -186,6 +186,7 @@ def load_model(
         tp=tp,
         tp_invariant=tp_invariant,
     )
+    model.fp8_scheme = scheme  # LLM.load_weights and the trainer quantize as the model was loaded
     if load_format == "dummy":
         fill_random(model)
         if scheme is not None:
@@ -194,9 +195,9 @@ def load_model(
     if scheme is not None and not scheme.online:
         prepare_checkpoint(model, scheme, all_names)
     slots = model.checkpoint_tensors()
-    if scheme is not None and not scheme.online:
-        slots = checkpoint_slots(slots, scheme, all_names)
     shards = model.checkpoint_shards()
+    if scheme is not None and not scheme.online:
+        slots, shards = checkpoint_slots(slots, scheme, all_names, shards)
     loaded: set[str] = set()
     for file, names in names_by_file.items():
         with safe_open(file, framework="pt", device="cpu") as f:
