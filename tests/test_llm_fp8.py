@@ -107,8 +107,7 @@ def test_llm_quantizes_online_and_the_cli_takes_the_flags(folders) -> None:
     args = build_parser().parse_args(["generate", "--quantization", "fp8", "--kv-cache-dtype", "fp8", "hi"])
     assert kernel_args(args)["quantization"] == "fp8"
     assert kernel_args(args)["kv_cache_dtype"] == "fp8"
-    with pytest.raises(ValueError, match="load_weights into FP8 layers"):
-        llm.load_weights({})
+    assert llm.load_weights({}) == []  # (into FP8 layers: tests/rl/test_rl_fp8.py)
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(quantization="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
