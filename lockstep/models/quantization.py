@@ -73,8 +73,10 @@ class Fp8Scheme:
 ONLINE = Fp8Scheme(weight="channel", act_group=None, online=True)
 
 
-def _compressed_tensors(qc: dict) -> Fp8Scheme:
+def _compressed_tensors(qc: dict) -> Fp8Scheme | None:
     groups = list((qc.get("config_groups") or {}).values())
+    if not groups and qc.get("kv_cache_scheme"):
+        return None  # the KV cache alone is quantized (models/kv_scales.py); the weights are as they are
     if len(groups) != 1:
         raise ValueError(f"compressed-tensors: expected one config group, got {len(groups)}")
     if qc.get("format") not in ("float-quantized", "naive-quantized", None):
@@ -108,7 +110,7 @@ def fp8_scheme(hf: dict, quantization: str | None = None) -> Fp8Scheme | None:
         return ONLINE if quantization == "fp8" else None
     method = qc.get("quant_method")
     if method == "compressed-tensors":
-        return _compressed_tensors(qc)
+        return _compressed_tensors(qc) or (ONLINE if quantization == "fp8" else None)
     if method != "fp8":
         raise ValueError(f"unsupported quantization_config.quant_method {method!r}; lockstep reads 'fp8' and "
                          "'compressed-tensors' FP8 checkpoints")  # fmt: skip
