@@ -137,3 +137,19 @@ def test_bench_fp8_check_runs_on_the_cpu(tmp_path) -> None:
     report = json.loads((tmp_path / "fp8_check.json").read_text())
     assert report["failures"] == [] and report["fused_write_ok"]
     assert all(r["fp8_equals_dequantized_bf16"] and r["alone_equals_batched"] for r in report["kv"])
+
+
+def test_bench_fp8_engine_runs_on_the_cpu(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "fp8_engine.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "fp8_engine.json").read_text())
+    assert [r["config"] for r in report["results"]] == ["bf16", "fp8", "fp8+kv"]
+    assert all(r["run"]["alone_equals_batched"] for r in report["results"])
+    weights = {r["config"]: r["weight_gb"] for r in report["results"]}
+    assert weights["fp8"] < 0.7 * weights["bf16"]  # the linear layers in one byte a weight (fp32 here: four)
