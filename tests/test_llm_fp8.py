@@ -137,6 +137,8 @@ def test_bench_fp8_check_runs_on_the_cpu(tmp_path) -> None:
     report = json.loads((tmp_path / "fp8_check.json").read_text())
     assert report["failures"] == [] and report["fused_write_ok"]
     assert all(r["fp8_equals_dequantized_bf16"] and r["alone_equals_batched"] for r in report["kv"])
+    tree = [kind for shape in report["tree"].values() for kind in shape.values()]
+    assert tree and all(not t["tp_sizes_differing"] and t["all_reduce_control_differs"] for t in tree)
 
 
 def test_bench_fp8_engine_runs_on_the_cpu(tmp_path) -> None:
