@@ -2,8 +2,10 @@
 the engine holds them reproduces the engine's sampled logprobs bit for bit (online FP8, a Qwen3-FP8 block
 checkpoint, a compressed-tensors per-channel one, and online FP8 with the chunk tree), before and after optimizer
 steps synced with ``LLM.load_weights``; after the sync the engine answers as a fresh engine of those weights does.
-The straight-through backward has the gradients it documents. Negative controls: a full-precision policy differs
-from the FP8 sampler, and the steps do change the answers."""
+The straight-through backward has the gradients it documents. A transformers model patched with
+``patch_model(quantization="fp8")`` reproduces an online-FP8 engine too, before and after a step synced with
+``sampler_weights``. Negative controls: a full-precision policy (or patch) differs from the FP8 sampler, and the
+steps do change the answers."""
 
 import json
 import shutil
@@ -134,3 +136,33 @@ def test_the_straight_through_backward():
     torch.testing.assert_close(master.grad.double(), g.double().t() @ x.detach().double(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(bias.grad, g.sum(0))
     assert not torch.allclose(x.grad.double(), g.double() @ master.detach().double(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["default", "tree"])
+def test_a_patched_transformers_model_reproduces_an_online_fp8_engine(tmp_path, tree):
+    from test_hf_model import _assert_engine_bits, _completion_logprobs, _load_hf, _max_diff, _sample
+    from tiny_models import TINY_EOS, save_tiny_hf
+
+    from lockstep.rl.hf import patch_model, sampler_weights
+
+    folder = save_tiny_hf(tmp_path / "qwen3", "qwen3", seed=6, scale=2.0, bos_token_id=None, eos_token_id=TINY_EOS)
+    samples = _sample(folder, quantization="fp8", tp_invariant=tree)
+    model = patch_model(_load_hf(folder), tp_invariant=tree)
+    assert _max_diff(_completion_logprobs(model, samples, "left"), samples) > 0  # negative control: no FP8
+    patch_model(model, tp_invariant=tree, quantization="fp8")
+    for layout in ("left", "packed"):
+        _assert_engine_bits(_completion_logprobs(model, samples, layout), samples)
+    # One step, synced through sampler_weights: the engine re-quantizes, the trainer quantizes alike.
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    sum(lp.sum() for lp in _completion_logprobs(model, samples, "right")).backward()
+    opt.step()
+    llm = LLM(str(folder), quantization="fp8", tp_invariant=tree, max_num_seqs=4, max_num_batched_tokens=16)
+    llm.load_weights(sampler_weights(model))
+    prompts = [p for p, _, _ in samples[:4]]
+    params = [SamplingParams(temperature=1.0, seed=50 + i, max_tokens=7, ignore_eos=True) for i in range(4)]
+    after = [(p, o.token_ids, o.token_logprobs) for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False),
+                                                                strict=True)]  # fmt: skip
+    _assert_engine_bits(_completion_logprobs(model, after, "left"), after)
+    with pytest.raises(NotImplementedError, match="mixture of experts"):
+        moe = save_tiny_hf(tmp_path / "moe", "qwen3_moe", seed=1)
+        patch_model(_load_hf(moe), quantization="fp8")
