@@ -60,8 +60,12 @@ def activation_scales(
 
 
 def _chunk_weights(w8: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
-    # Each chunk's columns as their own contiguous e4m3 tensor, kept on w8 while it is unchanged, so the CPU path's
-    # packed blocks (fp8._cpu_blocks) are memoized per chunk and every rank count sees one layout.
+    # Each chunk's columns. CUDA: strided views (the kernel takes strides; no copy of the weight). CPU: their own
+    # contiguous e4m3 tensors, kept on w8 while it is unchanged, so the CPU path's packed blocks (fp8._cpu_blocks)
+    # are memoized per chunk and every rank count sees one layout.
+    width = w8.shape[1] // num_chunks
+    if w8.is_cuda:
+        return [w8[:, c * width : (c + 1) * width] for c in range(num_chunks)]
     try:
         key = (w8._version, w8.data_ptr(), tuple(w8.shape), num_chunks)
     except RuntimeError:  # an inference tensor: no version counter
@@ -69,7 +73,6 @@ def _chunk_weights(w8: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
     memo = getattr(w8, "_lockstep_fp8_chunks", None)
     if key is not None and memo is not None and memo[0] == key:
         return memo[1]
-    width = w8.shape[1] // num_chunks
     with torch.inference_mode(False):  # ordinary tensors, which carry a version counter for fp8._cpu_blocks' memo
         chunks = [w8[:, c * width : (c + 1) * width].contiguous() for c in range(num_chunks)]
     if key is not None:
