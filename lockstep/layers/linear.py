@@ -34,6 +34,8 @@ class Linear(nn.Module):
     the checkpoint matrix this rank holds (None: the whole matrices).
     """
 
+    fp8_train = None  # a trainer's FP8 layer: models.quantization.Fp8Train (set by quantization.train_fp8)
+
     def __init__(
         self,
         in_features: int,
@@ -62,7 +64,7 @@ class Linear(nn.Module):
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.weight.dtype == FP8:  # an FP8 layer (models/quantization.py): e4m3 weight, weight_scale, act_group
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act_group)
-        if getattr(self, "fp8_train", None) is not None:  # a trainer's FP8 layer: the master weight, quantized
+        if self.fp8_train is not None:  # a trainer's FP8 layer: the master weight, quantized
             w8, scale = self.fp8_train.quantize(self.weight.detach())
             return autograd.fp8_linear(x, self.weight, self.bias, w8, scale, self.act_group)
         return self.kernels.linear(x, self.weight, self.bias)
@@ -85,6 +87,8 @@ class RowParallelLinear(nn.Module):
     ``[8r / N, 8(r + 1) / N)``), the same bits at every TP size including one process. Without it: the kernel
     set's linear, plus an all-reduce of the partial sums when ``tp.size > 1`` (not invariant).
     """
+
+    fp8_train = None  # as Linear's
 
     def __init__(
         self,
@@ -118,7 +122,7 @@ class RowParallelLinear(nn.Module):
         # x: [num_tokens, in_features / tp.size] -> [num_tokens, out_features]
         if self.weight.dtype == FP8:
             return self._fp8_forward(x)
-        if getattr(self, "fp8_train", None) is not None:  # a trainer's FP8 layer (one process)
+        if self.fp8_train is not None:  # a trainer's FP8 layer (one process)
             w8, scale = self.fp8_train.quantize(self.weight.detach())
             return autograd.fp8_linear(x, self.weight, self.bias, w8, scale, self.act_group, tree=self.tree)
         if self.tree and self.tp.size == 1:
