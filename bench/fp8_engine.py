@@ -7,8 +7,8 @@
 
 Each config loads one ``LLM`` (``load_format="dummy"``: random weights; online FP8 quantizes them per channel) and:
 - times ``--steps`` batch-1 decode steps of the whole engine after ``--warm`` (CUDA graphs where the set has them,
-  then eagerly), the two giving the same tokens and logprob bits (``graph_equals_eager``); the floor is the weight
-  bytes over the measured copy bandwidth;
+  then eagerly), the two giving the same tokens and logprob bits (``graph_equals_eager``); the floor is the bytes
+  a step reads (the weights but the embedding table) over the measured copy bandwidth;
 - runs ``--requests`` x ``--input-len``/``--output-len`` greedy requests of random tokens in one ``generate``
   (wall time, output tok/s), then two of them again alone for their first ``CHECK_TOKENS`` tokens: the same ids
   and logprob bits as in the batch (``alone_equals_batched``, FP8 KV included).
@@ -121,7 +121,10 @@ def run_config(name: str, folder: Path, args, device: torch.device, vocab: int, 
     r = {"config": name, "startup_s": round(time.perf_counter() - t0, 1)}
     model = llm.engine.runner.model
     r["weight_gb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
-    r["floor_ms"] = r["weight_gb"] * 1e9 / bandwidth * 1e3 if bandwidth else None
+    # What a batch-1 step reads: every weight but the embedding table (a row of it), unless the head shares it.
+    embed = model.model.embed_tokens.weight
+    read_gb = r["weight_gb"] - (0 if model.config.tie_word_embeddings else embed.numel() * embed.element_size() / 1e9)
+    r["floor_ms"] = read_gb * 1e9 / bandwidth * 1e3 if bandwidth else None
     r["kv_blocks"] = llm.engine.config.num_kv_blocks
     has_graphs = llm.engine.runner.graphs is not None
     t_graph = out_graph = None
