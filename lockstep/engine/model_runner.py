@@ -30,6 +30,7 @@ from lockstep.engine.token_feed import FedRows, TokenFeed
 from lockstep.layers.batch import FlatBatch, flatten_batch
 from lockstep.layers.sampler import PendingSample, Sampled, Sampler, TokenLogprobs, device_tensor, gather_logprobs
 from lockstep.models.loader import load_model
+from lockstep.models.quantization import checkpoint_slots, conform, load_full_precision
 from lockstep.structured.grammar import token_masks
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -228,20 +229,21 @@ class ModelRunner:
         the tensors are whole checkpoint tensors: rank 0 broadcasts each one and every rank keeps its slice.
         """
         todo = self._plan_weights(weights.items() if isinstance(weights, Mapping) else weights)
-        shards = self._checkpoint_shards()
         if self.channel is not None:
             self.channel.send(torch.tensor([WEIGHTS]))
-            self.channel.send_object([(name, list(tensor.shape)) for name, _, tensor in todo])
-        for name, dest, tensor in todo:
-            self._copy_weight(name, dest, tensor.detach().to(self.device, dest.dtype), shards.get(name))
-        return [name for name, _, _ in todo]
+            wire = [(name, list(tensor.shape), str(self._wire_dtype(dest, tensor))) for name, dest, tensor, _ in todo]
+            self.channel.send_object(wire)
+        for name, dest, tensor, shard in todo:
+            self._copy_weight(name, dest, tensor.detach().to(self.device, self._wire_dtype(dest, tensor)), shard)
+        return [name for name, _, _, _ in todo]
 
-    def _plan_weights(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """``(name, destination, tensor)`` for each released checkpoint tensor to copy (tied heads and rotary
-        buffers dropped); ValueError for an unknown name or a wrong shape. Meta tensors check an announced update."""
-        if any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters()):
-            raise ValueError("load_weights into FP8 layers is not supported yet (they would need quantizing)")
-        slots, shards = self._checkpoint_tensors(), self._checkpoint_shards()
+    def _plan_weights(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[tuple]:
+        """``(name, destination, tensor, shard)`` for each released checkpoint tensor to copy (tied heads and rotary
+        buffers dropped), an FP8 layer's scales before its weight (a full-precision weight into a checkpoint's FP8
+        layer quantizes with them); ValueError for an unknown name or a wrong shape. Meta tensors check an announced
+        update."""
+        slots, shards = self._weight_slots()
+        fp8 = getattr(self.model, "fp8_scheme", None) is not None
         tied = self.model.config.tie_word_embeddings
         todo = []
         for name, tensor in self.model.released_names(items):
@@ -254,35 +256,53 @@ class ModelRunner:
             shard = shards.get(name)
             if shard is not None:
                 expected[shard.dim] = shard.full
+            tensor = conform(name, tensor) if fp8 else tensor
             if list(tensor.shape) != expected:
                 raise ValueError(f"load_weights: {name!r} has shape {list(tensor.shape)}, expected {expected}")
-            todo.append((name, dest, tensor))
+            todo.append((name, dest, tensor, shard))
+        todo.sort(key=lambda item: item[0].endswith(".weight"))
         return todo
 
-    def _checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """The model's checkpoint views (those taken before sleeping, while asleep: engine/sleep.py)."""
+    def _weight_slots(self) -> tuple[dict, dict]:
+        """``load_weights``' destinations and shards: the model's checkpoint views (those taken before sleeping,
+        while asleep: engine/sleep.py), with an FP8 checkpoint's scale names and shapes."""
         state = self.sleep_state
-        return state.slots if state is not None and state.slots is not None else self.model.checkpoint_tensors()
+        asleep = state is not None and state.slots is not None
+        slots = state.slots if asleep else self.model.checkpoint_tensors()
+        shards = state.shards if asleep and state.shards is not None else self.model.checkpoint_shards()
+        self._raw_slots = (slots, shards)  # an FP8 layer's own weight_scale slots, for _copy_weight
+        scheme = getattr(self.model, "fp8_scheme", None)
+        if scheme is not None and not scheme.online:
+            slots, shards = checkpoint_slots(slots, scheme, set(), shards)
+        return slots, shards
 
-    def _checkpoint_shards(self) -> dict:
-        state = self.sleep_state
-        return state.shards if state is not None and state.shards is not None else self.model.checkpoint_shards()
+    def _wire_dtype(self, dest, tensor: torch.Tensor) -> torch.dtype:
+        # A full-precision weight bound for an FP8 layer travels in the model's dtype and is quantized on arrival.
+        if dest.dtype == torch.float8_e4m3fn and tensor.dtype != torch.float8_e4m3fn:
+            return self.model.dtype
+        return dest.dtype
 
-    def _copy_weight(self, name: str, dest: torch.Tensor, full: torch.Tensor, shard, broadcast: bool = True) -> None:
+    def _copy_weight(self, name: str, dest, full: torch.Tensor, shard, broadcast: bool = True) -> None:
         if self.tp.size > 1 and broadcast:
             self.tp.broadcast(full.contiguous())
         if self.sleep_state is not None:
             self.sleep_state.materialize(name)  # a weight loaded while asleep gets its memory back first
+        if dest.dtype == torch.float8_e4m3fn and full.dtype != torch.float8_e4m3fn:
+            # quantization.load_full_precision: this part's row scales are the model's own weight_scale slot
+            scale_name = name.removesuffix(".weight") + ".weight_scale"
+            raw, raw_shards = self._raw_slots
+            scale, scale_shard = raw[scale_name], raw_shards.get(scale_name)
+            load_full_precision(dest, full, shard, scale, scale_shard, self.model.fp8_scheme)
+            return
         dest.copy_(full if shard is None else full[shard.index()])
 
     @torch.inference_mode()
     def _receive_weights(self) -> None:
         """Ranks > 0: rank 0's ``load_weights``."""
-        slots, shards = self._checkpoint_tensors(), self._checkpoint_shards()
-        for name, shape in self.channel.recv_object():
-            dest = slots[name]
-            full = torch.empty(shape, dtype=dest.dtype, device=self.device)
-            self._copy_weight(name, dest, full, shards.get(name))
+        slots, shards = self._weight_slots()
+        for name, shape, dtype in self.channel.recv_object():
+            full = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=self.device)
+            self._copy_weight(name, slots[name], full, shards.get(name))
 
     # -- weight updates from a trainer's group (engine/weight_updates.py) ------------------------------------------
 
@@ -318,7 +338,7 @@ class ModelRunner:
         specs, _ = parse_update_info(update_info)
         with torch.inference_mode():
             meta = [(s.name, torch.empty(s.shape, dtype=s.dtype, device="meta")) for s in specs]
-            names = [name for name, _, _ in self._plan_weights(meta)]
+            names = [name for name, _, _, _ in self._plan_weights(meta)]
         if self.channel is not None:
             self.channel.send(torch.tensor([GROUP_WEIGHTS]))
             self.channel.send_object(update_info)
@@ -333,11 +353,12 @@ class ModelRunner:
         specs, bucket_bytes = parse_update_info(update_info)
         plan = buckets(specs, bucket_bytes)
         buffer = torch.empty(max((b.nbytes for b in plan), default=0), dtype=torch.uint8, device=self.device)
-        shards = self._checkpoint_shards()
         for bucket in plan:
             self.weight_group.broadcast(buffer[: bucket.nbytes])
-            for name, dest, tensor in self._plan_weights(unpack(bucket, buffer)):
-                self._copy_weight(name, dest, tensor.to(dest.dtype), shards.get(name), broadcast=False)
+            # An FP8 checkpoint layer's scales come before its weight within a bucket; the trainer keeps a layer's
+            # weight and scales in one bucket, or sends the scales first (each bucket is applied as it arrives).
+            for name, dest, tensor, shard in self._plan_weights(unpack(bucket, buffer)):
+                self._copy_weight(name, dest, tensor.to(self._wire_dtype(dest, tensor)), shard, broadcast=False)
         del buffer
 
     # -- sleep mode (engine/sleep.py) ------------------------------------------------------------------------------
