@@ -2,7 +2,7 @@
 
 Being outside the app, it refuses a request before any routing or parsing, in this order: a ``Host`` that is not
 allowed (400: DNS rebinding), more than one ``Authorization`` header (400: no guessing which counts), a missing
-or wrong API key on any path but ``/health`` (401), a POST with a body that is
+or wrong API key on any path but ``/health`` (401), a POST whose body is
 not ``application/json`` (415: a web page cannot send one cross-site without a CORS preflight, and the server
 answers no preflight), a body over the size limit, by Content-Length or counted as it arrives, chunked or not
 (413), a body not complete within the body timeout, or silent for the body idle timeout (408). Then the app gets
@@ -31,6 +31,12 @@ from lockstep.server.state import ServerState
 log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handlers and --log-level
 
 OPEN_PATHS = ("/health",)  # every other path needs the API key, when one is set
+# vLLM's development endpoints that clients (TRL's VLLMClient, curl) POST without a body: accepted so under
+# --dev-mode (server.rl_api). A cross-site page can send such a POST too: --dev-mode is for a trusted network.
+BODILESS_DEV_POSTS = ("/reset_prefix_cache", "/sleep", "/wake_up")
+# The same, always: SGLang's cache flush (``curl -X POST .../flush_cache``), whose worst cross-site effect is a cold
+# prefix cache (no output changes).
+BODILESS_POSTS = ("/flush_cache",)
 ERROR_ID_KEY = "lockstep.error_id"  # where the app's 500 handler leaves the id it told the client
 ACCESS_KEY = "lockstep.access"  # where a completion call leaves what its access log line adds (id, tokens)
 
@@ -72,14 +78,6 @@ def _access_line(scope, status: int, seconds: float) -> None:
     log.info("%s %s %s %d %.1f ms%s", who, scope["method"], scope["path"][:200], status, 1e3 * seconds, extra)
 
 
-def _bodyless(headers: dict[bytes, bytes]) -> bool:
-    """A POST with no body and no Content-Type (``curl -X POST .../reset_prefix_cache``, as vLLM's docs call it):
-    nothing for a cross-site form to smuggle in, and a route that needs a body refuses an empty one."""
-    if b"content-type" in headers or b"transfer-encoding" in headers:
-        return False
-    return headers.get(b"content-length", b"0").strip() == b"0"
-
-
 class Gatekeeper:
     """Outermost ASGI layer: the checks of the module docstring, then the app with the body read in full."""
 
@@ -104,9 +102,12 @@ class Gatekeeper:
             given = given_key(headers)
             msg = "Incorrect API key provided." if given else "No API key provided (Authorization: Bearer)."
             raise _Refusal(401, msg, "invalid_api_key")
-        if scope["method"] == "POST" and not _bodyless(headers):
+        if scope["method"] == "POST":
             media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-            if media != b"application/json":
+            bodiless = headers.get(b"content-length", b"0") == b"0" and b"transfer-encoding" not in headers
+            path = scope["path"]
+            exempt = path in BODILESS_POSTS or self.state.dev_mode and path in BODILESS_DEV_POSTS
+            if media != b"application/json" and not (bodiless and exempt):
                 raise _Refusal(415, "the body must be JSON: Content-Type: application/json", "unsupported_media_type")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:

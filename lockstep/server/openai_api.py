@@ -2,7 +2,7 @@
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (SSE streaming or not), ``GET /v1/models``, ``/health``,
 ``/metrics``, vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``), ``GET /version``, and the rest of vLLM's
-routes (``vllm_routes``: ``/tokenizer_info``, ``/invocations``, ``/reset_prefix_cache``). Every completion carries
+routes (``vllm_routes``: ``/tokenizer_info``, ``/invocations``, ``/flush_cache``). Every completion carries
 ``system_fingerprint``: a hash of the weights, lockstep's version, the device, the dtype and the kernel set, the key
 under which a request's output is reproducible. Errors are OpenAI-style JSON bodies; nothing a client sends can
 take the server down.
@@ -163,6 +163,10 @@ def build_app(state: ServerState) -> FastAPI:
         return await call(request, chat=True)
 
     add_vllm_routes(app, state, call)
+    if state.dev_mode:
+        from lockstep.server.rl_api import add_rl_routes
+
+        add_rl_routes(app, state)
     return app
 
 

@@ -1,11 +1,12 @@
 """vLLM's (and SGLang's) routes beside the OpenAI API: ``GET /tokenizer_info`` (with
 ``--enable-tokenizer-info-endpoint``), ``POST /invocations`` (SageMaker's one route, dispatched on the body's
-shape) and ``POST /reset_prefix_cache`` (SGLang's ``/flush_cache`` the same).
+shape) and SGLang's ``/flush_cache`` (vLLM's ``POST /reset_prefix_cache`` is a development route, as in vLLM:
+``--dev-mode``, ``rl_api``).
 
-``/reset_prefix_cache`` forgets every cached prefix block, on the engine thread between two steps. vLLM answers
-200 whether or not it could; here a cache that cannot be reset because requests are running (their blocks are in
-use, as vLLM refuses too) is a 409 that says so, not a 200 that did nothing. Outputs do not change either way:
-a prefix hit gives the bits a fresh prefill gives (docs/design.md).
+``/flush_cache`` forgets every cached prefix block, on the engine thread between two steps
+(``LLMEngine.reset_prefix_cache``). While requests are running their blocks are in use and nothing is reset (as
+vLLM and SGLang refuse too): the answer is then a 409 that says so, not a 200 that did nothing. Outputs do not
+change either way: a prefix hit gives the bits a fresh prefill gives (docs/design.md).
 """
 
 import json
@@ -31,14 +32,6 @@ def tokenizer_info(state: ServerState) -> dict:
     if getattr(tok, "chat_template", None):
         info["chat_template"] = tok.chat_template
     return info
-
-
-def _reset_prefix_cache(engine) -> bool:
-    """On the engine thread: forget the cached prefixes unless requests hold blocks (vLLM's rule)."""
-    if engine.has_unfinished_requests():
-        return False
-    engine.scheduler.block_manager.reset_prefix_cache()
-    return True
 
 
 def add_vllm_routes(app: FastAPI, state: ServerState, call) -> None:
@@ -67,10 +60,9 @@ def add_vllm_routes(app: FastAPI, state: ServerState, call) -> None:
             "completion (prompt) body",
         )
 
-    @app.post("/reset_prefix_cache")
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def reset_prefix_cache() -> Response:
-        if not await state.engine.call(_reset_prefix_cache):
+    @app.post("/flush_cache")  # POST only (SGLang also takes GET, which any page can send cross-site)
+    async def flush_cache() -> Response:
+        if not await state.engine.run_on_engine(lambda engine: engine.reset_prefix_cache(), wait_idle=False):
             body = error_body("requests are running: the prefix cache was not reset", "conflict_error")
             return Response(json.dumps(body), status_code=409, media_type="application/json")
         return Response(status_code=200)

@@ -20,7 +20,7 @@ TEMPLATE = (
 )
 VLLM_FLAGS = (
     "--root-path", ROOT_PATH, "--max-logprobs", "-1", "--enable-prompt-tokens-details",
-    "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
+    "--enable-force-include-usage", "--enable-tokenizer-info-endpoint", "--dev-mode",
 )  # fmt: skip
 
 
@@ -162,18 +162,23 @@ def test_cached_tokens_and_reset_prefix_cache(vllm_server: Server, server: Serve
     other = client(server).completions.create(model=server.model, prompt=prompt, max_tokens=1)
     assert other.usage.prompt_tokens_details is None
 
-    # /reset_prefix_cache (and SGLang's /flush_cache): the next identical prompt hits nothing.
-    for route in ("/reset_prefix_cache", "/flush_cache"):
-        r = httpx.post(vllm_server.url + route, timeout=30)
+    # SGLang's POST /flush_cache (and vLLM's /reset_prefix_cache under --dev-mode), bodiless as curl sends them: the
+    # next identical prompt hits nothing.
+    for method, route in (("POST", "/flush_cache"), ("POST", "/reset_prefix_cache")):
+        assert c.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 48
+        r = httpx.request(method, vllm_server.url + route, timeout=30)
         assert r.status_code == 200, r.text
         assert c.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
-    # While a request runs its blocks are in use: not reset, and the answer says so (409, not a silent 200).
+    # While a request runs its blocks are in use: not flushed, and the answer says so (409, not a silent 200).
     long = c.completions.create(**kw | {"max_tokens": 400}, stream=True, extra_body={"ignore_eos": True})
     with long:
         next(iter(long))
-        r = httpx.post(vllm_server.url + "/reset_prefix_cache", timeout=30)
+        r = httpx.post(vllm_server.url + "/flush_cache", timeout=30)
         assert r.status_code == 409 and "running" in r.json()["error"]["message"]
-    assert httpx.post(vllm_server.url + "/reset_prefix_cache", timeout=30).status_code in (200, 409)
+        assert httpx.post(vllm_server.url + "/reset_prefix_cache", timeout=30).json() == {"success": False}
+    assert httpx.get(vllm_server.url + "/flush_cache", timeout=30).status_code == 405  # no cross-site GET
+    bad = httpx.post(vllm_server.url + "/flush_cache", content=b"x", headers={"content-type": "text/plain"}, timeout=30)
+    assert bad.status_code == 415  # a body must still be JSON
 
 
 def test_root_path_tokenizer_info_and_invocations(
