@@ -79,7 +79,9 @@ async def beam_reply(
     specs: list[ChoiceSpec],
     chat: bool,
 ) -> Response:
-    """Run the call's beam search and answer with one JSON body (499 if the client leaves first)."""
+    """Run the call's beam search and answer with one JSON body (499 if the client leaves first); 400 first for what
+    it cannot honour (``check_beam_search``)."""
+    check_beam_search(req, state.engine.engine.max_logprobs)
     n = req.n
     engine = state.engine.engine
     searches = [

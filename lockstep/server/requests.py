@@ -321,10 +321,6 @@ def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionReq
     if req.stream and req.prompt_logprobs is not None:  # as vLLM refuses them
         raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
     _check_logprobs(state, req)
-    if req.use_beam_search:
-        from lockstep.server.beam import check_beam_search  # beam imports this module
-
-        check_beam_search(req, state.engine.engine.max_logprobs)
 
 
 def _check_num_seqs(state: ServerState, req: CompletionRequest) -> None:
