@@ -252,15 +252,20 @@ class Scheduler:
     def _fit_images(self, seq: Sequence, n: int) -> tuple[int, tuple[int, ...]]:
         """The next ``n`` tokens of ``seq`` cut short before the first image among them that is neither encoded
         nor within what is left of the step's encoder budget, and the images the chunk must encode. An image
-        larger than the whole budget goes when nothing else was encoded this step, so it never waits forever."""
+        larger than the whole budget goes when nothing else was encoded this step, so it never waits forever. An
+        image whose pixels another running request holds, or is encoding in this step, costs nothing: its
+        features are shared (engine/encoder_cache.py)."""
         start = seq.num_computed_tokens
         encode = []
+        cache = self.encoder_cache
         for k, image in seq.mm.overlapping(start, start + n):
-            if (seq.request_id, k) in self.encoder_cache:
+            if cache.holds_content(seq.request_id, k, image):
+                cache.claim(seq.request_id, k, image)  # no work: held, or encoded earlier in this step
                 continue
             if image.num_tokens > self._encoder_left and self._encoder_left < self.encoder_budget:
                 return max(0, image.offset - start), tuple(encode)
             self._encoder_left = max(0, self._encoder_left - image.num_tokens)
+            cache.claim(seq.request_id, k, image)
             encode.append(k)
         return n, tuple(encode)
 
@@ -380,6 +385,7 @@ class Scheduler:
         stale = [key for key in self.encoder_cache.keys() if key not in live]
         if stale:
             raise AssertionError(f"Scheduler integrity: the encoder cache holds {stale[:4]}, no running image's")
+        self.encoder_cache.check_integrity()
         self.block_manager.check_integrity(self.running)
 
 
