@@ -50,8 +50,12 @@ class PatchEmbed(nn.Module):
 
     def flat_weight(self) -> torch.Tensor:
         """``[D, C*T*P*P]``, a view of the weight kept between calls (the linear's packed CPU copy and its CUDA
-        descriptor are kept on the tensor it is given, which a fresh view each call would throw away)."""
+        descriptor are kept on the tensor it is given, which a fresh view each call would throw away). A weight
+        that requires grad (a trainer's) gets a fresh view each call: a kept one would carry one graph's node into
+        the next."""
         w = self.proj.weight
+        if w.requires_grad:
+            return w.view(w.shape[0], -1)
         flat = getattr(self, "_flat", None)
         if flat is None or flat._base is not w or flat.data_ptr() != w.data_ptr():
             flat = self._flat = w.view(w.shape[0], -1)
