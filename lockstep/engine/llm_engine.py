@@ -508,14 +508,13 @@ class LLMEngine:
 def _start_workers(config: EngineConfig) -> WorkerPool | None:
     """Rank 0's pool of workers: spawned here, or, in processes a launcher started (torchrun's ``RANK`` and
     ``WORLD_SIZE`` in the environment), joined through ``env://``; None on a launched rank other than 0."""
-    from lockstep.models.llama import LlamaForCausalLM
-    from lockstep.models.loader import read_config
+    from lockstep.models.loader import model_class, read_config
 
     size = config.tensor_parallel_size
     # Shapes the TP size cannot split fail here, before any process starts (a model on the meta device).
-    LlamaForCausalLM(
-        read_config(config.model), kernels=config.kernels, device="meta", tp=TPGroup(0, size),
-        tp_invariant=config.tp_invariant,
+    model_config = read_config(config.model)
+    model_class(model_config.architecture)(
+        model_config, kernels=config.kernels, device="meta", tp=TPGroup(0, size), tp_invariant=config.tp_invariant,
     )  # fmt: skip
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])

@@ -80,17 +80,20 @@ class ForwardStep:
     use_graphs: bool
     fed: tuple[list[int], list[int], int] | None = None
     # A vision-language step with image rows: ``(positions [3, num_tokens], MultimodalBatch)`` on the device.
-    # Rank 0 only (not part of the message: such models do not run under tensor parallelism yet).
+    # Under tensor parallelism the message holds only the number of image rows (``mm_rows``); rank 0, which runs
+    # the vision tower, broadcasts the tensors after it (``ModelRunner.launch``, ``_receive_mm``).
     mm: tuple[torch.Tensor, object] | None = None
+    mm_rows: int = -1  # image rows of ``mm`` (-1: none), what the message carries
 
     def encode(self) -> torch.Tensor:
         """The control message: ``[STEP, num_tokens, num_seqs, num_table_entries, use_graphs, num_fed,
-        num_samples, num_groups, *group_sizes]``, then the flat batch's lists, the table update's, the fed rows'
-        and the groups, concatenated."""
+        num_samples, mm_rows, num_groups, *group_sizes]``, then the flat batch's lists, the table update's, the
+        fed rows' and the groups, concatenated."""
         f, t = self.flat, self.tables
         dst, src, num_samples = self.fed if self.fed is not None else ([], [], 0)
+        mm_rows = -1 if self.mm is None else int(self.mm[1].rows.shape[0])
         header = [STEP, f.num_tokens, len(f.seq_lens), len(t.rows), int(self.use_graphs), len(dst), num_samples]
-        header += [len(self.logit_rows)] + [len(rows) for rows in self.logit_rows]
+        header += [mm_rows, len(self.logit_rows)] + [len(rows) for rows in self.logit_rows]
         rows = [r for group in self.logit_rows for r in group]
         values = header + f.input_ids + f.positions + f.slot_mapping + f.seq_lens + f.query_start_loc
         values += t.picks + t.rows + t.cols + t.values + dst + src + rows
@@ -99,11 +102,11 @@ class ForwardStep:
     @classmethod
     def decode(cls, message: torch.Tensor) -> "ForwardStep":
         values = message.tolist()
-        op, num_tokens, num_seqs, num_entries, use_graphs, num_fed, num_samples, num_groups = values[:8]
+        op, num_tokens, num_seqs, num_entries, use_graphs, num_fed, num_samples, mm_rows, num_groups = values[:9]
         if op != STEP:
             raise ValueError(f"not a step message (op {op})")
-        sizes = values[8 : 8 + num_groups]
-        at = 8 + num_groups
+        sizes = values[9 : 9 + num_groups]
+        at = 9 + num_groups
 
         def take(n: int) -> list[int]:
             nonlocal at
@@ -118,7 +121,7 @@ class ForwardStep:
         if at != len(values):
             raise ValueError(f"a step message of {len(values)} values holds {at}")
         flat = FlatBatch(input_ids, positions, slot_mapping, [], seq_lens, query_start_loc)
-        return cls(flat, tables, logit_rows, bool(use_graphs), fed)
+        return cls(flat, tables, logit_rows, bool(use_graphs), fed, mm_rows=mm_rows)
 
 
 class ModelRunner:
@@ -163,11 +166,6 @@ class ModelRunner:
             quantization=config.quantization,
         )
         self.is_multimodal = bool(getattr(self.model, "is_multimodal", False))
-        if self.is_multimodal and self.tp.size > 1:
-            raise ValueError(
-                f"{config.model}: vision-language models do not run under tensor parallelism yet "
-                f"(tensor_parallel_size={config.tensor_parallel_size}); use tensor_parallel_size=1"
-            )
         self.encoder_cache = EncoderCache()  # the scheduler decides what it holds (engine/encoder_cache.py)
         if config.kv_cache_dtype != "auto":  # "fp8": e4m3 caches (ops.attention: written saturated, read exactly)
             self.model.kv_cache_dtype = torch.float8_e4m3fn
@@ -300,6 +298,8 @@ class ModelRunner:
             self.channel.send(step.encode())
             if fed is not None:  # the other ranks' fed rows need the samples: on the device, no host sync
                 self.tp.broadcast(fed.tokens.contiguous())
+            if mm is not None:  # the image rows, as rank 0 computed them (the tower runs here only)
+                self._broadcast_mm(mm)
         logits = self.execute(step, fed)
         self._prompt_logprobs(batch, prompt, logits[: len(groups)])
         if not samplers:
@@ -410,7 +410,9 @@ class ModelRunner:
             op = int(message[0])
             if op == STEP:
                 step = ForwardStep.decode(message)
-                self.execute(step, self._receive_fed(step))
+                fed = self._receive_fed(step)
+                step.mm = self._receive_mm(step)
+                self.execute(step, fed)
             elif op == WEIGHTS:
                 self._receive_weights()
             elif op == STOP:
@@ -425,6 +427,36 @@ class ModelRunner:
         dst, src, num_samples = step.fed
         tokens = torch.empty(num_samples, dtype=torch.int64, device=self.device)
         return FedRows(dst, src, self.tp.broadcast(tokens))
+
+    def _broadcast_mm(self, mm: tuple[torch.Tensor, object]) -> None:
+        """Rank 0: a vision-language step's M-RoPE positions and image rows (features, DeepStack) to every rank.
+        The other ranks hold the tower's weights too but never run it: the features are rank 0's bits."""
+        positions, batch = mm
+        self.tp.broadcast(positions.contiguous())
+        self.tp.broadcast(batch.rows.contiguous())
+        self.tp.broadcast(batch.embeds.contiguous())
+        if batch.deepstack is not None:
+            self.tp.broadcast(batch.deepstack.contiguous())
+
+    def _receive_mm(self, step: ForwardStep) -> tuple[torch.Tensor, object] | None:
+        """Ranks > 0: what ``_broadcast_mm`` sends, for a step whose message has image rows."""
+        if step.mm_rows < 0:
+            return None
+        from lockstep.models.multimodal import MultimodalBatch
+
+        m, n = step.mm_rows, step.flat.num_tokens
+        hidden, dtype, depth = (
+            self.model.config.hidden_size,
+            self.model.dtype,
+            self.model.mm_config.num_deepstack_layers,
+        )
+        positions = self.tp.broadcast(torch.empty((3, n), dtype=torch.int64, device=self.device))
+        rows = self.tp.broadcast(torch.empty(m, dtype=torch.int64, device=self.device))
+        embeds = self.tp.broadcast(torch.empty((m, hidden), dtype=dtype, device=self.device))
+        deepstack = None
+        if depth:
+            deepstack = self.tp.broadcast(torch.empty((depth, m, hidden), dtype=dtype, device=self.device))
+        return positions, MultimodalBatch(rows=rows, embeds=embeds, deepstack=deepstack)
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks' ``serve`` to return; this rank runs no more steps either."""
