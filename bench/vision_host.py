@@ -4,10 +4,12 @@ and the Python calls and host milliseconds of one whole tower call.
     python bench/vision_host.py [--device cuda|cpu] [--reps N]
 
 On CUDA the GPU is kept busy (``torch.cuda._sleep``) while the calls are enqueued, so the wall time of N calls is
-the host's alone: lockstep's wrapper plus Triton's launcher (or torch's dispatcher for the reference ops). On the
-CPU the Triton kernels are replaced by stubs and each op's CUDA launch path is called directly on CPU tensors:
-that times lockstep's own wrapper (configs, checks, descriptors), not Triton's launcher; the tower is the CPU path
-at a tiny size. Prints one line per measurement.
+the host's alone: lockstep's wrapper plus Triton's launcher (or torch's dispatcher for the reference ops); a whole
+tower call (hundreds of launches, more than the launch queue holds) is timed to its return, host-bound at one
+image (the GPU is busy ~7 ms of a ~60 ms call, docs/perf.md). On the CPU the Triton kernels are replaced by stubs
+and each op's CUDA launch path is called directly on CPU tensors: that times lockstep's own wrapper (configs,
+checks, descriptors), not Triton's launcher, in this thread's CPU time; the tower is the CPU path at a tiny size.
+Prints one line per measurement.
 """
 
 import argparse
@@ -23,8 +25,10 @@ OP_FILES = ("layer_norm", "matmul", "vision_attention")
 M, HIDDEN, HEADS, HEAD_DIM, INTER = 784, 1152, 16, 72, 4304  # one 448 x 448 image through Qwen3-VL-8B's tower
 
 
-def host_us(fn, reps: int, device: str) -> float:
-    """The host microseconds per call of ``fn``, the least of 5 rounds (the GPU busy meanwhile on CUDA)."""
+def host_us(fn, reps: int, device: str, busy: bool = True) -> float:
+    """The host microseconds per call of ``fn``, the least of 5 rounds: on CUDA with the GPU kept busy meanwhile
+    (``busy``; for a few hundred launches, which the launch queue holds) or, without, the wall time to the last
+    call's return (a call of many launches: the queue would fill while the GPU sleeps)."""
     fn()
     # On the CPU, this thread's CPU time: the machines are shared, and time spent waiting for a core is not host work.
     clock = time.perf_counter if device == "cuda" else time.thread_time
@@ -32,7 +36,8 @@ def host_us(fn, reps: int, device: str) -> float:
     for _ in range(5):
         if device == "cuda":
             torch.cuda.synchronize()
-            torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU time: the calls below only enqueue
+            if busy:
+                torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU time: the calls below only enqueue
         t0 = clock()
         for _ in range(reps):
             fn()
@@ -121,7 +126,7 @@ def tower(device: str, dtype: torch.dtype, reps: int) -> None:
             fn()
             profiler.disable()
             python_calls = pstats.Stats(profiler).total_calls
-            ms = host_us(fn, reps, device) / 1e3
+            ms = host_us(fn, reps, device, busy=False) / 1e3
             print(f"tower {name:10s}: {python_calls:6d} Python calls, {ms:8.2f} ms host per call", flush=True)
 
 
