@@ -253,7 +253,8 @@ def test_decode_logprobs_equal_a_fresh_prefill(vlm_dir: Path, reference: list[tu
 def test_the_same_image_across_requests_and_n_choices_is_encoded_once(vlm_dir: Path, reference: list[tuple]) -> None:
     """The first target twice, and another question on its image with n=3 seeded choices, in one batch: the encoder
     runs once (one image), every request shares those features, and the bits equal each request's own encoding:
-    the target alone (``reference``) and the n choices run one at a time without prefix caching (each encodes the image afresh)."""
+    the target alone (``reference``) and the n choices run one at a time without prefix caching (each encodes the
+    image afresh)."""
     text, images, p = TARGETS[0]
     ask = prompt_of(f"user: {PLACE}What is in it?\nassistant:", images)
     n_params = SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=6, logprobs=1, ignore_eos=True)
