@@ -96,6 +96,22 @@ def test_patched_vlm_gives_the_sampler_logprobs(sampled) -> None:
     assert not is_patched(model)
 
 
+def test_patched_vlm_with_the_tree_gives_a_tree_engine_logprobs(sampled) -> None:
+    """``tp_invariant=True`` against an engine with the chunk tree (the numerics of any tensor-parallel size): equal,
+    and different from the plain patch (the row-parallel matmuls reduce another way)."""
+    folder, rows = sampled
+    llm = LLM(str(folder), block_size=4, num_kv_blocks=512, tp_invariant=True)
+    (ids, images), row = PROMPTS[2], rows[2]  # two images among text
+    params = SamplingParams(temperature=0.8, seed=102, max_tokens=6, ignore_eos=True)
+    [out] = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, params, use_tqdm=False)
+    llm.close()
+    tree_row = (row[0], out.outputs[0].token_ids, out.outputs[0].token_logprobs, row[3], row[4])
+    model = patch_model(hf_vlm(folder), tp_invariant=True)
+    with torch.no_grad():
+        assert _equal(_logprobs(model, [tree_row]), [tree_row]) == [True]
+        assert _equal(_logprobs(patch_model(model), [tree_row]), [tree_row]) == [False]
+
+
 def test_patched_vlm_gradients_reach_the_vision_tower(sampled) -> None:
     folder, rows = sampled
     model = hf_vlm(folder).train()
