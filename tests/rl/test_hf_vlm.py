@@ -1,7 +1,7 @@
-"""lockstep.rl.hf on vision-language models: a transformers Qwen3-VL / Qwen2.5-VL patched with ``patch_model``
-gives, bit for bit, the logprobs the engine sampled image prompts with (one forward per prompt, and one
-right-padded batch of image and text prompts), with gradients reaching the vision tower; the unpatched model does
-not (the negative control)."""
+"""lockstep.rl.hf on vision-language models: a transformers Qwen3-VL, Qwen3-VL-MoE or Qwen2.5-VL patched with
+``patch_model`` gives, bit for bit, the logprobs the engine sampled image prompts with (one forward per prompt, and
+one right-padded batch of image and text prompts; with the chunk tree against a tree engine), with gradients
+reaching the vision tower; the unpatched model does not (the negative control)."""
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"])
 def sampled(request, tmp_path_factory: pytest.TempPathFactory):
     """The folder, and per prompt (expanded ids, completion, the engine's logprobs, pixel_values, grid_thw), sampled
     in one batch with chunked prefill through the images."""

@@ -175,7 +175,7 @@ def _vlm_model_forward(
     ``pixel_values`` and ``image_grid_thw`` for the images, in; ``last_hidden_state: [batch, seq, hidden]`` out.
     ``position_ids``, when given, only mark where packed sequences start (1-D positions, as for text models): the
     M-RoPE positions are computed from the tokens and grids, as the engine computes them."""
-    from transformers.modeling_outputs import MultimodalBaseModelOutputWithPast
+    from transformers.modeling_outputs import MultimodalBaseModelOutputWithPast, MultimodalMoeBaseModelOutputWithPast
 
     patch: _Patch = getattr(self, _STATE)
     past = cache if cache is not None else past_key_values
@@ -183,15 +183,18 @@ def _vlm_model_forward(
         raise NotImplementedError("a lockstep-patched model runs whole sequences; generate with lockstep.LLM")
     if pixel_values_videos is not None or video_grid_thw is not None or kwargs.get("mm_encoder_outputs"):
         raise NotImplementedError("a lockstep-patched vision-language model takes images (pixel_values) only")
-    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
-        raise NotImplementedError("a lockstep-patched model returns no attentions or per-layer hidden states")
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("output_router_logits"):
+        raise NotImplementedError(
+            "a lockstep-patched model returns no attentions, per-layer hidden states or router logits"
+        )
     if position_ids is not None and position_ids.dim() == 3:  # transformers' own M-RoPE ids: computed here
         position_ids = None
     with no_autocast(self.language_model.norm.weight.device):
         hidden = vlm_backbone(
             self, patch, input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, image_grid_thw
         )
-    return MultimodalBaseModelOutputWithPast(last_hidden_state=hidden)
+    out = MultimodalMoeBaseModelOutputWithPast if patch.config.num_experts else MultimodalBaseModelOutputWithPast
+    return out(last_hidden_state=hidden)
 
 
 @torch.compiler.disable
