@@ -62,12 +62,8 @@ def _requests(probe: dict) -> dict:
     """BASE, with the json request constrained, and two requests whose stops come from a probe's output: a stop
     string first seen mid-way, and a stop token held back by min_tokens."""
     reqs = dict(BASE)
-    reqs["json"] = (
-        BASE["json"][0],
-        SamplingParams(
-            temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-        ),
-    )  # fmt: skip
+    schema = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    reqs["json"] = (BASE["json"][0], SamplingParams(temperature=0, max_tokens=40, structured_outputs=schema))
     text = probe["stop"].outputs[0].text
     reqs["stop"] = (_ids("mnmnmnmn"), SamplingParams(temperature=0.9, seed=9, max_tokens=20, stop=[text[6:8]]))
     token = probe["min_tokens"].outputs[0].token_ids[2]
