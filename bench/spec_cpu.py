@@ -52,7 +52,7 @@ def main() -> None:
         engines[f"ngram k={k}"] = LLM(speculative_config=spec)
     load = os.getloadavg()
     outputs, times, stats = {}, {name: [] for name in engines}, {}
-    for name, llm in engines.items():
+    for llm in engines.values():
         llm.chat(message, params, use_tqdm=False)  # warm-up
     for _ in range(args.rounds):
         for name, llm in engines.items():
