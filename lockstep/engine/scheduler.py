@@ -8,7 +8,9 @@ One step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
    again over prompt + outputs on readmission.
 2. The batch: running decodes (one token each), then running sequences part-way through a chunked prefill,
    then waiting sequences admitted first-in first-out while blocks, sequence slots and token budget allow. A
-   prompt longer than the budget left is chunked; the rest follows in later steps.
+   prompt longer than the budget left is chunked; the rest follows in later steps. Speculative decoding: a
+   decode row may carry drafted tokens (``schedule(drafts)``), out of the budget the decode rows leave and the
+   free blocks, never preempting anything for them.
 
 A vision-language request's prefill chunk that reaches image tokens encodes those images first, in the same step
 (``ScheduledSeq.encode``), within the step's encoder budget (``max_num_encoder_tokens_per_step`` image tokens): a
