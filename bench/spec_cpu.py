@@ -72,7 +72,7 @@ def main() -> None:
             [out] = llm.chat(message, params, use_tqdm=False)
             times[name].append(time.perf_counter() - start)
             outputs[name] = out.outputs[0]
-            stats[name] = llm.engine.spec_stats
+            stats[name], llm.engine.spec_stats = llm.engine.spec_stats, type(llm.engine.spec_stats)()
             start = time.perf_counter()
             llm.chat(message, first, use_tqdm=False)
             prefill[name].append(time.perf_counter() - start)
