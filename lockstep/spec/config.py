@@ -12,6 +12,11 @@ METHODS = ("ngram", "draft_model", "eagle3")
 DEFAULT_PROMPT_LOOKUP = 5
 
 
+class NotImplementedMethod(ValueError, NotImplementedError):
+    """A drafting method vLLM has and lockstep does not yet: a NotImplementedError that is also the ValueError the
+    CLI and the server report in one line."""
+
+
 @dataclass
 class SpeculativeConfig:
     """What to draft with and how many tokens to draft per step.
@@ -46,7 +51,7 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {METHODS}, got {self.method!r}")
         if self.method == "eagle3":
-            raise NotImplementedError("speculative_config: method 'eagle3' (EAGLE-3 heads) is not implemented yet")
+            raise NotImplementedMethod("speculative_config: method 'eagle3' (EAGLE-3 heads) is not implemented yet")
         if self.method == "draft_model" and self.model is None:
             raise ValueError('speculative_config: method "draft_model" needs "model", the draft checkpoint')
         if self.method == "ngram":
