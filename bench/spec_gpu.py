@@ -50,17 +50,17 @@ class FixedDrafter:
 
 
 class OracleDrafter:
-    """Proposes the continuation a plain run produced for the sequence (so every draft is accepted)."""
+    """Proposes ``k`` tokens of the continuation a plain run produced for the sequence (every one is accepted)."""
 
-    def __init__(self, full: list[list[int]]) -> None:
-        self.full = full
+    def __init__(self, full: list[list[int]], k: int) -> None:
+        self.full, self.k = full, k
 
     def propose(self, requests) -> list[list[int]]:
         out = []
         for r in requests:
             n = len(r.token_ids)
             match = next((f for f in self.full if f[:n] == r.token_ids), None)
-            out.append([] if match is None else match[n : n + r.num_tokens])
+            out.append([] if match is None else match[n : n + min(self.k, r.num_tokens)])
         return out
 
     def release(self, seq_id: int) -> None:
@@ -109,7 +109,7 @@ def measured_oracle(llm: LLM, args, k: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.oracle_tokens, ignore_eos=True, logprobs=1)
     results = {}
     for name, drafter in (("plain", None), ("oracle", "oracle")):
-        engine.drafter = None if drafter is None else OracleDrafter([prompt + results["plain"][1]])
+        engine.drafter = None if drafter is None else OracleDrafter([prompt + results["plain"][1]], k)
         engine.runner.use_graphs = engine.runner.graphs is not None
         llm.generate([prompt], params, use_tqdm=False)  # warm-up (and the plain run's tokens)
         sync(engine.runner.device)
@@ -122,8 +122,9 @@ def measured_oracle(llm: LLM, args, k: int) -> dict:
     same = results["plain"][1:] == results["oracle"][1:]
     assert same, "the oracle-drafted output differs from plain decoding's"
     n = len(results["plain"][1])
+    steps = engine.spec_stats.num_drafts
     return {"k": k, "tokens": n, "plain_tok_s": n / results["plain"][0], "spec_tok_s": n / results["oracle"][0],
-            "identical": same}  # fmt: skip
+            "identical": same, "verify_chunks": steps}  # fmt: skip
 
 
 def expected_tokens(a: float, k: int) -> float:
