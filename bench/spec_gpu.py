@@ -112,6 +112,7 @@ def measured_oracle(llm: LLM, args, k: int) -> dict:
         engine.drafter = None if drafter is None else OracleDrafter([prompt + results["plain"][1]], k)
         engine.runner.use_graphs = engine.runner.graphs is not None
         llm.generate([prompt], params, use_tqdm=False)  # warm-up (and the plain run's tokens)
+        engine.spec_stats = type(engine.spec_stats)()
         sync(engine.runner.device)
         t0 = time.perf_counter()
         [out] = llm.generate([prompt], params, use_tqdm=False)
