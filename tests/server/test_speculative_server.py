@@ -1,6 +1,7 @@
 """``lockstep serve --speculative-config``: completions are the plain server's, bit for bit, and /metrics counts
 the drafts and the accepted tokens."""
 
+import json
 from pathlib import Path
 
 import httpx
@@ -39,3 +40,17 @@ def test_completions_match_the_plain_server_and_metrics_count(server, spec_serve
     chunks = sum(v for k, v in m.items() if k.startswith("lockstep_spec_decode_chunks_by_accepted_total{"))
     assert chunks == m["lockstep_spec_decode_num_drafts_total"]
     assert "lockstep_spec_decode_num_draft_tokens_total" not in server.metrics()
+
+
+def test_streaming_with_drafts_carries_every_token(server, spec_server) -> None:
+    # A step may add several tokens: the stream's chunks hold them all, in order, with their logprobs.
+    body = {"prompt": "abcabcabcabc", "max_tokens": 20, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    plain = _complete(server, body)
+    with httpx.stream("POST", spec_server.base_url + "/completions", headers=spec_server.headers, timeout=120,
+                      json=body | {"model": spec_server.model, "stream": True}) as r:  # fmt: skip
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    choices = [c for e in events for c in json.loads(e)["choices"]]
+    assert "".join(c["text"] for c in choices) == plain["text"]
+    streamed = [x for c in choices if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+    assert streamed == plain["logprobs"]["token_logprobs"]
