@@ -33,7 +33,8 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from lockstep.ops.attention import SPLIT, TILE, _paged_attention_triton, write_kv  # noqa: E402
+from lockstep.ops.attention import SPLIT, TILE, write_kv  # noqa: E402
+from lockstep.ops.attention.launch import _paged_attention_triton  # noqa: E402
 
 FAILURES: list[str] = []
 

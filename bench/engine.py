@@ -734,6 +734,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=None, help="seconds for all the work (default 200; smoke 45)")
     ap.add_argument("--device", default=None, help="default: cuda if available (else cpu)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8: online FP8 linear layers (issue 30)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: an e4m3 KV cache")
     ap.add_argument("--workdir", default=None, help="where to write the checkpoints (default: a temp dir, removed)")
     add_load_format_arg(ap)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="JSON folder or .json path (default $OUT or .)")
@@ -846,6 +848,8 @@ def main() -> None:
                 max_num_batched_tokens=plan.large_budget,
                 seed=0,
                 load_format=args.load_format,
+                quantization=args.quantization,
+                kv_cache_dtype=args.kv_cache_dtype,
             )
             print(f"    loaded in {time.perf_counter() - t0:.1f} s", flush=True)
             if not args.no_matrix:

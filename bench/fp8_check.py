@@ -14,6 +14,9 @@
     ours / _scaled_mm.
 (c) FP8 experts: a token's bits alone and in a batch, values against the bf16 experts of the dequantized weights,
     time against the bf16 grouped matmul, at Qwen3-30B-A3B's expert shape.
+(e) The FP8 chunk tree (a row-parallel FP8 layer under tensor parallelism, ``ops.fp8_tree``): in one process, the
+    roots of 2, 4 and 8 simulated ranks' subtrees (each rank its K columns, per-token scales from the whole row)
+    must finish to the bits of the one-process tree, and row m of an M-row call must equal row m of the full call.
 (d) FP8 KV: paged decode attention over an e4m3 cache must give exactly the bits of the same attention over a bf16
     cache holding the e4m3 values (the kernel reads e4m3 into bf16 exactly), a sequence's rows the same bits alone
     and in a batch of 64, the fused rotary_write_kv kernel the bytes of rotary + write_kv; decode times side by side.
@@ -36,7 +39,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from lockstep.ops import fp8  # noqa: E402
+from lockstep.ops import fp8, fp8_tree, tp_linear  # noqa: E402
 from lockstep.ops.attention import paged_attention, write_kv  # noqa: E402
 from lockstep.ops.fp8 import FP8, FP8_CONFIGS, Fp8Config, _fp8_mm_triton, fp8_config  # noqa: E402
 from lockstep.ops.rotary import rotary, rotary_write_kv  # noqa: E402
@@ -287,6 +290,47 @@ def check_fused_write(hq: int, hkv: int, d: int) -> bool:
     return ok
 
 
+def check_tree(k: int, n: int, max_m: int, check_ms: list[int]) -> dict:
+    x = torch.randn(max_m, k, device=DEV).to(torch.bfloat16)
+    out = {}
+    for kind, group in (("block", 128), ("channel", None)):
+        w8, ws = weight(n, k, kind, seed=1)
+        full = fp8_tree.tree_linear(x, w8, ws, act_group=group)
+        a8, a_s = fp8_tree.activation_scales(x, group)  # the whole row's scales, as the ranks' gathered maxima
+        ranks_differ = []
+        for size in (2, 4, 8):
+            cols, blocks = k // size, k // size // fp8.GROUP_K
+            roots = []
+            for r in range(size):
+                sa = a_s[:, r * blocks : (r + 1) * blocks] if a_s.shape[1] > 1 else a_s
+                sw = ws[:, r * blocks : (r + 1) * blocks] if ws.shape[1] > 1 else ws
+                w_r = w8[:, r * cols : (r + 1) * cols].contiguous()
+                roots.append(fp8_tree.subtree(a8[:, r * cols : (r + 1) * cols], sa, w_r, sw, 8 // size))
+            if not same(tp_linear.tree_finish(torch.stack(roots), None, torch.bfloat16), full):
+                ranks_differ.append(size)
+        # Negative control: two ranks' plain partial sums added (an all-reduce's order) against one process's
+        # sequential blocks, both in fp32: the harness must see that differ.
+        half, hb = k // 2, k // 2 // fp8.GROUP_K
+        parts = [fp8.scaled_mm(a8[:, r * half : (r + 1) * half],
+                               a_s[:, r * hb : (r + 1) * hb] if a_s.shape[1] > 1 else a_s,
+                               w8[:, r * half : (r + 1) * half].contiguous(),
+                               ws[:, r * hb : (r + 1) * hb] if ws.shape[1] > 1 else ws, None, torch.float32)
+                 for r in range(2)]  # fmt: skip
+        sequential = fp8.fp8_linear(x.float(), w8, ws, act_group=group)  # fp32 out: the accumulator, unrounded
+        control_differs = not torch.equal(parts[0] + parts[1], sequential)
+        bad_m = [m for m in check_ms if not same(fp8_tree.tree_linear(x[:m], w8, ws, act_group=group), full[:m])]
+        close = torch.allclose(full.float(), fp8.fp8_linear(x, w8, ws, act_group=group).float(), rtol=2e-2, atol=2e-2)
+        if ranks_differ or bad_m or not close or not control_differs:
+            fail(f"tree K={k} N={n} {kind}: TP sizes {ranks_differ}, M {bad_m[:8]}, close to fp8_linear {close}, "
+                 f"negative control differs {control_differs}")  # fmt: skip
+        out[kind] = {"tp_sizes_differing": ranks_differ, "ms_differing": bad_m, "close_to_fp8_linear": close,
+                     "all_reduce_control_differs": control_differs}  # fmt: skip
+        print(f"  K={k:5d} N={n:6d} {kind:7s} TP sizes differing {ranks_differ}  M differing "
+              f"{len(bad_m)}/{len(check_ms)}  close to fp8_linear {close}  "
+              f"all-reduce control differs {control_differs}")  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -319,6 +363,9 @@ def main() -> None:
         result["experts"] = check_experts(6, 2, 160, 136, 24, [])
     else:  # Qwen3-30B-A3B's experts
         result["experts"] = check_experts(128, 8, 2048, 768, 512, [1, 64, 512])
+    print("(e) FP8 chunk tree")
+    tree_shapes = [(1024, 96)] if tiny else [(4096, 4096), (12288, 4096)]  # o_proj, down_proj
+    result["tree"] = {f"{k}x{n}": check_tree(k, n, max_m, check_ms[:: 1 if tiny else 8]) for k, n in tree_shapes}
     print("(d) FP8 KV cache")
     heads, points = kv
     result["kv"] = [check_kv(**heads, ctx=ctx, batch=b) for ctx, b in points]

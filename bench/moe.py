@@ -47,6 +47,8 @@ from lockstep import ops
 from lockstep.layers import torch_kernels
 from lockstep.ops import moe
 from lockstep.ops.moe import MoEConfig
+from lockstep.ops.moe import layer as moe_layer
+from lockstep.ops.moe.grouped_mm import _grouped_mm
 
 HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 128, 8, 768
 DEVICE = "cuda"  # the checks also run on the CPU (Triton's interpreter) at small shapes, for a smoke test
@@ -151,11 +153,11 @@ def check_configs(layer: Layer, dtype: torch.dtype, sizes: list[int]) -> dict:
     for m in sizes:
         x = tokens(m, 3, dtype)
         weights, ids = ops.moe_route(ops.linear(x, layer.gate), TOP_K, True)
-        base = moe._experts_triton(x, layer.w13, layer.w2, weights, ids)
+        base = moe_layer._experts_triton(x, layer.w13, layer.w2, weights, ids)
         bad = [
             vars(c)
             for c in CONFIGS
-            if not torch.equal(moe._experts_triton(x, layer.w13, layer.w2, weights, ids, c), base)
+            if not torch.equal(moe_layer._experts_triton(x, layer.w13, layer.w2, weights, ids, c), base)
         ]
         result[m] = {"configs": len(CONFIGS), "differing": bad}
     return result
@@ -219,16 +221,16 @@ def decode_breakdown(layer: Layer, dtype: torch.dtype, sizes: list[int]) -> list
         weights, ids = ops.moe_route(logits, TOP_K, True)
         cfg1, cfg2 = table_configs(m, dtype)
         plan = moe.plan_routing_triton(ids, EXPERTS, cfg1.bm)
-        act = moe._grouped_mm(x, plan.tokens, layer.w13, plan, cfg1, silu_mul=True)
-        y = moe._grouped_mm(act, None, layer.w2, plan, cfg2, silu_mul=False)
+        act = _grouped_mm(x, plan.tokens, layer.w13, plan, cfg1, silu_mul=True)
+        y = _grouped_mm(act, None, layer.w2, plan, cfg2, silu_mul=False)
         row = {
             "m": m,
             "router_linear_us": graph_us(lambda: ops.linear(x, layer.gate)),
             "route_us": graph_us(lambda: ops.moe_route(logits, TOP_K, True)),
             "plan_triton_us": graph_us(lambda: moe.plan_routing_triton(ids, EXPERTS, cfg1.bm)),
             "plan_torch_us": graph_us(lambda: torch_plan(ids, cfg1.bm)),
-            "gate_up_us": graph_us(lambda: moe._grouped_mm(x, plan.tokens, layer.w13, plan, cfg1, silu_mul=True)),
-            "down_us": graph_us(lambda: moe._grouped_mm(act, None, layer.w2, plan, cfg2, silu_mul=False)),
+            "gate_up_us": graph_us(lambda: _grouped_mm(x, plan.tokens, layer.w13, plan, cfg1, silu_mul=True)),
+            "down_us": graph_us(lambda: _grouped_mm(act, None, layer.w2, plan, cfg2, silu_mul=False)),
             "combine_us": graph_us(lambda: moe.combine(y, weights, plan.rows.view(ids.shape))),
             "whole_us": graph_us(lambda: layer.invariant(x)),
             "configs": [vars(cfg1), vars(cfg2)],
@@ -275,7 +277,7 @@ def decode_sweep(layer: Layer, dtype: torch.dtype, sizes: list[int]) -> list[dic
         x = tokens(m, 5, dtype)
         weights, ids = ops.moe_route(ops.linear(x, layer.gate), TOP_K, True)
         cfg1, cfg2 = table_configs(m, dtype)
-        run = lambda c: moe._experts_triton(x, layer.w13, layer.w2, weights, ids, c)  # noqa: E731
+        run = lambda c: moe_layer._experts_triton(x, layer.w13, layer.w2, weights, ids, c)  # noqa: E731
         base = run((cfg1, cfg2))
         row = {"m": m, "table": [vars(cfg1), vars(cfg2)], "table_us": graph_us(lambda: run((cfg1, cfg2)))}
         for which in ("gate_up", "down"):

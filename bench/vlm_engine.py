@@ -57,11 +57,14 @@ SIZES = {"full": dict(batches=(16, 64, 256), tokens=128, requests=256, out=256),
          "smoke": dict(batches=(4,), tokens=8, requests=4, out=8)}  # fmt: skip
 
 
-def make_folder(root: Path, layers: int, smoke: bool) -> Path:
+def make_folder(root: Path, layers: int, smoke: bool, vocab_size: int | None = None) -> Path:
+    """``vocab_size``: the text model's (default Qwen3-VL's 151,936; the tokenizer knows the first VLM_VOCAB ids)."""
     from transformers import Qwen3VLConfig
 
     folder = root / "qwen3-vl-8b-shape"
     text = dict(TEXT, **SMOKE_TEXT) if smoke else TEXT
+    if vocab_size is not None:
+        text = dict(text, vocab_size=vocab_size)
     vision = dict(VISION, **SMOKE_VISION) if smoke else VISION
     config = Qwen3VLConfig(
         text_config=dict(text, num_hidden_layers=layers, dtype="bfloat16"), vision_config=vision,

@@ -258,6 +258,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     add_grammar_limit_args(p)
     add_chat_args(p)
     add_generation_config_arg(p)
+    add_rl_args(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--no-access-log",
@@ -267,6 +268,26 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="no log line per request (method, path, status, time, tokens; never prompts), which is on by default",
     )
     p.set_defaults(func=run_serve)
+
+
+def add_rl_args(p: argparse.ArgumentParser) -> None:
+    """serve's options for RL trainers (README, "TRL"): vLLM's development endpoints and sleep mode."""
+    p.add_argument(
+        "--dev-mode", action="store_true",
+        help="serve vLLM's development endpoints (also with VLLM_SERVER_DEV_MODE=1): weight updates from a trainer "
+        "(/init_weight_transfer_engine, /update_weights), /reset_prefix_cache, /sleep, /wake_up, /is_sleeping; "
+        "anyone who can reach them can replace the weights: guard them with --api-key",
+    )  # fmt: skip
+    p.add_argument(
+        "--enable-sleep-mode", action="store_true",
+        help="allow /sleep (needs --dev-mode): free the KV cache and the weights for a trainer on the same GPU",
+    )  # fmt: skip
+
+
+def dev_mode(args: argparse.Namespace) -> bool:
+    import os
+
+    return bool(args.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"))
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
@@ -415,10 +436,12 @@ def run_serve(args: argparse.Namespace) -> int:
             generation_config=args.generation_config,
             chat=chat,
             grammar_limits=grammars,
+            enable_sleep_mode=args.enable_sleep_mode,
             **kernel_args(args),
             **engine_args(args),
             **multimodal,
         )
+        state.dev_mode = dev_mode(args)
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         print(
             f"lockstep: serving {state.model_name!r} on http://{args.host}:{port}/v1 "

@@ -2,6 +2,10 @@
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from lockstep.spec.config import SpeculativeConfig
 
@@ -48,6 +52,15 @@ def check_device(device: str | None) -> None:
     index = device.partition(":")[2]
     if index and int(index) >= torch.cuda.device_count():
         raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA GPUs (cuda:0 to cuda:N-1)")
+
+
+def resolve_device(device: str | None) -> "torch.device":
+    """``device`` as a ``torch.device``; None means CUDA when torch sees a GPU, else the CPU."""
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
 
 
 # "auto": the model's dtype; "fp8" (vLLM's name, also "fp8_e4m3"): e4m3 with a per-tensor scale of 1.
@@ -115,6 +128,8 @@ class EngineConfig:
     # online (an FP8 checkpoint is read as FP8 whatever this says); kv_cache_dtype "fp8" keeps K/V in e4m3.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    # vLLM's: allow LLM.sleep / wake_up (engine/sleep.py), freeing the KV cache and the weights for a trainer.
+    enable_sleep_mode: bool = False
     # Speculative decoding (README, "Speculative decoding"): vLLM's speculative_config dict, parsed into a
     # SpeculativeConfig. Drafting changes only how many tokens a step adds, never which; its steps run
     # synchronously (async_scheduling off).
@@ -154,6 +169,7 @@ class EngineConfig:
         if not isinstance(mem, (int, float)) or isinstance(mem, bool) or not 0 < mem <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {mem!r}")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_bool("enable_sleep_mode", self.enable_sleep_mode)
         _check_bool("enforce_eager", self.enforce_eager)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
@@ -172,8 +188,6 @@ class EngineConfig:
                 raise ValueError("speculative_config runs synchronous steps: async_scheduling=True cannot go with it")
             self.async_scheduling = False
         if self.async_scheduling is None:
-            from lockstep.engine.model_runner import resolve_device  # torch and the engine: only when a config is made
-
             self.async_scheduling = resolve_device(self.device).type == "cuda"
         _check_bool("async_scheduling", self.async_scheduling)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

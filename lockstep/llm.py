@@ -261,6 +261,42 @@ class LLM:
         one loaded with those weights. Call it between ``generate`` calls. Returns the names loaded."""
         return self.engine.load_weights(weights)
 
+    # -- RL: weight updates from trainer processes, the prefix cache, sleep mode (README, "TRL") ----------------
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Join a trainer's weight-update group (vLLM's weight-transfer shape): ``init_info`` is ``{"master_address",
+        "master_port", "rank_offset", "world_size"}``, the trainer being rank 0 and hosting the rendezvous at
+        ``master_address:master_port``, and every sampler rank (each tensor-parallel worker too) joining as
+        ``rank_offset + rank``. Blocks until the trainer (``lockstep.rl.weight_sync.WeightSender.connect``) has
+        joined: gloo on the CPU, NCCL on CUDA."""
+        self.engine.init_weight_transfer_engine(init_info)
+
+    def update_weights(self, update_info: dict) -> list[str]:
+        """Receive one weight update the trainer broadcasts in buckets (``WeightSender.send``): ``update_info`` is
+        ``{"names", "dtype_names", "shapes", "bucket_bytes"}`` in the trainer's send order
+        (``WeightSender.update_info``). The engine then answers exactly as after ``load_weights`` of the same
+        tensors (the prefix cache is cleared). Between ``generate`` calls; returns the names loaded."""
+        return self.engine.update_weights(update_info)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (weight updates do it themselves); False, doing nothing, while requests run."""
+        return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and, at ``level=2``, the weights, so a trainer can use the memory (needs
+        ``enable_sleep_mode=True``). Level 1 offloads the weights to host memory; after level 2 load every weight
+        (``load_weights``, ``update_weights``) before ``wake_up``. ``generate`` raises while asleep."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Allocate the KV cache and the weights again (``tags``: ``["weights"]`` or ``["kv_cache"]`` for one of
+        them); afterwards the outputs are the bits they were before sleeping."""
+        self.engine.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
     def chat(
         self,
         messages: list[Message] | list[list[Message]],

@@ -110,3 +110,33 @@ def save_dequantized(fp8_folder: Path, dst: Path) -> Path:
     config["torch_dtype"] = config["dtype"] = "float32"
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
+
+def save_kv_calibrated(src: Path, dst: Path, factors: list[float], per_head: bool) -> Path:
+    """``src`` (a tiny Llama without biases) with KV head ``h``'s keys and values ``factors[h]`` times larger and
+    the queries and o_proj columns that read it ``factors[h]`` times smaller, plus ``self_attn.k_scale``/``v_scale``
+    = ``factors`` (per head, or the one factor per tensor): the same function in full precision, and with powers of
+    two the same bits through an FP8 cache with these scales as ``src`` through one at scale 1. Without them its
+    keys and values saturate e4m3."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, dst / f.name)
+    config = json.loads((src / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config.get("head_dim") or config["hidden_size"] // heads
+    if not per_head and len(set(factors)) != 1:
+        raise ValueError("a per-tensor scale needs one factor for every head")
+    kv_rows = torch.tensor(factors).repeat_interleave(d)[:, None]  # [kv_heads * d, 1]
+    q_rows = torch.tensor(factors).repeat_interleave(heads // kv_heads * d)  # [heads * d]
+    tensors = load_file(src / "model.safetensors")
+    for i in range(config["num_hidden_layers"]):
+        pre = f"model.layers.{i}.self_attn"
+        tensors[f"{pre}.k_proj.weight"] = tensors[f"{pre}.k_proj.weight"] * kv_rows
+        tensors[f"{pre}.v_proj.weight"] = tensors[f"{pre}.v_proj.weight"] * kv_rows
+        tensors[f"{pre}.q_proj.weight"] = tensors[f"{pre}.q_proj.weight"] / q_rows[:, None]
+        tensors[f"{pre}.o_proj.weight"] = tensors[f"{pre}.o_proj.weight"] / q_rows[None, :]
+        scale = torch.tensor(factors) if per_head else torch.tensor(factors[0])
+        tensors[f"{pre}.k_scale"], tensors[f"{pre}.v_scale"] = scale.clone(), scale.clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, dst / "model.safetensors")
+    return dst

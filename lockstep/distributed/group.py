@@ -60,7 +60,9 @@ class TPGroup:
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In place, rank ``src``'s ``x`` on every rank (the engine's weight updates). Exact: no arithmetic."""
         if self.size > 1:
-            dist.broadcast(x, src, group=self.group)
+            # gloo has no float8 type: e4m3 weights travel as their bytes.
+            dist.broadcast(x.view(torch.uint8) if x.dtype.itemsize == 1 and x.is_floating_point() else x, src,
+                           group=self.group)  # fmt: skip
         return x
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ names; their outputs are never read.
 import torch
 
 from lockstep.engine.token_feed import FedRows
-from lockstep.layers.attention import AttentionMetadata, FlatBatch
+from lockstep.layers.batch import AttentionMetadata, FlatBatch
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

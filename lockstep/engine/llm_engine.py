@@ -228,6 +228,8 @@ class LLMEngine:
         request's previous output in ``token_ids``, ``token_logprobs`` and ``logprobs`` (``DELTA``: a consumer that
         keeps them does not keep a copy of the output per step), or one output when it ends (``FINAL_ONLY``)."""
         params = params if params is not None else SamplingParams()
+        if self.is_sleeping:
+            raise RuntimeError(f"request {request_id!r}: the engine is sleeping; call wake_up() first")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"request {request_id!r}: sampling params must be a SamplingParams, got {params!r}")
         if params.n != 1:
@@ -312,6 +314,48 @@ class LLMEngine:
         loaded = self._on_every_rank(self.runner.load_weights, weights)
         self.scheduler.block_manager.reset_prefix_cache()
         return loaded
+
+    # -- RL: weight updates from a trainer, the prefix cache, sleep mode ------------------------------------------
+
+    def _require_idle(self, what: str) -> None:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(f"{what}: requests are still running; finish or abort them first")
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Join the trainer's weight-update group on every rank (``engine.weight_updates``); blocks until the
+        trainer has joined too."""
+        self._on_every_rank(self.runner.join_weight_group, init_info)
+
+    def update_weights(self, update_info: dict) -> list[str]:
+        """Receive one update over the weight-update group (``engine.weight_updates``) and forget the prefix cache,
+        like ``load_weights``. Only while no request is in flight."""
+        self._require_idle("update_weights")
+        loaded = self._on_every_rank(self.runner.update_weights, update_info)
+        self.scheduler.block_manager.reset_prefix_cache()
+        return loaded
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while requests hold blocks, as vLLM's."""
+        if self.scheduler.has_unfinished():
+            return False
+        self.scheduler.block_manager.reset_prefix_cache()
+        return True
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.sleep_state is not None and self.runner.sleep_state.is_sleeping
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and, at level 2, the weights (level 1 offloads them to host memory) on every rank
+        (``engine.sleep``). Only while no request is in flight; requests are refused until ``wake_up``."""
+        self._require_idle("sleep")
+        self.scheduler.block_manager.reset_prefix_cache()  # the cached K/V is discarded with the cache
+        self._on_every_rank(self.runner.sleep, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what ``tags`` names (``"weights"``, ``"kv_cache"``; default both). ValueError after a level-2
+        sleep whose weights were not all loaded since."""
+        self._on_every_rank(self.runner.wake_up, tags)
 
     # -- one step ----------------------------------------------------------------------------------------------
 

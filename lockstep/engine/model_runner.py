@@ -18,17 +18,19 @@ from dataclasses import dataclass
 
 import torch
 
-from lockstep.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from lockstep.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, resolve_device
 from lockstep.distributed import ControlChannel, TPGroup
 from lockstep.engine.block_tables import DeviceBlockTables, TableUpdate
 from lockstep.engine.cuda_graph import DecodeGraphs
 from lockstep.engine.encoder_cache import EncoderCache
 from lockstep.engine.scheduler import ScheduledBatch, ScheduledSeq
 from lockstep.engine.sequence import Sequence
+from lockstep.engine.sleep import SleepState
 from lockstep.engine.token_feed import FedRows, TokenFeed
-from lockstep.layers.attention import FlatBatch, flatten_batch
+from lockstep.layers.batch import FlatBatch, flatten_batch
 from lockstep.layers.sampler import PendingSample, Sampled, Sampler, TokenLogprobs, device_tensor, gather_logprobs
 from lockstep.models.loader import load_model
+from lockstep.models.quantization import checkpoint_slots, conform, load_full_precision
 from lockstep.structured.grammar import token_masks, token_masks_ahead
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,18 +44,12 @@ PROMPT_LOGPROB_ROWS = 128
 
 
 # What rank 0 asks the other ranks to do: the first element of each control message.
-STEP, WEIGHTS, STOP = 1, 2, 3
+STEP, WEIGHTS, STOP, SLEEP, WAKE, JOIN_WEIGHT_GROUP, GROUP_WEIGHTS = 1, 2, 3, 4, 5, 6, 7
 # Block-table widths are multiples of this many columns. Triton compiles a kernel again for an integer argument
 # newly equal to 1 or divisible by 16, and a table's row stride is one: with widths following the longest
 # sequence, serving met table shapes the start-up warm-up had not (compiles while serving, 2026-12-01). Columns
 # past a sequence's length are never read, so the bits do not change.
 TABLE_COLUMNS = 16
-
-
-def resolve_device(device: str | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def rank_device(device: str | None, rank: int, size: int) -> torch.device:
@@ -193,12 +189,20 @@ class ModelRunner:
         # Twice the rows a step can use, so a row is taken back only every max_num_seqs new sequences or so.
         self.block_tables = DeviceBlockTables(2 * config.max_num_seqs, max_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
+        self._capture_graphs()
+        self.use_graphs = self.graphs is not None  # bench/engine.py turns them off to compare
+        # Sleep mode (engine/sleep.py) and the trainer's weight-update group (engine/weight_updates.py).
+        self.sleep_state = SleepState(self.model, self.kv_caches, self.device) if config.enable_sleep_mode else None
+        self.weight_group = None
+
+    def _capture_graphs(self) -> None:
+        config = self.config
         if self.device.type == "cuda" and not config.enforce_eager and self.model.kernels.capturable:
             # Under TP every rank captures its own graphs, the model's collectives (NCCL) inside them, in the
             # same bucket order, so the captured collectives pair up when rank 0's step replays a bucket.
+            max_blocks = self.block_tables.table.shape[1]
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_blocks)
             self.graphs.capture()
-        self.use_graphs = self.graphs is not None  # bench/engine.py turns them off to compare
 
     @property
     def vocab_size(self) -> int:
@@ -224,14 +228,25 @@ class ModelRunner:
         Raises ValueError for an unknown name or a wrong shape before anything is copied. Under tensor parallelism
         the tensors are whole checkpoint tensors: rank 0 broadcasts each one and every rank keeps its slice.
         """
-        if any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters()):
-            raise ValueError("load_weights into FP8 layers is not supported yet (they would need quantizing)")
-        slots = self.model.checkpoint_tensors()
-        shards = self.model.checkpoint_shards()
-        items = list(self.model.released_names(weights.items() if isinstance(weights, Mapping) else weights))
+        todo = self._plan_weights(weights.items() if isinstance(weights, Mapping) else weights)
+        if self.channel is not None:
+            self.channel.send(torch.tensor([WEIGHTS]))
+            wire = [(name, list(tensor.shape), str(self._wire_dtype(dest, tensor))) for name, dest, tensor, _ in todo]
+            self.channel.send_object(wire)
+        for name, dest, tensor, shard in todo:
+            self._copy_weight(name, dest, tensor.detach().to(self.device, self._wire_dtype(dest, tensor)), shard)
+        return [name for name, _, _, _ in todo]
+
+    def _plan_weights(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[tuple]:
+        """``(name, destination, tensor, shard)`` for each released checkpoint tensor to copy (tied heads and rotary
+        buffers dropped), an FP8 layer's scales before its weight (a full-precision weight into a checkpoint's FP8
+        layer quantizes with them); ValueError for an unknown name or a wrong shape. Meta tensors check an announced
+        update."""
+        slots, shards = self._weight_slots()
+        fp8 = getattr(self.model, "fp8_scheme", None) is not None
         tied = self.model.config.tie_word_embeddings
         todo = []
-        for name, tensor in items:
+        for name, tensor in self.model.released_names(items):
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and tied):
                 continue
             dest = slots.get(name)
@@ -241,29 +256,142 @@ class ModelRunner:
             shard = shards.get(name)
             if shard is not None:
                 expected[shard.dim] = shard.full
+            tensor = conform(name, tensor) if fp8 else tensor
             if list(tensor.shape) != expected:
                 raise ValueError(f"load_weights: {name!r} has shape {list(tensor.shape)}, expected {expected}")
-            todo.append((name, dest, tensor))
-        if self.channel is not None:
-            self.channel.send(torch.tensor([WEIGHTS]))
-            self.channel.send_object([(name, list(tensor.shape)) for name, _, tensor in todo])
-        for name, dest, tensor in todo:
-            self._copy_weight(name, dest, tensor.detach().to(self.device, dest.dtype), shards.get(name))
-        return [name for name, _, _ in todo]
+            todo.append((name, dest, tensor, shard))
+        todo.sort(key=lambda item: item[0].endswith(".weight"))
+        return todo
 
-    def _copy_weight(self, name: str, dest: torch.Tensor, full: torch.Tensor, shard) -> None:
-        if self.tp.size > 1:
+    def _weight_slots(self) -> tuple[dict, dict]:
+        """``load_weights``' destinations and shards: the model's checkpoint views (those taken before sleeping,
+        while asleep: engine/sleep.py), with an FP8 checkpoint's scale names and shapes."""
+        state = self.sleep_state
+        asleep = state is not None and state.slots is not None
+        slots = state.slots if asleep else self.model.checkpoint_tensors()
+        shards = state.shards if asleep and state.shards is not None else self.model.checkpoint_shards()
+        self._raw_slots = (slots, shards)  # an FP8 layer's own weight_scale slots, for _copy_weight
+        scheme = getattr(self.model, "fp8_scheme", None)
+        if scheme is not None and not scheme.online:
+            slots, shards = checkpoint_slots(slots, scheme, set(), shards)
+        return slots, shards
+
+    def _wire_dtype(self, dest, tensor: torch.Tensor) -> torch.dtype:
+        # A full-precision weight bound for an FP8 layer travels in the model's dtype and is quantized on arrival.
+        if dest.dtype == torch.float8_e4m3fn and tensor.dtype != torch.float8_e4m3fn:
+            return self.model.dtype
+        return dest.dtype
+
+    def _copy_weight(self, name: str, dest, full: torch.Tensor, shard, broadcast: bool = True) -> None:
+        if self.tp.size > 1 and broadcast:
             self.tp.broadcast(full.contiguous())
+        if self.sleep_state is not None:
+            self.sleep_state.materialize(name)  # a weight loaded while asleep gets its memory back first
+        if dest.dtype == torch.float8_e4m3fn and full.dtype != torch.float8_e4m3fn:
+            # quantization.load_full_precision: this part's row scales are the model's own weight_scale slot
+            scale_name = name.removesuffix(".weight") + ".weight_scale"
+            raw, raw_shards = self._raw_slots
+            scale, scale_shard = raw[scale_name], raw_shards.get(scale_name)
+            load_full_precision(dest, full, shard, scale, scale_shard, self.model.fp8_scheme)
+            return
         dest.copy_(full if shard is None else full[shard.index()])
 
     @torch.inference_mode()
     def _receive_weights(self) -> None:
         """Ranks > 0: rank 0's ``load_weights``."""
-        slots, shards = self.model.checkpoint_tensors(), self.model.checkpoint_shards()
-        for name, shape in self.channel.recv_object():
-            dest = slots[name]
-            full = torch.empty(shape, dtype=dest.dtype, device=self.device)
-            self._copy_weight(name, dest, full, shards.get(name))
+        slots, shards = self._weight_slots()
+        for name, shape, dtype in self.channel.recv_object():
+            full = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=self.device)
+            self._copy_weight(name, slots[name], full, shards.get(name))
+
+    # -- weight updates from a trainer's group (engine/weight_updates.py) ------------------------------------------
+
+    def join_weight_group(self, init_info: dict) -> None:
+        """Every rank joins the trainer's weight-update group as rank ``rank_offset + tp.rank`` (blocks until the
+        trainer and every rank have joined). ValueError for bad ``init_info``, before any rank joins."""
+        from lockstep.engine.weight_updates import parse_init_info
+
+        parse_init_info(init_info, self.tp.size)
+        if self.channel is not None and self.tp.rank == 0:
+            self.channel.send(torch.tensor([JOIN_WEIGHT_GROUP]))
+            self.channel.send_object(init_info)
+        self._join_weight_group(init_info)
+
+    def _join_weight_group(self, init_info: dict) -> None:
+        from lockstep.distributed.weight_group import WeightGroup
+        from lockstep.engine.weight_updates import parse_init_info
+
+        info = parse_init_info(init_info, self.tp.size)
+        if self.weight_group is not None:
+            self.weight_group.close()
+            self.weight_group = None
+        rank = info.rank_offset + self.tp.rank
+        self.weight_group = WeightGroup.join(info.master_address, info.master_port, rank, info.world_size, self.device)
+
+    def update_weights(self, update_info: dict) -> list[str]:
+        """Receive one update from the trainer over the weight group (every rank, bucket by bucket) into the model;
+        returns the names loaded. ValueError for an unknown name or shape, before any rank receives a byte."""
+        from lockstep.engine.weight_updates import parse_update_info
+
+        if self.weight_group is None:
+            raise RuntimeError("update_weights: no weight-update group; call init_weight_transfer_engine first")
+        specs, _ = parse_update_info(update_info)
+        with torch.inference_mode():
+            meta = [(s.name, torch.empty(s.shape, dtype=s.dtype, device="meta")) for s in specs]
+            names = [name for name, _, _, _ in self._plan_weights(meta)]
+        if self.channel is not None:
+            self.channel.send(torch.tensor([GROUP_WEIGHTS]))
+            self.channel.send_object(update_info)
+        self._receive_group_weights(update_info)
+        return names
+
+    @torch.inference_mode()
+    def _receive_group_weights(self, update_info: dict) -> None:
+        from lockstep.distributed.weight_group import buckets, unpack
+        from lockstep.engine.weight_updates import parse_update_info
+
+        specs, bucket_bytes = parse_update_info(update_info)
+        plan = buckets(specs, bucket_bytes)
+        buffer = torch.empty(max((b.nbytes for b in plan), default=0), dtype=torch.uint8, device=self.device)
+        for bucket in plan:
+            self.weight_group.broadcast(buffer[: bucket.nbytes])
+            # An FP8 checkpoint layer's scales come before its weight within a bucket; the trainer keeps a layer's
+            # weight and scales in one bucket, or sends the scales first (each bucket is applied as it arrives).
+            for name, dest, tensor, shard in self._plan_weights(unpack(bucket, buffer)):
+                self._copy_weight(name, dest, tensor.to(self._wire_dtype(dest, tensor)), shard, broadcast=False)
+        del buffer
+
+    # -- sleep mode (engine/sleep.py) ------------------------------------------------------------------------------
+
+    def _sleeping(self) -> SleepState:
+        if self.sleep_state is None:
+            raise RuntimeError("sleep mode is off: LLM(enable_sleep_mode=True), lockstep serve --enable-sleep-mode")
+        return self.sleep_state
+
+    def sleep(self, level: int) -> None:
+        """Every rank frees its KV cache and, at level 2, its weights (level 1 offloads them to the host)."""
+        state = self._sleeping()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if state.is_sleeping:
+            raise RuntimeError(f"the engine is already sleeping (level {state.level})")
+        if self.channel is not None and self.tp.rank == 0:
+            self.channel.send(torch.tensor([SLEEP]))
+            self.channel.send_object(level)
+        self.release_graphs()  # they hold the old addresses; captured again at wake-up
+        state.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Every rank takes back what ``tags`` names (default all); returns whether it is fully awake."""
+        state = self._sleeping()
+        state.check_wake(tags)  # rank 0 checks for all: the ranks' states are the same
+        if self.channel is not None and self.tp.rank == 0:
+            self.channel.send(torch.tensor([WAKE]))
+            self.channel.send_object(tags)
+        awake = state.wake_up(tags)
+        if awake and self.use_graphs and self.graphs is None:
+            self._capture_graphs()
+        return awake
 
     def run(self, batch: ScheduledBatch) -> Sampled:
         """Run one step: a token and its logprobs for each entry that samples, in batch order (``Sampled.errors``
@@ -418,6 +546,16 @@ class ModelRunner:
                 self.execute(step, self._receive_fed(step))
             elif op == WEIGHTS:
                 self._receive_weights()
+            elif op == GROUP_WEIGHTS:
+                self._receive_group_weights(self.channel.recv_object())
+            elif op == JOIN_WEIGHT_GROUP:
+                self._join_weight_group(self.channel.recv_object())
+            elif op == SLEEP:
+                self.release_graphs()
+                self._sleeping().sleep(self.channel.recv_object())
+            elif op == WAKE:
+                if self._sleeping().wake_up(self.channel.recv_object()) and self.use_graphs and self.graphs is None:
+                    self._capture_graphs()
             elif op == STOP:
                 return  # a CUDA worker exits at once, graphs and all (engine/tp_workers.py); the CPU has none
             else:

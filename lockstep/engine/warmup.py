@@ -113,8 +113,8 @@ def warm_up(engine, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> int:
         for _ in range(16):
             add(8, option=1)
         finish()
-    # Prefill steps whose sequences average 64 tokens or more take wider attention tiles (ops/attention.py): 2 and
-    # 16 such sequences in one step.
+    # Prefill steps whose sequences average 64 tokens or more take wider attention tiles (ops/attention/launch.py): 2
+    # and 16 such sequences in one step.
     blocks_each = -(-(64 + WARMUP_OUTPUT) // config.block_size)
     for count in (2, 16):
         if config.max_num_batched_tokens >= count * 64 and config.num_kv_blocks >= count * blocks_each:

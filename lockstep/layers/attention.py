@@ -1,138 +1,19 @@
-"""Paged attention over one flattened batch: the metadata the engine hands the model, the one function that
-lays a batch out, and the attention layer.
-
-Every layer first writes the new tokens' K/V into its paged cache, then attends over the whole cache with one
-code path. A query token at position p therefore reads the same cache blocks, in the same order, whether it
-arrives in a prefill, a chunk, a decode step or after a prefix-cache hit (docs/design.md, "The engine").
-
-``flatten_batch`` is how both the engine (``ModelRunner``) and the RL trainer (``lockstep.rl``) lay a batch out:
-the trainer reproduces the sampler's logprobs because the two build their batches with the same code.
+"""The attention layer: rotates q and k, writes the new tokens' K/V into the layer's paged cache, then attends
+over the whole cache with one code path. A query token at position p therefore reads the same cache blocks, in the
+same order, whether it arrives in a prefill, a chunk, a decode step or after a prefix-cache hit (docs/design.md,
+"The engine"). The batch it attends over is described by ``layers.batch.AttentionMetadata``.
 """
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from lockstep.ops.attention import CpuAttentionPlan, cpu_attention_plan
+from lockstep.layers.batch import AttentionMetadata
+from lockstep.ops.attention import FP8_KV
 
 if TYPE_CHECKING:
     from lockstep.layers.kernels import Kernels
-
-
-@dataclass
-class AttentionMetadata:
-    """Where one forward's tokens live in the paged KV cache. Built by the engine once per step.
-
-    The flattened batch holds ``num_tokens`` tokens of ``num_seqs`` sequences, each sequence's tokens contiguous
-    and in position order. Sequence ``i`` owns tokens ``query_start_loc[i]:query_start_loc[i + 1]``; they are its
-    last ``query_len`` positions, so its cache holds ``seq_lens[i]`` tokens once they are written.
-
-    Attributes:
-        slot_mapping: ``[num_tokens]`` int64, cache slot ``block * block_size + offset`` each new token's K/V goes
-            to; -1 writes nothing (the padding rows of a CUDA graph).
-        block_tables: ``[num_seqs, max_blocks]`` int32, the cache blocks of each sequence in position order.
-            Entries past a sequence's last block are never read.
-        seq_lens: ``[num_seqs]`` int32, tokens in each sequence's cache after this step (cached + new).
-        query_start_loc: ``[num_seqs + 1]`` int32, prefix sums of the new-token counts; ``query_start_loc[-1]``
-            equals ``num_tokens``.
-        kv_caches: one ``(k_cache, v_cache)`` pair per layer, each
-            ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype (see
-            ``LlamaForCausalLM.allocate_kv_cache``).
-        scratch: what a kernel set derives from the metadata once per step and every layer reuses (the torch
-            path's SDPA groups, the invariant CPU attention's plan).
-    """
-
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    scratch: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    def host_lengths(self) -> tuple[list[int], list[int]]:
-        """``(seq_lens, query_start_loc)`` as Python lists, copied from the device once per step (torch path)."""
-        if "host_lengths" not in self.scratch:
-            self.scratch["host_lengths"] = (self.seq_lens.tolist(), self.query_start_loc.tolist())
-        return self.scratch["host_lengths"]
-
-    def cpu_attention_plan(self, k_cache: torch.Tensor, num_q_heads: int) -> CpuAttentionPlan:
-        """The invariant CPU attention's work plan for this step (``ops.attention.cpu_attention_plan``), made on
-        the first layer's call and shared by every layer with the same cache layout."""
-        c = k_cache.shape
-        key = (c[1], c[2], c[3], num_q_heads // c[2])
-        plan = self.scratch.get("cpu_attention_plan")
-        if plan is None or plan.key != key:
-            lens, starts = self.seq_lens, self.query_start_loc
-            plan = cpu_attention_plan(self.block_tables, lens, starts, k_cache.shape, num_q_heads)
-            self.scratch["cpu_attention_plan"] = plan
-        return plan
-
-
-@dataclass
-class FlatBatch:
-    """One forward's batch laid out flat, on the host: what ``AttentionMetadata`` and the model's
-    ``input_ids``/``positions`` are made of (see there for the meaning of each field)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    block_tables: list[list[int]]  # each padded with 0 to the longest; empty when flatten_batch(tables=False)
-    seq_lens: list[int]
-    query_start_loc: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-    def to(
-        self,
-        device: torch.device | str,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        block_tables: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """``(input_ids, positions, metadata)`` as fresh tensors on ``device``; ``block_tables``, when given, is
-        the step's table already on the device (the engine keeps its tables there)."""
-
-        def tensor(xs: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)
-
-        attn = AttentionMetadata(
-            slot_mapping=tensor(self.slot_mapping, torch.int64),
-            block_tables=tensor(self.block_tables) if block_tables is None else block_tables,
-            seq_lens=tensor(self.seq_lens),
-            query_start_loc=tensor(self.query_start_loc),
-            kv_caches=kv_caches,
-        )
-        return tensor(self.input_ids, torch.int64), tensor(self.positions, torch.int64), attn
-
-
-def flatten_batch(
-    chunks: Iterable[tuple[Sequence[int], int, Sequence[int]]], block_size: int, *, tables: bool = True
-) -> FlatBatch:
-    """Lay out one forward: ``chunks`` holds, per sequence in batch order, ``(token_ids, start, block_table)``:
-    the tokens this forward computes, the position of the first of them, and the sequence's cache blocks (at
-    least enough for ``start + len(token_ids)`` positions). ``tables=False`` leaves ``block_tables`` empty, for a
-    caller that keeps the tables elsewhere."""
-    flat = FlatBatch([], [], [], [], [], [0])
-    for token_ids, start, table in chunks:
-        end = start + len(token_ids)
-        flat.input_ids += token_ids
-        flat.positions += range(start, end)
-        flat.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        if tables:
-            flat.block_tables.append(table[: -(-end // block_size)])
-        flat.seq_lens.append(end)
-        flat.query_start_loc.append(flat.query_start_loc[-1] + len(token_ids))
-    width = max((len(t) for t in flat.block_tables), default=0)
-    flat.block_tables = [list(t) + [0] * (width - len(t)) for t in flat.block_tables]
-    return flat
 
 
 class Attention(nn.Module):
@@ -149,6 +30,9 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.kernels = kernels
+        # Calibrated FP8 KV scales [num_kv_heads] fp32 (models/kv_scales.py), or None: an FP8 cache at scale 1.
+        self.register_buffer("k_scale", None, persistent=False)
+        self.register_buffer("v_scale", None, persistent=False)
 
     def forward(
         self,
@@ -160,5 +44,20 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim], rope: (cos, sin)
         k_cache, v_cache = attn.kv_caches[self.layer_idx]
+        scaled = self.k_scale is not None and k_cache.dtype == FP8_KV
+        if scaled:  # the cache holds e4m3(k / k_scale), e4m3(v / v_scale)
+            k, v = _per_head(k, self.k_scale, divide=True), _per_head(v, self.v_scale, divide=True)
         q = self.kernels.rotary_and_write_kv(q, k, v, *rope, k_cache, v_cache, attn.slot_mapping)
-        return self.kernels.attention(q, k_cache, v_cache, attn, self.scale)
+        if not scaled:
+            return self.kernels.attention(q, k_cache, v_cache, attn, self.scale)
+        group = self.num_heads // self.num_kv_heads  # query head h reads KV head h // group
+        q = _per_head(q, self.k_scale.repeat_interleave(group), divide=False)  # q . (k8 k_scale) = (q k_scale) . k8
+        out = self.kernels.attention(q, k_cache, v_cache, attn, self.scale)
+        return _per_head(out, self.v_scale.repeat_interleave(group), divide=False)
+
+
+def _per_head(x: torch.Tensor, scale: torch.Tensor, divide: bool) -> torch.Tensor:
+    # x: [num_tokens, heads, head_dim], scale: [heads] fp32 -> x / scale or x * scale per head, in fp32, rounded once
+    # to x's dtype: elementwise, so a row's bits are its own.
+    s = scale[None, :, None]
+    return (x.float() / s if divide else x.float() * s).to(x.dtype)

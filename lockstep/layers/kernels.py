@@ -27,7 +27,7 @@ from lockstep.ops import moe as moe_ops
 from lockstep.ops import tp_linear
 
 if TYPE_CHECKING:
-    from lockstep.layers.attention import AttentionMetadata
+    from lockstep.layers.batch import AttentionMetadata
 
 Tensor = torch.Tensor
 

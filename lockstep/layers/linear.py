@@ -5,6 +5,12 @@ Under tensor parallelism (Megatron's layout) a ``Linear`` is column-parallel: it
 each stacked matrix and needs no communication. A ``RowParallelLinear`` holds this rank's input columns and
 combines the ranks' partial sums: through the chunk tree (``ops.tp_linear``), whose bits do not depend on the
 number of ranks, or, in the non-invariant fast mode, through a plain all-reduce.
+
+FP8 layers (``models.quantization``) hold an e4m3 ``weight`` with row scales ``weight_scale`` and run
+``ops.fp8.fp8_linear``; a row-parallel one runs the FP8 chunk tree (``ops.fp8_tree``) instead, its per-token
+activation scales taken over the whole row (the ranks' maxima all-gathered). A trainer's FP8 layer
+(``quantization.train_fp8``) holds a full-precision master ``weight`` and ``fp8_train``, which quantizes it as the
+sampler holds it, and runs ``ops.autograd.fp8_linear``: the sampler's forward bits, a straight-through backward.
 """
 
 from typing import TYPE_CHECKING
@@ -13,8 +19,8 @@ import torch
 from torch import nn
 
 from lockstep.distributed import Shard, TPGroup, split_evenly
-from lockstep.ops import tp_linear
-from lockstep.ops.fp8 import FP8, fp8_linear
+from lockstep.ops import autograd, fp8_tree, tp_linear
+from lockstep.ops.fp8 import FP8, fp8_linear, scaled_mm
 
 if TYPE_CHECKING:
     from lockstep.layers.kernels import Kernels
@@ -27,6 +33,8 @@ class Linear(nn.Module):
     ``load(tensor, part)`` copies one of them in. Column-parallel: ``part_shards`` names, per part, the rows of
     the checkpoint matrix this rank holds (None: the whole matrices).
     """
+
+    fp8_train = None  # a trainer's FP8 layer: models.quantization.Fp8Train (set by quantization.train_fp8)
 
     def __init__(
         self,
@@ -56,6 +64,9 @@ class Linear(nn.Module):
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.weight.dtype == FP8:  # an FP8 layer (models/quantization.py): e4m3 weight, weight_scale, act_group
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act_group)
+        if self.fp8_train is not None:  # a trainer's FP8 layer: the master weight, quantized
+            w8, scale = self.fp8_train.quantize(self.weight.detach())
+            return autograd.fp8_linear(x, self.weight, self.bias, w8, scale, self.act_group)
         return self.kernels.linear(x, self.weight, self.bias)
 
     def part_slice(self, part: int) -> slice:
@@ -76,6 +87,8 @@ class RowParallelLinear(nn.Module):
     ``[8r / N, 8(r + 1) / N)``), the same bits at every TP size including one process. Without it: the kernel
     set's linear, plus an all-reduce of the partial sums when ``tp.size > 1`` (not invariant).
     """
+
+    fp8_train = None  # as Linear's
 
     def __init__(
         self,
@@ -107,8 +120,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features / tp.size] -> [num_tokens, out_features]
-        if self.weight.dtype == FP8:  # as Linear's (one process only)
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act_group)
+        if self.weight.dtype == FP8:
+            return self._fp8_forward(x)
+        if self.fp8_train is not None:  # a trainer's FP8 layer (one process)
+            w8, scale = self.fp8_train.quantize(self.weight.detach())
+            return autograd.fp8_linear(x, self.weight, self.bias, w8, scale, self.act_group, tree=self.tree)
         if self.tree and self.tp.size == 1:
             return self.kernels.tree_linear(x, self.weight, self.bias)  # the whole tree (with autograd: RL)
         if self.tree:
@@ -119,6 +135,22 @@ class RowParallelLinear(nn.Module):
         # The bias goes in once, on rank 0, before the sum.
         partial = self.kernels.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(partial)
+
+    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features / tp.size] -> [num_tokens, out_features]; weight e4m3, weight_scale [N, KB]
+        if self.tp.size == 1 and not self.tree:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act_group)
+        amax = None
+        if self.act_group is None:  # one scale per token over all of K: every rank's columns
+            amax = fp8_tree.row_amax(x)
+            if self.tp.size > 1:
+                amax = self.tp.all_gather(amax).amax(0)
+        a8, a_scale = fp8_tree.activation_scales(x, self.act_group, amax)
+        if not self.tree:  # the fast mode: partial sums, all-reduced (not invariant)
+            bias = self.bias if self.tp.rank == 0 else None
+            return self.tp.all_reduce(scaled_mm(a8, a_scale, self.weight, self.weight_scale, bias, x.dtype))
+        root = fp8_tree.subtree(a8, a_scale, self.weight, self.weight_scale, tp_linear.CHUNKS // self.tp.size)
+        return tp_linear.tree_finish(self.tp.all_gather(root), self.bias, x.dtype)
 
     def shard_of(self, param_name: str, part: int | None) -> Shard | None:
         return self.shard if param_name == "weight" else None

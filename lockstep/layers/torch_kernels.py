@@ -21,10 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.batch import AttentionMetadata
 from lockstep.ops import gated, moe
 from lockstep.ops._common import num_sms
-from lockstep.ops.attention import FP8_KV, TILE, _bytes, _paged_attention_triton, cache_values
+from lockstep.ops.attention.kv_cache import FP8_KV, _bytes, cache_values
+from lockstep.ops.attention.launch import _paged_attention_triton
+from lockstep.ops.attention.tiling import TILE
+from lockstep.ops.moe.grouped_mm import _grouped_mm
 
 
 def torch_rms_norm(
@@ -292,8 +295,8 @@ def sorted_order_moe_experts(
     num_pairs = plan.order.numel()
     cfg1 = moe.moe_config(num_pairs, num_experts, two_i // 2, hidden, x.dtype)
     cfg2 = moe.moe_config(num_pairs, num_experts, hidden, two_i // 2, x.dtype)
-    act = moe._grouped_mm(x, plan.tokens, w13, plan, cfg1, silu_mul=True)
-    y = moe._grouped_mm(act, None, w2, plan, cfg2, silu_mul=False)  # [P, H], sorted rows
+    act = _grouped_mm(x, plan.tokens, w13, plan, cfg1, silu_mul=True)
+    y = _grouped_mm(act, None, w2, plan, cfg2, silu_mul=False)  # [P, H], sorted rows
     scaled = y.float() * weights.float().reshape(-1)[plan.order][:, None]
     out = torch.zeros((x.shape[0], hidden), device=x.device, dtype=torch.float32)
     return out.index_add_(0, plan.tokens, scaled).to(x.dtype)

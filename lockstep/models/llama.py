@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from lockstep.distributed import Shard, TPGroup, kv_head_range, split_evenly
-from lockstep.layers.attention import Attention, AttentionMetadata
+from lockstep.layers.attention import Attention
+from lockstep.layers.batch import AttentionMetadata
 from lockstep.layers.embedding import LMHead, VocabEmbedding
 from lockstep.layers.kernels import Kernels, get_kernels
 from lockstep.layers.linear import Linear, RowParallelLinear
@@ -260,6 +261,7 @@ class LlamaAttention(nn.Module):
         q0, q1 = split_evenly(c.num_heads, tp.size, tp.rank, "num_attention_heads")
         kv0, kv1 = kv_head_range(c.num_heads, c.num_kv_heads, tp.size, tp.rank)
         self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, kv1 - kv0, d
+        self.kv_head_start = kv0  # which of the checkpoint's KV heads (and their KV scales) this rank holds
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         kv_shard = (kv0 * d, kv1 * d, c.num_kv_heads * d)
         shards = _row_shards([(q0 * d, q1 * d, c.num_heads * d), kv_shard, kv_shard], tp)

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from lockstep.config import LOAD_FORMATS
 from lockstep.distributed import TPGroup
+from lockstep.models.kv_scales import attach_kv_scales, check_kv_cache_scheme, kv_scale_of
 from lockstep.models.llama import LlamaForCausalLM, ModelConfig
 from lockstep.models.quantization import checkpoint_slots, conform, fp8_scheme, prepare_checkpoint, quantize_model
 
@@ -168,7 +169,9 @@ def load_model(
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     folder = _folder(path)
     config = read_config(folder)
-    scheme = fp8_scheme(_read_json(folder / "config.json"), quantization)
+    hf = _read_json(folder / "config.json")
+    scheme = fp8_scheme(hf, quantization)
+    check_kv_cache_scheme(hf)
     names_by_file = {}
     if load_format != "dummy":
         names_by_file = {file: _tensor_names(file) for file in weight_files(folder)}
@@ -186,6 +189,7 @@ def load_model(
         tp=tp,
         tp_invariant=tp_invariant,
     )
+    model.fp8_scheme = scheme  # LLM.load_weights and the trainer quantize as the model was loaded
     if load_format == "dummy":
         fill_random(model)
         if scheme is not None:
@@ -194,15 +198,20 @@ def load_model(
     if scheme is not None and not scheme.online:
         prepare_checkpoint(model, scheme, all_names)
     slots = model.checkpoint_tensors()
-    if scheme is not None and not scheme.online:
-        slots = checkpoint_slots(slots, scheme, all_names)
     shards = model.checkpoint_shards()
+    if scheme is not None and not scheme.online:
+        slots, shards = checkpoint_slots(slots, scheme, all_names, shards)
     loaded: set[str] = set()
+    kv_scales: dict[tuple[str, str], torch.Tensor] = {}
     for file, names in names_by_file.items():
         with safe_open(file, framework="pt", device="cpu") as f:
             for file_name in names:
                 name = model.checkpoint_name(file_name)
                 if _ignored(name, config):
+                    continue
+                kv = kv_scale_of(name)
+                if kv is not None:  # calibrated FP8 KV scales: attached after the loop (models/kv_scales.py)
+                    kv_scales[kv] = f.get_tensor(file_name)
                     continue
                 dest = slots.get(name)
                 if dest is None:
@@ -236,6 +245,8 @@ def load_model(
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{folder}: the checkpoint is missing tensor(s) {shown}")
+    if kv_scales:
+        attach_kv_scales(model, kv_scales)
     if scheme is not None and scheme.online:
         quantize_model(model, scheme)
     return model

@@ -20,7 +20,20 @@ scales repeated over their 128 rows, so stacked q/k/v or gate/up parts of any wi
 ``ops.fp8.fp8_linear``. The experts of a mixture of experts likewise hold ``w13``/``w2`` in e4m3 with row scales
 ``[E, 2I, KB]``/``[E, H, KB]`` and run ``ops.moe_fp8``; the LM head, the embedding and the router stay in the model
 dtype. A full-precision destination of an FP8 matrix (a checkpoint that quantizes the router) gets the dequantized
-values. Tensor parallelism is not supported with FP8 layers yet.
+values.
+
+Tensor parallelism: the scales are sharded with their weights. A column-parallel layer holds its rows' scales (a
+block scale's 128 rows may start mid-block on a rank: its rows are cut out of the expanded scales); a row-parallel
+one holds all rows and its K blocks of a block scale (whole blocks only: ``ops.fp8_tree.check_tree`` names a layer
+whose K the tree's 8 chunks would cut mid-block). Scales computed from the weights (online, dummy weights) are those
+of the whole checkpoint matrix: a per-channel scale of a row-parallel layer, or a per-tensor one, takes the max over
+the ranks (an all-gather, exact). FP8 experts are not supported under tensor parallelism yet.
+
+Training (``train_fp8``, ``lockstep.rl.load_policy``): a trainer's FP8 layer holds a full-precision master weight
+that its forward quantizes as the sampler holds it (``Fp8Train``): online FP8 recomputes the per-channel scales from
+the weight at each forward, as ``LLM.load_weights`` of full-precision weights into an online-FP8 engine does; a
+checkpoint's layout keeps the checkpoint's scales and quantizes the weight with them (saturating), as
+``load_weights`` of full-precision weights into that engine does (``load_weights_slots``).
 """
 
 from dataclasses import dataclass
@@ -28,9 +41,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lockstep.distributed import Shard, TPGroup
 from lockstep.layers.linear import Linear, RowParallelLinear
 from lockstep.layers.moe import SparseMoeBlock
-from lockstep.ops import fp8
+from lockstep.ops import fp8, fp8_tree
 
 QUANTIZATIONS = (None, "fp8")
 
@@ -59,8 +73,10 @@ class Fp8Scheme:
 ONLINE = Fp8Scheme(weight="channel", act_group=None, online=True)
 
 
-def _compressed_tensors(qc: dict) -> Fp8Scheme:
+def _compressed_tensors(qc: dict) -> Fp8Scheme | None:
     groups = list((qc.get("config_groups") or {}).values())
+    if not groups and qc.get("kv_cache_scheme"):
+        return None  # the KV cache alone is quantized (models/kv_scales.py); the weights are as they are
     if len(groups) != 1:
         raise ValueError(f"compressed-tensors: expected one config group, got {len(groups)}")
     if qc.get("format") not in ("float-quantized", "naive-quantized", None):
@@ -94,7 +110,7 @@ def fp8_scheme(hf: dict, quantization: str | None = None) -> Fp8Scheme | None:
         return ONLINE if quantization == "fp8" else None
     method = qc.get("quant_method")
     if method == "compressed-tensors":
-        return _compressed_tensors(qc)
+        return _compressed_tensors(qc) or (ONLINE if quantization == "fp8" else None)
     if method != "fp8":
         raise ValueError(f"unsupported quantization_config.quant_method {method!r}; lockstep reads 'fp8' and "
                          "'compressed-tensors' FP8 checkpoints")  # fmt: skip
@@ -118,15 +134,28 @@ def _linears(model: nn.Module):
             yield name, module, [f"{parent}.{p}" for p in _STACKED[leaf]] if leaf in _STACKED else [name]
 
 
-def _check_tp(model: nn.Module) -> None:
-    if getattr(model, "tp", None) is not None and model.tp.size > 1:
-        raise ValueError("FP8 layers under tensor parallelism are not supported yet")
+def _tp(model: nn.Module) -> TPGroup:
+    return getattr(model, "tp", None) or TPGroup()
 
 
-def _make_fp8(module: nn.Module, scheme: Fp8Scheme) -> None:
-    # The layer's weight becomes e4m3 [N, K] with row scales [N, KB]; forward then runs ops.fp8.fp8_linear.
-    if getattr(module, "tree", False):
-        raise ValueError("FP8 layers through the chunk tree (tp_invariant) are not supported yet")
+def _check_layer(name: str, module: nn.Module, scheme: Fp8Scheme, tp: TPGroup) -> None:
+    # What tensor parallelism asks of an FP8 layer's blocks.
+    blocked = scheme.weight == "block" or scheme.act_group is not None
+    if isinstance(module, RowParallelLinear):
+        k = module.weight.shape[1] * tp.size
+        if module.tree:
+            fp8_tree.check_tree(name, k, blocked)
+        elif tp.size > 1 and blocked and (k // tp.size) % fp8.GROUP_K:
+            raise ValueError(
+                f"{name}: K={k} over {tp.size} ranks leaves {k // tp.size} columns a rank, not whole "
+                f"{fp8.GROUP_K}-column FP8 scale blocks"
+            )
+
+
+def _make_fp8(module: nn.Module, scheme: Fp8Scheme, name: str = "", tp: TPGroup | None = None) -> None:
+    # The layer's weight becomes e4m3 [N, K] with row scales [N, KB]; forward then runs ops.fp8.fp8_linear (or, for
+    # a row-parallel layer through the tree, ops.fp8_tree).
+    _check_layer(name, module, scheme, tp or TPGroup())
     n, k = module.weight.shape
     kb = -(-k // fp8.GROUP_K) if scheme.weight == "block" else 1
     device = module.weight.device
@@ -137,8 +166,8 @@ def _make_fp8(module: nn.Module, scheme: Fp8Scheme) -> None:
 
 def _make_experts_fp8(block: SparseMoeBlock, scheme: Fp8Scheme) -> None:
     # w13 [E, 2I, H] and w2 [E, H, I] become e4m3 with row scales [E, 2I, KB_H] and [E, H, KB_I] (ops.moe_fp8).
-    if block.tree:
-        raise ValueError("FP8 experts through the chunk tree (tp_invariant) are not supported yet")
+    if block.tree or block.tp.size > 1:
+        raise ValueError("FP8 experts under tensor parallelism or the chunk tree (tp_invariant) are not supported yet")
     for name in ("w13", "w2"):
         w = getattr(block, name)
         e, n, k = w.shape
@@ -159,13 +188,12 @@ def _expert_blocks(model: nn.Module):
 def prepare_checkpoint(model: nn.Module, scheme: Fp8Scheme, names: set[str]) -> None:
     """Turn the linear layers and experts the checkpoint stores scales for (``names``: its tensor names) into FP8
     layers."""
-    _check_tp(model)
     for name, module, parts in _linears(model):
         has = [f"{p}.{scheme.scale_name}" in names for p in parts]
         if any(has) and not all(has):
             raise ValueError(f"{name}: the checkpoint quantizes some of {parts} to FP8 but not all")
         if all(has):
-            _make_fp8(module, scheme)
+            _make_fp8(module, scheme, name, _tp(model))
     for block, prefix in _expert_blocks(model):
         if f"{prefix}.experts.0.{block.names.gate}.{scheme.scale_name}" in names:
             _make_experts_fp8(block, scheme)
@@ -174,6 +202,8 @@ def prepare_checkpoint(model: nn.Module, scheme: Fp8Scheme, names: set[str]) -> 
 class _Slot:
     """A checkpoint tensor's destination that is not a plain view: ``shape`` is the checkpoint tensor's, ``fill``
     turns it into what the model holds. Duck-types the part of a tensor the loader uses."""
+
+    dtype = torch.float32  # what LLM.load_weights sends a rank for it (the slots of scales)
 
     def __init__(self, shape, fill):
         self.shape = torch.Size(shape)
@@ -186,15 +216,35 @@ class _Slot:
         self._fill(tensor)
 
 
-def _scale_slot(dest: torch.Tensor, scheme: Fp8Scheme) -> _Slot | torch.Tensor:
-    # dest: [rows, KB] fp32, this part's rows of a layer's weight_scale
+def _scale_slot(
+    name: str, dest: torch.Tensor, scheme: Fp8Scheme, weight_shard: Shard | None
+) -> tuple[_Slot | torch.Tensor, Shard | None]:
+    """The destination of a checkpoint scale and the slice of it this rank reads. ``dest: [rows, KB]`` fp32, this
+    part's rows of a layer's ``weight_scale``; ``weight_shard``: the slice of the weight this rank holds."""
     rows = dest.shape[0]
-    if scheme.weight == "channel":
-        return dest
+    if scheme.weight == "channel":  # [N, 1]: the weight's rows
+        return dest, weight_shard if weight_shard is not None and weight_shard.dim == 0 else None
     if scheme.weight == "tensor":
-        return _Slot((1,), lambda t: dest.copy_(t.float().reshape(1, 1).expand(rows, 1)))
+        return _Slot((1,), lambda t: dest.copy_(t.float().reshape(1, 1).expand(rows, 1))), None
     bn = scheme.block[0]
-    return _Slot((-(-rows // bn), dest.shape[1]), lambda t: dest.copy_(fp8.expand_block_scale(t, rows, bn)))
+    if weight_shard is None:
+        return _Slot((-(-rows // bn), dest.shape[1]), lambda t: dest.copy_(fp8.expand_block_scale(t, rows, bn))), None
+    start, stop, full = weight_shard.start, weight_shard.stop, weight_shard.full
+    if weight_shard.dim == 1:  # row-parallel: whole K blocks (_check_layer)
+        if start % fp8.GROUP_K:
+            raise ValueError(f"{name}: this rank's columns [{start}, {stop}) cut a {fp8.GROUP_K}-column scale block")
+        g = fp8.GROUP_K
+        shard = Shard(1, start // g, -(-stop // g), -(-full // g))
+        fill_rows = lambda t: dest.copy_(fp8.expand_block_scale(t, rows, bn))  # noqa: E731
+        return _Slot((-(-rows // bn), shard.stop - shard.start), fill_rows), shard
+    # Column-parallel: the block rows that cover [start, stop), expanded, then this rank's rows of them.
+    shard = Shard(0, start // bn, -(-stop // bn), -(-full // bn))
+    skip = start - shard.start * bn
+
+    def fill(t: torch.Tensor) -> None:
+        dest.copy_(fp8.expand_block_scale(t, skip + rows, bn)[skip:])
+
+    return _Slot((shard.stop - shard.start, dest.shape[1]), fill), shard
 
 
 def _scale_shape(rows: int, cols: int, scheme: Fp8Scheme) -> tuple[int, ...]:
@@ -231,18 +281,48 @@ def _dequantizing_slots(name: str, dest: torch.Tensor, scheme: Fp8Scheme) -> dic
     }
 
 
-def checkpoint_slots(slots: dict[str, torch.Tensor], scheme: Fp8Scheme, names: set[str]) -> dict:
-    """The loader's destinations for an FP8 checkpoint: each FP8 layer's ``weight_scale`` under the checkpoint's
-    scale name and shape; full-precision destinations of FP8 matrices (the experts) dequantize as they load."""
+def checkpoint_slots(
+    slots: dict[str, torch.Tensor], scheme: Fp8Scheme, names: set[str], shards: dict[str, Shard] | None = None
+) -> tuple[dict, dict[str, Shard]]:
+    """The loader's destinations for an FP8 checkpoint, and the slices of them this rank reads (``shards``: the
+    model's ``checkpoint_shards()``): each FP8 layer's ``weight_scale`` under the checkpoint's scale name and
+    shape; full-precision destinations of FP8 matrices (the experts) dequantize as they load."""
+    shards = dict(shards or {})
     out = {}
     for name, dest in slots.items():
         if name.endswith(".weight_scale") and dest.dtype == torch.float32 and dest.dim() == 2:
-            out[f"{name.removesuffix('.weight_scale')}.{scheme.scale_name}"] = _scale_slot(dest, scheme)
+            prefix = name.removesuffix(".weight_scale")
+            target = f"{prefix}.{scheme.scale_name}"
+            shards.pop(name, None)
+            out[target], shard = _scale_slot(target, dest, scheme, shards.get(f"{prefix}.weight"))
+            if shard is not None:
+                shards[target] = shard
         elif name.endswith(".weight") and dest.dtype != fp8.FP8 and f"{name[:-7]}.{scheme.scale_name}" in names:
             out.update(_dequantizing_slots(name, dest, scheme))
         else:
             out[name] = dest
-    return out
+    return out, shards
+
+
+def load_full_precision(
+    dest: torch.Tensor,
+    full: torch.Tensor,
+    shard: Shard | None,
+    scale: torch.Tensor,
+    scale_shard: Shard | None,
+    scheme: Fp8Scheme,
+) -> None:
+    """``LLM.load_weights`` of a full-precision checkpoint matrix ``full`` (whole, on every rank) into an FP8 layer's
+    part: ``dest`` (e4m3, this rank's ``shard`` of it) and ``scale`` (its row scales ``[rows, KB]``, this rank's
+    ``scale_shard``). Online FP8 quantizes it afresh, per output channel, as loading it would; a checkpoint's layout
+    keeps the layer's scales and quantizes with them (``fp8.quantize_with_scales``, saturating), so that a trainer
+    holding the same scales (``Fp8Train``) computes the same bits."""
+    if scheme.online:
+        w8, s = _quantize(full, scheme, (full.shape[0],))
+        dest.copy_(w8 if shard is None else w8[shard.index()])
+        scale.copy_(s if scale_shard is None else s[scale_shard.index()])
+    else:
+        dest.copy_(fp8.quantize_with_scales(full if shard is None else full[shard.index()], scale))
 
 
 def conform(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -250,9 +330,12 @@ def conform(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(1) if tensor.dim() == 0 else tensor
 
 
-def _quantize(w: torch.Tensor, scheme: Fp8Scheme, parts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(
+    w: torch.Tensor, scheme: Fp8Scheme, parts: tuple[int, ...], gather=None, rows_whole: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     # w: [N, K] with stacked parts of these widths (each quantized on its own, as a checkpoint stores it)
-    # -> (w8 [N, K], row scales [N, KB])
+    # -> (w8 [N, K], row scales [N, KB]). Under tensor parallelism ``gather`` turns this rank's maxima into every
+    # rank's max; ``rows_whole``: this rank holds whole rows (column-parallel), so per-channel maxima are local.
     out, start = [], 0
     for width in parts:
         part = w[start : start + width]
@@ -261,23 +344,44 @@ def _quantize(w: torch.Tensor, scheme: Fp8Scheme, parts: tuple[int, ...]) -> tup
             w8, s = fp8.quantize_weight(part, scheme.block)
             out.append((w8, fp8.expand_block_scale(s, width, scheme.block[0])))
         elif scheme.weight == "channel":
-            out.append(fp8.quantize_weight(part))
+            if gather is None or rows_whole:
+                out.append(fp8.quantize_weight(part))
+            else:
+                out.append(fp8_tree.activation_scales(part, None, gather(fp8_tree.row_amax(part))))
         else:
-            w8, s = fp8.quantize_weight(part.reshape(1, -1))
+            flat = part.reshape(1, -1)
+            amax = fp8_tree.row_amax(flat)
+            w8, s = fp8_tree.activation_scales(flat, None, amax if gather is None else gather(amax))
             out.append((w8.view(part.shape), s.expand(width, 1)))
     return torch.cat([p[0] for p in out]), torch.cat([p[1] for p in out])
+
+
+def _column_blocks_aligned(name: str, module: nn.Module, scheme: Fp8Scheme) -> None:
+    # Block scales computed on a rank are the checkpoint's only where its rows start at a block.
+    if scheme.weight != "block" or not isinstance(module, Linear) or module.part_shards is None:
+        return
+    for shard in module.part_shards:
+        if shard.start % scheme.block[0]:
+            raise ValueError(
+                f"{name}: this rank's rows [{shard.start}, {shard.stop}) of {shard.full} start inside a "
+                f"{scheme.block[0]}-row FP8 scale block; quantizing them here needs whole blocks"
+            )
 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
     """Quantize a loaded full-precision model's linear layers in place (online FP8, or a dummy-weight model in a
-    checkpoint's layout): the scales of each output row (or block) from its weights alone. The experts' matrices
-    are rounded through e4m3 the same way and kept dequantized, as an FP8 checkpoint's experts load."""
-    _check_tp(model)
-    for _, module, _parts in _linears(model):
+    checkpoint's layout): the scales of each output row (or block) from its weights alone, those of the whole
+    checkpoint matrix under tensor parallelism. The experts' matrices are rounded through e4m3 the same way and
+    kept dequantized, as an FP8 checkpoint's experts load."""
+    tp = _tp(model)
+    gather = (lambda amax: tp.all_gather(amax).amax(0)) if tp.size > 1 else None
+    for name, module, _parts in _linears(model):
+        _column_blocks_aligned(name, module, scheme)
         w = module.weight.detach()
-        w8, scale = _quantize(w, scheme, getattr(module, "out_parts", (w.shape[0],)))
-        _make_fp8(module, scheme)
+        parts = getattr(module, "out_parts", (w.shape[0],))
+        w8, scale = _quantize(w, scheme, parts, gather, rows_whole=not isinstance(module, RowParallelLinear))
+        _make_fp8(module, scheme, name, tp)
         module.weight.copy_(w8)
         module.weight_scale.copy_(scale)
     for block, _prefix in _expert_blocks(model):
@@ -288,3 +392,44 @@ def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
         for dest, dest_scale, q in ((block.w13, block.w13_scale, q13), (block.w2, block.w2_scale, q2)):
             dest.copy_(torch.stack([p[0] for p in q]))
             dest_scale.copy_(torch.stack([p[1] for p in q]))
+
+
+@dataclass(frozen=True)
+class Fp8Train:
+    """How a trainer's FP8 layer quantizes its master weight: as the sampler holds it. ``scale``: the layer's fixed
+    row scales ``[N, KB]`` (a checkpoint's layout), or None (online: from the weight at each forward)."""
+
+    scheme: Fp8Scheme
+    parts: tuple[int, ...]
+    scale: torch.Tensor | None = None
+
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``w: [N, K]`` (the master weight, detached) -> ``(w8 [N, K] e4m3, row scales [N, KB])``."""
+        if self.scale is None:
+            return _quantize(w, self.scheme, self.parts)
+        return fp8.quantize_with_scales(w, self.scale), self.scale
+
+
+@torch.no_grad()
+def train_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:
+    """Give a one-process model the trainer's FP8 layers (``Fp8Train``): an FP8 layer (a checkpoint's) becomes a
+    master weight in the model's dtype, its e4m3 values times its scales, and keeps those scales; a full-precision
+    layer (online FP8 loads the checkpoint as it is) keeps its weight as the master. The forward then quantizes the
+    master as the sampler holds it (``layers.linear``, ``ops.autograd.fp8_linear``). FP8 experts are refused."""
+    if _tp(model).size > 1:
+        raise ValueError("a trainer's FP8 layers run in one process (tp_invariant=True gives the sampler's tree)")
+    for block, _prefix in _expert_blocks(model):
+        raise ValueError(f"training FP8 experts is not supported yet ({type(block).__name__})")
+    for name, module, _ in _linears(model):
+        _check_layer(name, module, scheme, TPGroup())
+        parts = getattr(module, "out_parts", (module.weight.shape[0],))
+        scale = None
+        if module.weight.dtype == fp8.FP8:
+            scale = module.weight_scale.detach().clone()
+            master = fp8.dequantize(module.weight.detach(), scale, model.dtype)
+            del module.weight_scale
+            module.weight = nn.Parameter(master, requires_grad=False)
+        elif not scheme.online:
+            raise ValueError(f"{name}: a full-precision layer in an FP8 checkpoint's layout has no scales to keep")
+        module.fp8_train = Fp8Train(scheme, parts, scale)
+        module.act_group = scheme.act_group

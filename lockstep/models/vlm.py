@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lockstep.distributed import TPGroup
-from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.batch import AttentionMetadata
 from lockstep.layers.kernels import Kernels, get_kernels
 from lockstep.layers.rotary import MRotaryEmbedding
 from lockstep.models.llama import LlamaForCausalLM, LlamaModel, ModelConfig

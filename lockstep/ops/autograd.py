@@ -7,6 +7,12 @@ deterministic run to run and use no atomics:
 - ``linear`` and ``tree_linear`` (the chunk tree of ``ops.tp_linear``, which orders the forward's sum only):
   ``grad_x = grad @ W`` and ``grad_W = grad^T @ x`` with the same invariant ``mm`` (one sequential reduction over
   K per output element); ``grad_b`` is an fp32 column sum.
+- ``fp8_linear`` (a trainer's FP8 layer: its full-precision master weight quantized to the sampler's e4m3 values
+  and scales, ``ops.fp8.fp8_linear`` or its chunk tree ``ops.fp8_tree`` in the forward): the straight-through
+  estimator. The forward's two quantizations (the weight's and the activations') are treated as identities, so
+  ``grad_x = grad @ dequantize(w8, scale)`` (the weight the forward used) and ``grad_W = grad^T @ x`` (the
+  unquantized activations) land on the master weight, in its dtype; ``grad_b`` is an fp32 column sum. A weight
+  element that the forward saturated at +-448 x its scale still gets its gradient (no clipping mask).
 - ``rms_norm`` and ``log_softmax``: the textbook gradients in fp32 from the saved inputs/outputs. The roundings
   of the forward (to the model dtype before and after the weight) are treated as identities, as every
   framework does.
@@ -24,6 +30,8 @@ the tokens of the micro-batch), but never the run.
 
 import torch
 
+from lockstep.ops import fp8 as _fp8
+from lockstep.ops import fp8_tree as _fp8_tree
 from lockstep.ops.gelu import gelu as _gelu
 from lockstep.ops.layer_norm import layer_norm as _layer_norm
 from lockstep.ops.matmul import linear as _linear
@@ -38,6 +46,7 @@ from lockstep.ops.tp_linear import tree_linear as _tree_linear
 from lockstep.ops.vision_attention import vision_attention as _vision_attention
 
 __all__ = [
+    "fp8_linear",
     "gelu",
     "layer_norm",
     "linear",
@@ -76,6 +85,22 @@ class _TreeLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _linear_backward(ctx, grad)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """The FP8 linear's forward from the quantized master weight; the straight-through backward (see above)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w8, w_scale, act_group, tree):
+        ctx.save_for_backward(x, _fp8.dequantize(w8, w_scale, weight.dtype))
+        ctx.has_bias = bias is not None
+        if tree:
+            return _fp8_tree.tree_linear(x, w8, w_scale, bias, act_group)
+        return _fp8.fp8_linear(x, w8, w_scale, bias, act_group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (*_linear_backward(ctx, grad), None, None, None, None)
 
 
 def _linear_backward(ctx, grad: torch.Tensor):
@@ -301,6 +326,21 @@ def moe_experts_tree(
 ) -> torch.Tensor:
     """``ops.moe.experts_tree`` (the tensor-parallel-invariant numerics in one process) with autograd."""
     return _MoEExpertsTree.apply(x, w13, w2, weights, ids)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    act_group: int | None,
+    tree: bool = False,
+) -> torch.Tensor:
+    """``ops.fp8.fp8_linear(x, w8, w_scale, bias, act_group)`` (``tree``: its chunk tree, ``ops.fp8_tree``), where
+    ``w8``/``w_scale`` quantize the master ``weight``; gradients reach ``x``, ``weight`` and ``bias`` straight
+    through the quantization."""
+    return _Fp8Linear.apply(x, weight, bias, w8, w_scale, act_group, tree)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -132,6 +132,15 @@ def expand_block_scale(scale: torch.Tensor, rows: int, block_n: int) -> torch.Te
     return scale.float().repeat_interleave(block_n, dim=0)[:rows]
 
 
+def quantize_with_scales(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``w: [N, K]`` -> e4m3 ``[N, K]`` with the given row scales ``[N, KB]`` (KB 1 or cdiv(K, GROUP_K)), not scales
+    of its own: ``e4m3(clamp(w / scale, -448, 448))``, saturating where ``w`` outgrew them. What a trainer's forward
+    and ``LLM.load_weights`` of full-precision weights into a checkpoint's FP8 layers both do."""
+    k = w.shape[1]
+    s = scale.float().repeat_interleave(GROUP_K, dim=1)[:, :k] if scale.shape[1] > 1 else scale.float()
+    return (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``w8: [N, K]`` e4m3 and row scales ``[N, KB]`` (KB 1 or cdiv(K, GROUP_K)) -> ``w8 * scale`` in ``dtype``."""
     n, k = w8.shape
@@ -308,6 +317,21 @@ def _fp8_mm_cpu(
     return acc.to(out_dtype)
 
 
+def scaled_mm(
+    a8: torch.Tensor,
+    a_scale: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The scaled matmul of already quantized activations ``a8: [M, K]`` (``a_scale: [M, KBa]``) and ``w8: [N, K]``
+    (``w_scale: [N, KBw]``) -> ``[M, N]`` in ``out_dtype``: the kernel on CUDA, the CPU path elsewhere."""
+    if a8.is_cuda:
+        return _fp8_mm_triton(a8, a_scale, w8, w_scale, bias, out_dtype)
+    return _fp8_mm_cpu(a8, a_scale, w8, w_scale, bias, out_dtype)
+
+
 def fp8_linear(
     x: torch.Tensor,
     w8: torch.Tensor,
@@ -330,8 +354,5 @@ def fp8_linear(
         raise ValueError(f"act_group must be {GROUP_K} or None, got {act_group}")
     x2 = x.reshape(-1, x.shape[-1])
     a8, a_scale = quantize_rows(x2, act_group)
-    if x.is_cuda:
-        out = _fp8_mm_triton(a8, a_scale, w8, w_scale, bias, x.dtype)
-    else:
-        out = _fp8_mm_cpu(a8, a_scale, w8, w_scale, bias, x.dtype)
+    out = scaled_mm(a8, a_scale, w8, w_scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], w8.shape[0])

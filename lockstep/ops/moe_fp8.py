@@ -20,7 +20,8 @@ import triton.language as tl
 from lockstep.layers.activation import silu_and_mul
 from lockstep.ops._common import interpreting
 from lockstep.ops.fp8 import FP8, GROUP_K, _fp8_mm_cpu, quantize_rows
-from lockstep.ops.moe import MoEConfig, _combine_cpu, combine, expert_weight, moe_config, plan_routing, tile_table
+from lockstep.ops.moe import MoEConfig, combine, expert_weight, moe_config, plan_routing, tile_table
+from lockstep.ops.moe.combining import _combine_cpu
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from lockstep.ops._common import pdl_launch, pdl_wait
-from lockstep.ops.attention import FP8_KV, check_kv, to_cache, write_kv
+from lockstep.ops.attention.kv_cache import FP8_KV, check_kv, to_cache, write_kv
 
 
 @triton.jit

@@ -14,7 +14,7 @@ gradient of each cache slot is added in sequence order (gather, add, scatter), n
 import torch
 
 from lockstep import ops
-from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.batch import AttentionMetadata
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from lockstep.engine.multimodal import MultimodalInputs
-from lockstep.layers.attention import AttentionMetadata, flatten_batch
+from lockstep.layers.batch import AttentionMetadata, flatten_batch
 from lockstep.models.llama import LlamaForCausalLM
 from lockstep.rl.images import Prompt, image_batch, prompt_inputs
 

@@ -16,6 +16,7 @@ from lockstep.layers.kernels import INVARIANT, Kernels, get_kernels
 from lockstep.layers.torch_kernels import torch_write_kv
 from lockstep.models.llama import LlamaForCausalLM
 from lockstep.models.loader import load_model
+from lockstep.models.quantization import fp8_scheme, train_fp8
 from lockstep.ops import autograd
 from lockstep.rl import attention
 
@@ -112,6 +113,7 @@ def load_policy(
     max_model_len: int | None = None,
     tp_invariant: bool = False,
     mm_processor_kwargs: dict | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Load a checkpoint folder as a trainable policy (see ``make_trainable``).
 
@@ -122,11 +124,20 @@ def load_policy(
 
     A vision-language checkpoint (Qwen3-VL, Qwen2.5-VL) gets ``image_processor``, the folder's own image
     preprocessing with ``mm_processor_kwargs`` (min/max pixels: the engine's, for the same pixels), so
-    ``token_logprobs`` takes image prompts as ``LLM.generate`` does (``lockstep.rl.images``)."""
+    ``token_logprobs`` takes image prompts as ``LLM.generate`` does (``lockstep.rl.images``).
+
+    FP8 (``models.quantization.train_fp8``): for an engine with FP8 weights (an FP8 checkpoint, or
+    ``quantization="fp8"`` here as in ``LLM``), the policy holds full-precision master weights (the checkpoint's, or
+    an FP8 checkpoint's e4m3 values times its scales) and its linear layers quantize them in the forward exactly as
+    the engine holds them: the sampler's logprobs bit for bit, before and after ``LLM.load_weights`` of
+    ``policy.checkpoint_tensors()``. The backward is straight-through (``ops.autograd.fp8_linear``)."""
     kernels = "invariant" if batch_invariant else "torch"
     model = load_model(
         path, dtype=dtype, device=device, kernels=kernels, max_model_len=max_model_len, tp_invariant=tp_invariant
     )
+    scheme = getattr(model, "fp8_scheme", None) or fp8_scheme({}, quantization)
+    if scheme is not None:
+        train_fp8(model, scheme)
     if getattr(model, "is_multimodal", False) and (Path(path) / "preprocessor_config.json").is_file():
         from lockstep.multimodal.processor import ImageProcessor
 

@@ -15,8 +15,8 @@ head TRL installed (``lockstep.rl.hf.fused_head``), so the logprobs TRL recomput
 ``batch_invariant=False`` (the negative control) the two sides use different kernels and the metrics show it.
 
 Limits: ``temperature`` must be 1.0 (the engine reports the raw distribution's logprobs, vLLM's default; TRL's
-correction wants the tempered ones); no tools, images or server mode (vLLM's ``vllm_mode="server"``) yet; one
-process (under ``accelerate launch`` each process would need its own engine).
+correction wants the tempered ones); no tools or images yet; one process (under ``accelerate launch`` each process
+would need its own engine). TRL's server mode against ``lockstep serve``: ``lockstep.rl.trl_server``.
 """
 
 from collections.abc import Iterable

@@ -70,6 +70,12 @@ class EngineOverloadedError(EngineError):
     status, type, code = 429, "rate_limit_error", "queue_full"
 
 
+class EngineSleepingError(EngineError):
+    """The engine is asleep (``/sleep``): no requests until ``/wake_up``."""
+
+    status, code = 503, "engine_sleeping"
+
+
 class ShuttingDownError(EngineError):
     """The server is shutting down: no new requests, and the drain deadline has passed for those in flight."""
 
@@ -149,6 +155,16 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _EngineCall:
+    """Run ``fn(engine)`` in the engine thread (weight updates, sleep): with ``wait_idle``, once no request is in
+    flight, the commands that arrive meanwhile (but aborts) waiting behind it in order."""
+
+    fn: Callable[[LLMEngine], object]
+    wait_idle: bool
+    done: Future = field(default_factory=Future)
+
+
 _WAKE = object()  # a command that only wakes the thread (drain)
 _STOP = object()
 
@@ -203,6 +219,7 @@ class AsyncEngine:
         self._next_sweep = 0.0
         self._dead: BaseException | None = None
         self._drain_deadline: float | None = None  # set by drain()
+        self._held: deque = deque()  # engine thread: commands waiting behind an _EngineCall for the engine to be idle
         self._thread = threading.Thread(target=self._run, name="lockstep-engine", daemon=True)
         self._next_id = 0
         self._update_gauges()
@@ -281,6 +298,20 @@ class AsyncEngine:
             raise EngineDeadError("the engine failed; the server cannot serve requests")
         if self._drain_deadline is not None:
             raise ShuttingDownError("the server is shutting down", retry_after=self.limits.retry_after)
+        if self.engine.is_sleeping:
+            raise EngineSleepingError("the engine is sleeping: POST /wake_up first")
+
+    async def run_on_engine(self, fn: Callable[[LLMEngine], object], wait_idle: bool = True) -> object:
+        """``fn(engine)`` in the engine thread, between steps (with ``wait_idle``: once no request is in flight,
+        calls submitted later waiting behind it); its result, or its exception raised here. Not refused while the
+        engine sleeps (``wake_up`` comes this way)."""
+        if not self.alive:
+            raise EngineDeadError("the engine failed; the server cannot serve requests")
+        cmd = _EngineCall(fn, wait_idle)
+        self._commands.put(cmd)
+        if self._dead is not None:
+            _fail_future(cmd.done, EngineDeadError("the engine failed; the server cannot serve requests"))
+        return await asyncio.wrap_future(cmd.done)
 
     # -- the engine thread -------------------------------------------------------------------------------------
 
@@ -290,17 +321,30 @@ class AsyncEngine:
         except BaseException as e:  # a bug in the loop, or an engine left unusable: nothing can be served
             self._die(e)
 
+    def _next_command(self, block: bool):
+        """The next command: a held one once the engine is idle, else a new one (held too while others are)."""
+        while True:
+            if self._held and not self.engine.has_unfinished_requests():
+                return self._held.popleft()
+            cmd = self._commands.get(block=block)
+            if not self._held or cmd is _STOP or isinstance(cmd, _Abort):
+                return cmd
+            self._held.append(cmd)  # behind a call waiting for the engine to be idle
+
     def _loop(self) -> None:
         while True:
             # Idle: block for the next command. Busy: take whatever arrived since the last step, then step.
-            block = not self.engine.has_unfinished_requests()
+            block = not self.engine.has_unfinished_requests() and not self._held
             queued: list[int] | None = None  # [sequences, tokens] waiting, counted once per batch of commands
             while True:
                 try:
-                    cmd = self._commands.get(block=block)
+                    cmd = self._next_command(block)
                 except queue.Empty:
                     break
                 if cmd is _STOP:
+                    for held in self._held:
+                        if isinstance(held, (_Add, _EngineCall)):
+                            _fail_future(held.done, EngineDeadError("the engine was stopped"))
                     return
                 if isinstance(cmd, _Add):
                     if queued is None:
@@ -309,12 +353,30 @@ class AsyncEngine:
                     self._add(cmd, queued)
                 elif isinstance(cmd, _Abort):
                     self._abort(cmd.request_id)
+                elif isinstance(cmd, _EngineCall):
+                    if cmd.wait_idle and self.engine.has_unfinished_requests():
+                        self._held.append(cmd)
+                    else:
+                        self._run_engine_call(cmd)
                 block = False
             if self.engine.has_unfinished_requests():
                 self._step()
                 if time.monotonic() >= self._next_sweep:
                     self._sweep()
             self._update_gauges()
+
+    def _run_engine_call(self, cmd: _EngineCall) -> None:
+        if not cmd.done.set_running_or_notify_cancel():
+            return
+        try:
+            result = cmd.fn(self.engine)
+        except Exception as e:
+            cmd.done.set_exception(e)
+            workers = self.engine.workers
+            if workers is not None and workers.failure is not None:  # the ranks are out of step for good
+                raise RuntimeError(f"the engine cannot continue: {workers.failure}") from e
+            return
+        cmd.done.set_result(result)
 
     def _add(self, cmd: _Add, queued: list[int]) -> None:
         if not cmd.done.set_running_or_notify_cancel():
@@ -323,6 +385,9 @@ class AsyncEngine:
         num_tokens = sum(len(request[1]) for request in cmd.requests)
         if self._drain_deadline is not None:
             cmd.done.set_exception(ShuttingDownError("the server is shutting down", retry_after=limits.retry_after))
+            return
+        if self.engine.is_sleeping:  # it fell asleep after the call's submit checked
+            cmd.done.set_exception(EngineSleepingError("the engine is sleeping: POST /wake_up first"))
             return
         if num_tokens > limits.max_queued_tokens:
             cmd.done.set_exception(
@@ -489,8 +554,12 @@ class AsyncEngine:
                 cmd = self._commands.get(block=False)
             except queue.Empty:
                 break
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, (_Add, _EngineCall)):
                 _fail_future(cmd.done, EngineDeadError(dead))
+        for cmd in self._held:
+            if isinstance(cmd, (_Add, _EngineCall)):
+                _fail_future(cmd.done, EngineDeadError(dead))
+        self._held.clear()
         try:
             self._update_gauges()
         except Exception:  # the engine may be too broken to count its blocks

@@ -31,6 +31,9 @@ from lockstep.server.state import ServerState
 log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn's handlers and --log-level
 
 OPEN_PATHS = ("/health",)  # every other path needs the API key, when one is set
+# vLLM's development endpoints that clients (TRL's VLLMClient, curl) POST without a body: accepted so under
+# --dev-mode (server.rl_api). A cross-site page can send such a POST too: --dev-mode is for a trusted network.
+BODILESS_DEV_POSTS = ("/reset_prefix_cache", "/sleep", "/wake_up")
 ERROR_ID_KEY = "lockstep.error_id"  # where the app's 500 handler leaves the id it told the client
 ACCESS_KEY = "lockstep.access"  # where a completion call leaves what its access log line adds (id, tokens)
 
@@ -98,7 +101,9 @@ class Gatekeeper:
             raise _Refusal(401, msg, "invalid_api_key")
         if scope["method"] == "POST":
             media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-            if media != b"application/json":
+            bodiless = headers.get(b"content-length", b"0") == b"0" and b"transfer-encoding" not in headers
+            dev_exempt = self.state.dev_mode and bodiless and scope["path"] in BODILESS_DEV_POSTS
+            if media != b"application/json" and not dev_exempt:
                 raise _Refusal(415, "the body must be JSON: Content-Type: application/json", "unsupported_media_type")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:

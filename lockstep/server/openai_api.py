@@ -157,6 +157,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await call(request, chat=True)
 
+    if state.dev_mode:
+        from lockstep.server.rl_api import add_rl_routes
+
+        add_rl_routes(app, state)
     return app
 
 

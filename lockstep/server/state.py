@@ -35,6 +35,8 @@ class ServerState:
     reasoning_parser: str | None = None
     # vLLM's --return-tokens-as-token-ids: logprobs name every token "token_id:N" (as a request can ask)
     return_tokens_as_token_ids: bool = False
+    # vLLM's development endpoints (VLLM_SERVER_DEV_MODE): weight transfer, prefix-cache reset, sleep (rl_api)
+    dev_mode: bool = False
 
     @property
     def metrics(self) -> Metrics:
@@ -101,7 +103,8 @@ def create_state(
     dev = engine.runner.device
     device_name = f"cuda:{torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else "cpu"
     parts = {
-        "weights_blake2b": weights_hash(model),
+        # dummy weights are drawn from config.json's shape: nothing on disk to hash, the identity says so
+        "weights_blake2b": "dummy" if config.load_format == "dummy" else weights_hash(model),
         "lockstep": lockstep.__version__,
         "device": device_name,
         "dtype": str(engine.runner.model.dtype).removeprefix("torch."),

@@ -10,7 +10,7 @@ from tp_spawn import run_ranks
 from lockstep.distributed import ControlChannel, TPGroup
 from lockstep.engine.block_tables import TableUpdate
 from lockstep.engine.model_runner import STOP, ForwardStep
-from lockstep.layers.attention import flatten_batch
+from lockstep.layers.batch import flatten_batch
 
 # Lengths around a capacity of 8 (7 values after the length): empty, fits, exactly full, one over, far over, and
 # small again after growing.

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from lockstep.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
-from lockstep.layers.attention import flatten_batch
+from lockstep.layers.batch import flatten_batch
 from lockstep.models.loader import load_model
-from lockstep.ops.attention import _paged_attention_triton
+from lockstep.ops.attention.launch import _paged_attention_triton
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 8, 17, 64, 100, 256])

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from lockstep.layers import torch_kernels
-from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.batch import AttentionMetadata
 from lockstep.layers.torch_kernels import batch_split_attention, sdpa_groups, split_for_batch, torch_paged_attention
-from lockstep.ops.attention import TILE, _paged_attention_triton
+from lockstep.ops.attention import TILE
+from lockstep.ops.attention.launch import _paged_attention_triton
 
 SCALE = 0.17
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lockstep.layers.attention import flatten_batch
+from lockstep.layers.batch import flatten_batch
 from lockstep.models.llama import LlamaForCausalLM
 
 

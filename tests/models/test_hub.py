@@ -1,5 +1,6 @@
 """Hugging Face model ids: resolved from a cache laid out the way ``huggingface_hub`` lays it out (built here from a
-tiny checkpoint), with ``HF_HOME`` pointed at a temporary folder; offline, or with a Hub that cannot be reached."""
+tiny checkpoint), with ``HF_HOME`` pointed at a temporary folder; offline, or with a Hub that cannot be reached. The
+FP8 checkpoint formats load from ids as from folders."""
 
 import os
 import shutil
@@ -7,10 +8,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fp8_checkpoints import save_fp8
 
 from lockstep.cli import main
 from lockstep.llm import LLM
 from lockstep.models.hub import hub_cache_dir, resolve_model
+from lockstep.ops import fp8
 from lockstep.sampling_params import SamplingParams
 
 REPO = "lockstep-test/tiny-llama"
@@ -126,3 +129,16 @@ def test_cli_generate_and_serve_take_a_model_id(
     assert main(["serve", REPO, "--served-model-name", "tiny", *any_port]) == 0 and seen["name"] == "tiny"
     assert main(["serve", "lockstep-test/not-cached", *any_port]) == 2
     assert "'lockstep-test/not-cached'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel", "ct-tensor", "ct-block", "online"])
+def test_fp8_checkpoints_load_from_model_ids(hf_home: Path, tiny_model_dir: Path, tmp_path: Path, layout: str):
+    # Each FP8 format (and online FP8 of a full-precision id), offline from the cache layout: the folder's bits.
+    kwargs = {"quantization": "fp8"} if layout == "online" else {}
+    folder = tiny_model_dir if layout == "online" else save_fp8(tiny_model_dir, tmp_path / layout, layout)
+    repo = REPO if layout == "online" else f"lockstep-test/tiny-{layout}"
+    if layout != "online":
+        add_snapshot(hf_home / "hub", repo, MAIN, folder, refs=("main",))
+    llm = LLM(repo, block_size=4, num_kv_blocks=64, **kwargs)
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == fp8.FP8
+    assert greedy(llm) == greedy(LLM(str(folder), block_size=4, num_kv_blocks=64, **kwargs))

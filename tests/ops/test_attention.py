@@ -7,21 +7,20 @@ import functools
 import pytest
 import torch
 
-from lockstep.ops import attention, paged_attention, write_kv
-from lockstep.ops.attention import (
-    _CPU_ROWS,
+from lockstep.ops import paged_attention, write_kv
+from lockstep.ops.attention import TILE
+from lockstep.ops.attention import cpu as attention_cpu
+from lockstep.ops.attention.cpu import _CPU_ROWS, _bmm, _paged_attention_cpu, cpu_attention_plan
+from lockstep.ops.attention.kv_cache import _write_kv_triton
+from lockstep.ops.attention.launch import (
     _PART_CAP_BYTES,
-    TILE,
-    _bmm,
+    _col_groups,
     _ids_ahead,
     _inline_splits,
-    _paged_attention_cpu,
     _paged_attention_triton,
     _skip_empty,
     _split_grid,
     _use_split_programs,
-    _write_kv_triton,
-    cpu_attention_plan,
 )
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -337,7 +336,7 @@ def test_cpu_plan_and_chunks_do_not_change_bits(monkeypatch):
     expected_chunks = 1
     for out, ref in zip(paged.attend(with_plan, items), whole, strict=True):
         assert_bitwise(out, ref)
-    monkeypatch.setattr(attention, "_CPU_CHUNK_BYTES", 1)
+    monkeypatch.setattr(attention_cpu, "_CPU_CHUNK_BYTES", 1)
     expected_chunks = 75 + 1 + 2 + 8  # one per entry of _CPU_ROWS query tokens
     for out, ref in zip(paged.attend(with_plan, items), whole, strict=True):
         assert_bitwise(out, ref)
@@ -447,6 +446,9 @@ def test_default_launch_path():
     assert [_ids_ahead(True, b * 8, num_sms=132) for b in (1, 8, 16, 32, 256)] == [False] * 3 + [True] * 2
     assert [_skip_empty(True, b * 8, num_sms=132) for b in (1, 4, 8, 256)] == [False] * 2 + [True] * 2
     assert not _ids_ahead(False, 256 * 8, num_sms=132) and not _skip_empty(False, 256 * 8, num_sms=132)
+    # Two column groups for batch-1/4 decode at head_dim 128, never for a 16-column head (groups of 8 cannot run).
+    assert [_col_groups(True, b * 8, num_sms=132, d_pad=128) for b in (1, 4, 8)] == [2, 2, 1]
+    assert _col_groups(True, 8, num_sms=132, d_pad=16) == 1 and _col_groups(False, 8, num_sms=132, d_pad=128) == 1
 
 
 def test_split_must_be_tile_times_a_power_of_two():

@@ -17,7 +17,8 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from lockstep.ops import attention, fp8, moe_fp8
+    from lockstep.ops import fp8, moe_fp8
+    from lockstep.ops.attention import kernel, kv_cache
     from lockstep.ops.rotary import _rotary_kernel
 
     def compile_(fn, signature, constexprs, **options):
@@ -60,7 +61,7 @@ SCRIPT = textwrap.dedent(
     sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "slot_ptr": "*i32",
            **{p: "i32" for p in ("page_size", "num_heads", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
                                  "stride_cb", "stride_cs", "stride_ch")}}
-    compile_(attention._write_kv_kernel, sig, {"HEAD_DIM": 128, "H_PAD": 8, "D_PAD": 128, "USE_PDL": True})
+    compile_(kv_cache._write_kv_kernel, sig, {"HEAD_DIM": 128, "H_PAD": 8, "D_PAD": 128, "USE_PDL": True})
     sig = {**{p: "*bf16" for p in ("q_ptr", "k_ptr", "q_out_ptr", "cos_ptr", "sin_ptr", "v_ptr")},
            "k_out_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "slot_ptr": "*i64",
            **{p: "i32" for p in ("num_q_heads", "num_kv_heads", "stride_qt", "stride_kt", "stride_qot", "stride_kot",
@@ -77,7 +78,7 @@ SCRIPT = textwrap.dedent(
                  "PRECISION": "tf32", "ONE_PER_SEQ": decode, "HEADS_INNER": True, "NUM_KV_HEADS": 8,
                  "USE_PDL": True, "COL_GROUPS": 1, "COLS": 128, "IDS_AHEAD": decode, "SKIP_EMPTY": decode,
                  "KV_FP8": True}
-        compile_(attention._paged_attention_kernel, sig, flags)
+        compile_(kernel._paged_attention_kernel, sig, flags)
     print("COMPILED")
     """
 )

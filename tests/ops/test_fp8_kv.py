@@ -7,7 +7,8 @@ import torch
 from test_attention import Paged, Seq, assert_bitwise
 
 from lockstep.ops import paged_attention, write_kv
-from lockstep.ops.attention import FP8_KV, _paged_attention_triton, cache_values
+from lockstep.ops.attention import FP8_KV, cache_values
+from lockstep.ops.attention.launch import _paged_attention_triton
 from lockstep.ops.rotary import rotary, rotary_write_kv
 
 

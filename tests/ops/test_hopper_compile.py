@@ -18,7 +18,8 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from lockstep.ops import attention, gated, gumbel, matmul, top_p
+    from lockstep.ops import gated, gumbel, matmul, top_p
+    from lockstep.ops.attention import kernel, kv_cache
     from lockstep.ops.rms_norm import _rms_norm_kernel
     from lockstep.ops.rotary import _rotary_kernel
     from lockstep.ops.softmax import _softmax_kernel
@@ -67,14 +68,14 @@ SCRIPT = textwrap.dedent(
                  "ONE_PER_SEQ": one_per_seq, "HEADS_INNER": split_programs, "NUM_KV_HEADS": 8, "USE_PDL": one_per_seq,
                  "COL_GROUPS": 4 if one_per_seq else 1, "COLS": 32 if one_per_seq else 128, "IDS_AHEAD": one_per_seq,
                  "SKIP_EMPTY": split_programs and one_per_seq, "KV_FP8": False}
-        compile_(attention._paged_attention_kernel, sig, flags)
+        compile_(kernel._paged_attention_kernel, sig, flags)
     sig = {"part_ptr": "*fp32", "part_ml_ptr": "*fp32", "o_ptr": "*bf16", "seq_lens_ptr": "*i32",
            "query_start_loc_ptr": "*i32", **{p: "i32" for p in ("num_seqs", "search_steps", "inline_splits")},
            **{"stride_" + p: "i32" for p in ("pt", "ps", "ph", "mt", "ms", "mh", "ot", "oh")}}
     for pdl in (False, True):
         flags = {"NUM_HEADS": 32, "H_PAD": 32, "HEAD_DIM": 128, "D_PAD": 128, "SPLIT_SIZE": 512, "ONE_PER_SEQ": True,
                  "USE_PDL": pdl}
-        compile_(attention._merge_splits_kernel, sig, flags)
+        compile_(kernel._merge_splits_kernel, sig, flags)
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "width": "i32", "stride_x": "i32", "stride_o": "i32"}
     for pdl in (False, True):
         compile_(gated._silu_and_mul_kernel, sig, {"BLOCK": gated.BLOCK, "LIBDEVICE": True, "USE_PDL": pdl})
@@ -82,7 +83,7 @@ SCRIPT = textwrap.dedent(
            **{p: "i32" for p in ("page_size", "num_heads", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
                                  "stride_cb", "stride_cs", "stride_ch")}}
     for pdl in (False, True):
-        compile_(attention._write_kv_kernel, sig, {"HEAD_DIM": 128, "H_PAD": 8, "D_PAD": 128, "USE_PDL": pdl})
+        compile_(kv_cache._write_kv_kernel, sig, {"HEAD_DIM": 128, "H_PAD": 8, "D_PAD": 128, "USE_PDL": pdl})
     sig = {**{p: "*bf16" for p in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "cos_ptr", "sin_ptr", "v_ptr",
                                    "v_cache_ptr")}, "slot_ptr": "*i64",
            **{p: "i32" for p in ("num_q_heads", "num_kv_heads", "stride_qt", "stride_kt", "stride_qot", "stride_kot",

@@ -12,6 +12,9 @@ from lockstep.layers import torch_kernels
 from lockstep.layers.activation import silu_and_mul
 from lockstep.ops import moe
 from lockstep.ops.moe import MoEConfig
+from lockstep.ops.moe import combining as moe_combining
+from lockstep.ops.moe import layer as moe_layer
+from lockstep.ops.moe import routing as moe_routing
 
 H, W, E, K = 48, 40, 8, 3  # hidden, expert width (W), experts, top k: odd-ish sizes, K not a multiple of BK
 
@@ -37,7 +40,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-PATHS = {"cpu": moe._experts_cpu, "triton": moe._experts_triton}
+PATHS = {"cpu": moe_layer._experts_cpu, "triton": moe_layer._experts_triton}
 
 
 # --- routing ---------------------------------------------------------------------------------------------------
@@ -231,17 +234,17 @@ def test_triton_tile_shape_does_not_change_the_bits(cfg):
     # BK fixed, BM and BN varied: every row reduced in the same steps (here in the interpreter, fp32).
     w13, w2 = weights()
     x, w, ids = routed(70, seed=3)
-    base = moe._experts_triton(x, w13, w2, w, ids)
-    assert same_bits(moe._experts_triton(x, w13, w2, w, ids, config=cfg), base)
+    base = moe_layer._experts_triton(x, w13, w2, w, ids)
+    assert same_bits(moe_layer._experts_triton(x, w13, w2, w, ids, config=cfg), base)
 
 
 def test_triton_bf16_rows_are_invariant():
     # Triton against Triton only: the interpreter truncates fp32 -> bf16 casts.
     w13, w2 = weights(torch.bfloat16)
     x, w, ids = routed(40, torch.bfloat16, seed=4)
-    full = moe._experts_triton(x, w13, w2, w, ids)
+    full = moe_layer._experts_triton(x, w13, w2, w, ids)
     for m in (1, 5, 39):
-        assert same_bits(moe._experts_triton(x[:m], w13, w2, w[:m], ids[:m]), full[:m])
+        assert same_bits(moe_layer._experts_triton(x[:m], w13, w2, w[:m], ids[:m]), full[:m])
 
 
 # --- the combine ---------------------------------------------------------------------------------------------------
@@ -251,8 +254,8 @@ def test_triton_combine_equals_the_cpu_combine():
     y = randn(60, 70, seed=1)
     w = randn(20, 3, seed=2).abs()
     rows = torch.randperm(60, generator=torch.Generator().manual_seed(3)).view(20, 3)
-    cpu = moe._combine_cpu(y, w, rows)
-    assert same_bits(moe._combine_triton(y, w, rows), cpu)
+    cpu = moe_combining._combine_cpu(y, w, rows)
+    assert same_bits(moe_combining._combine_triton(y, w, rows), cpu)
     ref = (w.double()[:, :, None] * y.double()[rows]).sum(1)
     assert (cpu.double() - ref).abs().max() < 1e-5
 
@@ -296,8 +299,8 @@ def test_combine_orders_other_than_rank_order_change_the_bits(combine_fn):
     x, w, ids = routed(64, seed=11, top_k=4)
     y, plan = _expert_outputs(x, w13, w2, ids)
     out = combine_fn(y, w, plan, ids)
-    assert (out - moe._experts_cpu(x, w13, w2, w, ids)).abs().max() < 1e-5
-    assert not same_bits(out, moe._experts_cpu(x, w13, w2, w, ids))
+    assert (out - moe_layer._experts_cpu(x, w13, w2, w, ids)).abs().max() < 1e-5
+    assert not same_bits(out, moe_layer._experts_cpu(x, w13, w2, w, ids))
 
 
 def test_a_combine_order_that_follows_the_batch_changes_a_tokens_bits():
@@ -307,12 +310,12 @@ def test_a_combine_order_that_follows_the_batch_changes_a_tokens_bits():
     x, w, ids = routed(64, seed=12, top_k=4)
     y, plan = _expert_outputs(x, w13, w2, ids)
     batched = _combine_by_load(y, w, plan, ids)
-    invariant = moe._experts_cpu(x, w13, w2, w, ids)
+    invariant = moe_layer._experts_cpu(x, w13, w2, w, ids)
     moved = 0
     for t in range(64):
         y1, plan1 = _expert_outputs(x[t : t + 1], w13, w2, ids[t : t + 1])
         moved += not same_bits(_combine_by_load(y1, w[t : t + 1], plan1, ids[t : t + 1])[0], batched[t])
-        assert same_bits(moe._experts_cpu(x[t : t + 1], w13, w2, w[t : t + 1], ids[t : t + 1])[0], invariant[t])
+        assert same_bits(moe_layer._experts_cpu(x[t : t + 1], w13, w2, w[t : t + 1], ids[t : t + 1])[0], invariant[t])
     assert moved > 0
 
 
@@ -322,19 +325,19 @@ def test_a_combine_order_that_follows_the_batch_changes_a_tokens_bits():
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_triton_route_matches_the_cpu_route(renormalize):
     logits = randn(67, 13, seed=8) * 3
-    w, ids = moe._route_triton(logits, 4, renormalize)
-    ref_w, ref_ids = moe._route_cpu(logits, 4, renormalize)
+    w, ids = moe_routing._route_triton(logits, 4, renormalize)
+    ref_w, ref_ids = moe_routing._route_cpu(logits, 4, renormalize)
     assert torch.equal(ids, ref_ids) and (w - ref_w).abs().max() < 1e-6
     for m in (1, 2, 30):  # row invariance
-        wm, idm = moe._route_triton(logits[:m], 4, renormalize)
+        wm, idm = moe_routing._route_triton(logits[:m], 4, renormalize)
         assert same_bits(wm, w[:m]) and torch.equal(idm, ids[:m])
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice")
 def test_triton_route_ties_and_nan():
     logits = torch.tensor([[0.0] * 8, [1.0, 3.0, 1.0, 3.0, 1.0, 3.0, 2.0, 2.0], [5.0, 1, 2, 2, 2, 2, 0, 5]])
-    assert moe._route_triton(logits, 3, True)[1].tolist() == [[0, 1, 2], [1, 3, 5], [0, 7, 2]]
-    _, ids = moe._route_triton(torch.full((1, 8), float("nan")), 3, True)
+    assert moe_routing._route_triton(logits, 3, True)[1].tolist() == [[0, 1, 2], [1, 3, 5], [0, 7, 2]]
+    _, ids = moe_routing._route_triton(torch.full((1, 8), float("nan")), 3, True)
     assert ((0 <= ids) & (ids < 8)).all()  # garbage in, but no id out of range for the expert matmuls
 
 

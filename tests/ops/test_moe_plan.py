@@ -10,6 +10,8 @@ from invariance import randn, same_bits
 
 from lockstep.ops import moe
 from lockstep.ops.moe import MoEConfig
+from lockstep.ops.moe import layer as moe_layer
+from lockstep.ops.moe import plan as moe_plan
 
 FIELDS = ("order", "tokens", "rows", "bounds")
 
@@ -117,8 +119,8 @@ def test_experts_with_per_matmul_configs_of_other_row_tiles():
     w2 = randn(8, 48, 40, seed=2, scale=40**-0.5)
     x = randn(37, 48, seed=3)
     w, ids = moe.route(randn(37, 8, seed=4), 3, True)
-    base = moe._experts_triton(x, w13, w2, w, ids, config=MoEConfig(16, 32, 32))
-    mixed = moe._experts_triton(x, w13, w2, w, ids, config=(MoEConfig(16, 32, 32), MoEConfig(64, 16, 32)))
+    base = moe_layer._experts_triton(x, w13, w2, w, ids, config=MoEConfig(16, 32, 32))
+    mixed = moe_layer._experts_triton(x, w13, w2, w, ids, config=(MoEConfig(16, 32, 32), MoEConfig(64, 16, 32)))
     assert same_bits(mixed, base)
 
 
@@ -129,8 +131,9 @@ def test_past_the_fused_plan_size_the_torch_plan_gives_the_same_bits(monkeypatch
     w2 = randn(8, 48, 40, seed=2, scale=40**-0.5)
     x = randn(29, 48, seed=5)
     w, ids = moe.route(randn(29, 8, seed=6), 3, True)
-    fused = moe._experts_triton(x, w13, w2, w, ids)
-    monkeypatch.setattr(moe, "FUSED_PLAN_MAX_PAIRS", 10)
+    fused = moe_layer._experts_triton(x, w13, w2, w, ids)
+    monkeypatch.setattr(moe_plan, "FUSED_PLAN_MAX_PAIRS", 10)  # read by plan_routing
+    monkeypatch.setattr(moe_layer, "FUSED_PLAN_MAX_PAIRS", 10)  # and by the Triton experts
     plan = moe.plan_routing(ids, 8, 16)
     assert plan.tile_rows == 16 and plan_differences(plan, moe.plan_routing_torch(ids, 8), 8, 16) == []
-    assert same_bits(moe._experts_triton(x, w13, w2, w, ids), fused)
+    assert same_bits(moe_layer._experts_triton(x, w13, w2, w, ids), fused)

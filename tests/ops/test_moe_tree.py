@@ -9,9 +9,10 @@ import torch
 from invariance import randn, same_bits
 
 from lockstep.ops import moe, tp_linear
+from lockstep.ops.moe import tree as moe_tree
 
 H, E, K = 48, 8, 3
-PATHS = {"cpu": moe._down_partials_cpu, "triton": moe._down_partials_triton}
+PATHS = {"cpu": moe_tree._down_partials_cpu, "triton": moe_tree._down_partials_triton}
 
 
 def weights(width: int, dtype=torch.float32, seed=10):

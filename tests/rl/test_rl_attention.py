@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from gradients import check_directional, randn
 
-from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.batch import AttentionMetadata
 from lockstep.layers.torch_kernels import torch_write_kv
 from lockstep.rl import attention
 

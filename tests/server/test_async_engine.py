@@ -313,3 +313,20 @@ def test_limits_are_validated() -> None:
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServingLimits(**bad)
     assert dataclasses.replace(ServingLimits(), request_timeout=None).request_timeout is None
+
+
+def test_a_server_state_of_dummy_weights_needs_no_weight_files(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``serve --load-format dummy`` (benchmarks): a folder with config and tokenizer but no safetensors serves, and
+    its fingerprint says the weights are dummy rather than hashing files that are not there."""
+    import shutil
+
+    from lockstep.server.state import create_state
+
+    folder = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors*"))
+    state = create_state(str(folder), load_format="dummy", max_num_seqs=2)
+    try:
+        assert state.fingerprint_parts["weights_blake2b"] == "dummy"
+        assert state.fingerprint.startswith("fp_")
+    finally:
+        state.engine.stop()

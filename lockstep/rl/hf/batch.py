@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.batch import AttentionMetadata
 
 # Cache page size of the trainer's scratch caches. The attention's bits do not depend on it: the kernel's tiles are
 # aligned to positions, not pages.

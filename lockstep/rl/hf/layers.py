@@ -7,7 +7,8 @@ per-head q/k RMSNorm of Qwen3; rotary from the engine's cos/sin table; the new K
 cache and attended over by ``ops.paged_attention``; the residual add fused into the next RMSNorm (the stream is
 carried as ``(hidden, residual)`` between layers, as in the engine); SiLU-and-mul; the router and experts of a
 mixture of experts. With ``tree`` (``tp_invariant``) o_proj, down_proj and the experts' down projections reduce
-through the chunk tree, as a tensor-parallel engine does.
+through the chunk tree, as a tensor-parallel engine does. With ``fp8`` (``patch_model(quantization="fp8")``) the
+projections are online FP8 linears on their master weights (``ops.autograd.fp8_linear``), as the engine holds them.
 
 The layers read the modules' weights at every call (``weights.merged_weight``), so PEFT wrappers added after
 patching are seen; a projection that cannot be merged runs as its module.
@@ -18,7 +19,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from lockstep.layers.attention import AttentionMetadata
+from lockstep.layers.batch import AttentionMetadata
+from lockstep.ops import autograd, fp8
 from lockstep.ops.matmul import linear as _linear
 from lockstep.ops.matmul import mm
 from lockstep.rl.hf.batch import PAGE
@@ -67,33 +69,47 @@ def _bias_or_zeros(bias: torch.Tensor | None, weight: torch.Tensor) -> torch.Ten
     return bias if bias is not None else weight.new_zeros(weight.shape[0])
 
 
-def stacked_linear(x: torch.Tensor, modules: list[nn.Module]) -> torch.Tensor:
+def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tree: bool) -> torch.Tensor:
+    # Online FP8 as the engine holds it: per-output-channel scales from the weight, activations per token.
+    w8, scale = fp8.quantize_weight(weight.detach())
+    return autograd.fp8_linear(x, weight, bias, w8, scale, None, tree)
+
+
+def stacked_linear(x: torch.Tensor, modules: list[nn.Module], fp8_weights: bool = False) -> torch.Tensor:
     """The outputs of the linear ``modules`` side by side, ``x: [n, K]`` -> ``[n, sum(N_i)]``, as one invariant
-    matmul over their stacked weights; modules without an exact merged weight (LoRA with dropout) run on their own
+    matmul over their stacked weights (``fp8_weights``: one FP8 linear, each row quantized on its own as the engine
+    quantizes each checkpoint matrix); modules without an exact merged weight (LoRA with dropout) run on their own
     and are concatenated."""
     merged = [merged_weight(m) for m in modules]
     if any(m is None for m in merged):
         return torch.cat([m(x) for m in modules], dim=-1)
     weights = [w for w, _ in merged]
     biases = [b for _, b in merged]
+    if fp8_weights:
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([_bias_or_zeros(b, w) for b, w in zip(biases, weights, strict=True)])
+        return _fp8_linear(x, torch.cat(weights), bias, False)
     return _StackedLinear.apply(x, len(weights), *weights, *biases)
 
 
-def linear(x: torch.Tensor, module: nn.Module, tree: bool = False) -> torch.Tensor:
-    """``module(x)`` through the invariant linear (the chunk tree with ``tree``), or the module itself where it
-    has no exact merged weight."""
+def linear(x: torch.Tensor, module: nn.Module, tree: bool = False, fp8_weights: bool = False) -> torch.Tensor:
+    """``module(x)`` through the invariant linear (the chunk tree with ``tree``; FP8 with ``fp8_weights``), or the
+    module itself where it has no exact merged weight."""
     merged = merged_weight(module)
     if merged is None:
         return module(x)
+    if fp8_weights:
+        return _fp8_linear(x, *merged, tree)
     return (K.tree_linear if tree else K.linear)(x, *merged)
 
 
 def _attention(attn: nn.Module, x: torch.Tensor, rope, meta: AttentionMetadata, num_blocks: int, shape, eps: float,
-               tree: bool) -> torch.Tensor:  # fmt: skip
+               tree: bool, fp8_weights: bool = False) -> torch.Tensor:  # fmt: skip
     # x: [n, hidden]; shape = (num_heads, num_kv_heads, head_dim)
     num_heads, num_kv_heads, head_dim = shape
     n = x.shape[0]
-    qkv = stacked_linear(x, [attn.q_proj, attn.k_proj, attn.v_proj])
+    qkv = stacked_linear(x, [attn.q_proj, attn.k_proj, attn.v_proj], fp8_weights)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = q.reshape(n, num_heads, head_dim)
     k = k.reshape(n, num_kv_heads, head_dim)
@@ -106,15 +122,17 @@ def _attention(attn: nn.Module, x: torch.Tensor, rope, meta: AttentionMetadata, 
     v_cache = v.new_zeros(cache_shape)
     q = K.rotary_and_write_kv(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
     out = K.attention(q, k_cache, v_cache, meta, head_dim**-0.5)  # [n, num_heads, head_dim]
-    return linear(out.reshape(n, num_heads * head_dim), attn.o_proj, tree)
+    return linear(out.reshape(n, num_heads * head_dim), attn.o_proj, tree, fp8_weights)
 
 
-def _mlp(mlp: nn.Module, x: torch.Tensor, top_k: int, renormalize: bool, tree: bool) -> torch.Tensor:
+def _mlp(
+    mlp: nn.Module, x: torch.Tensor, top_k: int, renormalize: bool, tree: bool, fp8_weights: bool = False
+) -> torch.Tensor:
     # x: [n, hidden] -> [n, hidden]
     experts = getattr(mlp, "experts", None)
     if experts is None:  # the gated MLP
-        gate_up = stacked_linear(x, [mlp.gate_proj, mlp.up_proj])  # [n, 2 * intermediate]
-        return linear(K.silu_and_mul(gate_up), mlp.down_proj, tree)
+        gate_up = stacked_linear(x, [mlp.gate_proj, mlp.up_proj], fp8_weights)  # [n, 2 * intermediate]
+        return linear(K.silu_and_mul(gate_up), mlp.down_proj, tree, fp8_weights)
     # A sparse MoE block (transformers 5 keeps the experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]).
     logits = K.linear(x, mlp.gate.weight, None)  # [n, E] in the model dtype, as the engine's router
     weights, ids = K.moe_route(logits, top_k, renormalize)
@@ -129,9 +147,10 @@ def _layer_body(layer: nn.Module, hidden: torch.Tensor, residual: torch.Tensor |
         hidden, residual = K.rms_norm(hidden, layer.input_layernorm.weight, eps, None), hidden
     else:
         hidden, residual = K.rms_norm(hidden, layer.input_layernorm.weight, eps, residual)
-    hidden = _attention(layer.self_attn, hidden, rope, layout.attn, layout.num_blocks, spec.heads, eps, spec.tree)
+    attn = layer.self_attn
+    hidden = _attention(attn, hidden, rope, layout.attn, layout.num_blocks, spec.heads, eps, spec.tree, spec.fp8)
     hidden, residual = K.rms_norm(hidden, layer.post_attention_layernorm.weight, eps, residual)
-    return _mlp(layer.mlp, hidden, spec.top_k, spec.renormalize, spec.tree), residual
+    return _mlp(layer.mlp, hidden, spec.top_k, spec.renormalize, spec.tree, spec.fp8), residual
 
 
 def layer_forward(self: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, rope, layout, spec):

@@ -49,18 +49,19 @@ class LayerSpec:
     top_k: int
     renormalize: bool
     tree: bool
+    fp8: bool = False  # online FP8 linear layers, as LLM(quantization="fp8") holds them
 
 
 class _Patch:
     """The patch's state on the base model (a plain attribute, not a module: nothing is registered)."""
 
-    def __init__(self, config: ModelConfig, tp_invariant: bool):
+    def __init__(self, config: ModelConfig, tp_invariant: bool, fp8: bool = False):
         self.config = config
         self.tree = tp_invariant
         c = config
         self.spec = LayerSpec(
             c.rms_norm_eps, (c.num_heads, c.num_kv_heads, c.head_dim), c.num_experts_per_tok, c.norm_topk_prob,
-            tp_invariant,
+            tp_invariant, fp8,
         )  # fmt: skip
         self._tables: dict[tuple[torch.device, torch.dtype], RotaryEmbedding] = {}
 
@@ -152,7 +153,7 @@ def _head_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return K.linear(hidden, self.weight, self.bias)
 
 
-def patch_model(model: nn.Module, *, tp_invariant: bool = False) -> nn.Module:
+def patch_model(model: nn.Module, *, tp_invariant: bool = False, quantization: str | None = None) -> nn.Module:
     """Make ``model`` (a transformers ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
     ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``MixtralForCausalLM``, or a PEFT model of one) run lockstep's
     invariant kernels, forward and backward, in place; returns ``model``.
@@ -162,15 +163,22 @@ def patch_model(model: nn.Module, *, tp_invariant: bool = False) -> nn.Module:
     (``attention_mask``, left or right) and packed (``position_ids`` restarting per sequence) batches, with
     gradient checkpointing on or off. ``tp_invariant=True`` reproduces an engine at any
     ``tensor_parallel_size`` (or ``LLM(tp_invariant=True)``) instead of a one-process engine's default numerics.
-    Patching twice replaces the first patch.
+    ``quantization="fp8"`` reproduces an online-FP8 engine (``LLM(quantization="fp8")``): the attention and MLP
+    projections quantize their weights per output channel at each forward, as the engine does when it loads them
+    (``sampler_weights`` then syncs them), with a straight-through backward (``ops.autograd.fp8_linear``); the
+    experts of a mixture of experts are refused there. Patching twice replaces the first patch.
     """
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     lm = causal_lm(model)
     config = _engine_config(lm)
     base = lm.model
     if type(lm.lm_head) is not nn.Linear:
         raise NotImplementedError(f"the LM head is a {type(lm.lm_head).__name__}; patch_model needs a plain nn.Linear")
+    if quantization == "fp8" and config.num_experts:
+        raise NotImplementedError("patch_model(quantization='fp8') of a mixture of experts (FP8 experts)")
     unpatch_model(model)
-    setattr(base, _STATE, _Patch(config, tp_invariant))
+    setattr(base, _STATE, _Patch(config, tp_invariant, quantization == "fp8"))
     base.forward = types.MethodType(_model_forward, base)
     for layer in base.layers:
         layer.forward = types.MethodType(torch.compiler.disable(layer_forward), layer)

@@ -1,0 +1,124 @@
+"""The chunk tree over an FP8 linear: a row-parallel FP8 layer (o_proj, down_proj) whose bits do not depend on the
+number of ranks that share its K.
+
+``ops.tp_linear`` fixes the order of a row-parallel bf16 sum by cutting K into ``CHUNKS = 8`` chunks that meet in
+one pairwise tree; here the same tree runs over FP8 partials:
+
+- Each chunk's partial is ``ops.fp8``'s scaled matmul over the chunk's columns alone, kept in fp32: its K blocks of
+  ``GROUP_K`` columns summed from zero, each scaled by ``x_scale * w_scale`` as it ends, in block order. Block
+  scales (a checkpoint's 128 x 128 tiles, activations per 128-column group) need every chunk to be whole blocks,
+  ``K / 8`` a multiple of ``GROUP_K``: ``check_tree`` refuses the others, naming the layer, rather than let a
+  block's scale straddle two ranks. Per-channel or per-tensor weight scales with per-token activations have no
+  such bound (a chunk's blocks then start at the chunk, whatever its width); K must still be a multiple of 8.
+- The activations' scales are those of the whole row: per 128-column group they are local to a chunk already;
+  per token (one scale over all of K) each rank takes the max of its columns' ``|x|`` and the ranks' maxima meet in
+  an all-gather (``activation_scales``; a max is exact in any order), so every rank quantizes with the scale one
+  process would use.
+- The 8 roots meet in ``tp_linear.tree_reduce``'s tree, the bias is added in fp32, and the total is rounded once.
+
+Rank r of N owns chunks ``[8r / N, 8(r + 1) / N)``; ``subtree`` reduces them, the caller all-gathers the fp32
+roots and finishes the tree (``layers.linear.RowParallelLinear``). ``tree_linear`` is the single-process form.
+Nothing here communicates but ``activation_scales``, which takes the gathered maxima from its caller.
+"""
+
+import torch
+
+from lockstep.ops import fp8
+from lockstep.ops.tp_linear import CHUNKS, tree_finish, tree_reduce
+
+
+def check_tree(name: str, k: int, blocked: bool) -> None:
+    """Raise ValueError unless a row-parallel FP8 layer ``name`` with a full input size ``k`` can run the chunk
+    tree: ``k`` a multiple of 8, and of ``8 * GROUP_K`` when its scales come in ``GROUP_K``-column blocks."""
+    if k % CHUNKS:
+        raise ValueError(f"{name}: an FP8 chunk tree needs an input size that is a multiple of {CHUNKS}, got {k}")
+    if blocked and (k // CHUNKS) % fp8.GROUP_K:
+        raise ValueError(
+            f"{name}: the FP8 chunk tree cuts K={k} into {CHUNKS} chunks of {k // CHUNKS} columns, which is not a "
+            f"whole number of the {fp8.GROUP_K}-column scale blocks (block-scaled weights or per-{fp8.GROUP_K} "
+            f"activations need K to be a multiple of {CHUNKS * fp8.GROUP_K}); use tp_invariant=False or a "
+            "per-channel FP8 layout"
+        )
+
+
+def row_amax(x: torch.Tensor) -> torch.Tensor:
+    """``x: [M, K]`` -> ``[M, 1]`` fp32, the max of ``|x|`` over the row (this rank's columns)."""
+    return x.abs().amax(1, keepdim=True).float() if x.shape[1] else x.new_zeros((x.shape[0], 1), dtype=torch.float32)
+
+
+def activation_scales(
+    x: torch.Tensor, group: int | None, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x: [M, K]`` -> ``(x8, scale)`` as ``fp8.quantize_rows``, but per token (``group=None``) from ``amax``
+    ``[M, 1]``, the max of ``|x|`` over the whole row (every rank's columns; default: ``row_amax(x)``). The same
+    formulas on every device, so one process and N ranks quantize a row to the same bits."""
+    if group is not None:
+        return fp8.quantize_rows(x, group)
+    amax = row_amax(x) if amax is None else amax
+    scale = amax.clamp(min=fp8._AMAX_FLOOR) / fp8.FP8_MAX  # [M, 1]
+    return (x.float() / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8), scale
+
+
+def _chunk_weights(w8: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
+    # Each chunk's columns. CUDA: strided views (the kernel takes strides; no copy of the weight). CPU: their own
+    # contiguous e4m3 tensors, kept on w8 while it is unchanged, so the CPU path's packed blocks (fp8._cpu_blocks)
+    # are memoized per chunk and every rank count sees one layout.
+    width = w8.shape[1] // num_chunks
+    if w8.is_cuda:
+        return [w8[:, c * width : (c + 1) * width] for c in range(num_chunks)]
+    try:
+        key = (w8._version, w8.data_ptr(), tuple(w8.shape), num_chunks)
+    except RuntimeError:  # an inference tensor: no version counter
+        key = None
+    memo = getattr(w8, "_lockstep_fp8_chunks", None)
+    if key is not None and memo is not None and memo[0] == key:
+        return memo[1]
+    with torch.inference_mode(False):  # ordinary tensors, which carry a version counter for fp8._cpu_blocks' memo
+        chunks = [w8[:, c * width : (c + 1) * width].contiguous() for c in range(num_chunks)]
+    if key is not None:
+        w8._lockstep_fp8_chunks = (key, chunks)
+    return chunks
+
+
+def chunk_partials(
+    a8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, num_chunks: int
+) -> torch.Tensor:
+    """The fp32 partial of each of ``num_chunks`` equal K chunks, unreduced: ``a8: [M, K]`` e4m3 with
+    ``a_scale: [M, KB]``, ``w8: [N, K]`` e4m3 with ``w_scale: [N, KB]`` (KB 1, or K / GROUP_K) -> ``[C, M, N]``."""
+    m, k = a8.shape
+    n = w8.shape[0]
+    if k % num_chunks:
+        raise ValueError(f"K={k} does not split into {num_chunks} chunks")
+    width = k // num_chunks
+    blocked = a_scale.shape[1] > 1 or w_scale.shape[1] > 1
+    if blocked and width % fp8.GROUP_K:
+        raise ValueError(f"chunks of {width} columns are not whole {fp8.GROUP_K}-column scale blocks")
+    per = width // fp8.GROUP_K  # scale blocks per chunk, when blocked
+    out = torch.empty((num_chunks, m, n), dtype=torch.float32, device=a8.device)
+    for c, wc in enumerate(_chunk_weights(w8, num_chunks)):
+        ac = a8[:, c * width : (c + 1) * width]
+        sa = a_scale[:, c * per : (c + 1) * per] if a_scale.shape[1] > 1 else a_scale
+        sw = w_scale[:, c * per : (c + 1) * per] if w_scale.shape[1] > 1 else w_scale
+        out[c] = fp8.scaled_mm(ac, sa, wc, sw, None, torch.float32)
+    return out
+
+
+def subtree(a8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, num_chunks: int):
+    """The fp32 root ``[M, N]`` of the subtree over this rank's ``num_chunks`` chunks (8 / N on each of N ranks)."""
+    return tree_reduce(chunk_partials(a8, a_scale, w8, w_scale, num_chunks))
+
+
+def tree_linear(
+    x: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act_group: int | None = fp8.GROUP_K,
+) -> torch.Tensor:
+    """``fp8.fp8_linear`` with the chunk-tree reduction, in one process: ``x: [..., K]`` -> ``[..., N]`` in x's
+    dtype, bit for bit what N ranks holding 8 / N chunks each compute."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    a8, a_scale = activation_scales(x2, act_group)
+    partials = chunk_partials(a8, a_scale, w8, w_scale, CHUNKS)
+    return tree_finish(partials, bias, x.dtype).reshape(*lead, w8.shape[0])
