@@ -31,6 +31,7 @@ not fit: lower the target's ``gpu_memory_utilization``). ``num_kv_blocks=`` over
 """
 
 import dataclasses
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,13 @@ from lockstep.sampling_params import SamplingParams
 from lockstep.spec.config import SpeculativeConfig
 from lockstep.spec.drafter import DraftRequest
 
+# A call's first step feeds each sequence what is new since the last call: one token after a rejection, the last
+# draft and the target's bonus token after a full acceptance, a few more where a step went undrafted. Up to this
+# many go as one-token entries (positions p, p + 1, ..., one block table), so the step is decode-shaped and replays
+# a CUDA graph instead of running eagerly (~30 ms of kernel launches for a 28-layer draft on the H200): each row
+# attends over the K/V the rows before it wrote into the cache in the same layer (written before it is read), the
+# bits a chunk of those tokens gives.
+SPLIT_TOKENS = 8
 # On CUDA the draft's KV cache takes at most this share of the memory free when the drafter starts (after the
 # target took its cache), less the draft's weights: the rest stays for the draft's activations and graphs.
 DRAFT_FREE_MEMORY_SHARE = 0.5
@@ -87,6 +95,22 @@ class DraftModelDrafter:
         self._free: list[int] = list(range(self.config_used.num_kv_blocks))  # a stack: lowest ids first
         self._free.reverse()
         self._seqs: dict[int, Sequence] = {}  # seq_id -> its draft state; lookup only, never iterated for order
+        if self.runner.device.type == "cuda":
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile the draft's prefill shapes now rather than on the first requests (decode shapes compiled with
+        its CUDA graphs): one sequence of each of the engine's warm-up lengths that fits, drafted and released.
+        The K/V they leave in free blocks is written again before anything reads it."""
+        from lockstep.engine.warmup import WARMUP_LENGTHS
+
+        rng = random.Random(0)
+        vocab = self.runner.vocab_size
+        budget = min(self.config_used.max_num_batched_tokens, self.max_model_len - 2)
+        for i, n in enumerate(n for n in WARMUP_LENGTHS if n <= budget):
+            seq_id = -1 - i  # ids no engine sequence has
+            self.propose([DraftRequest(seq_id, [rng.randrange(vocab) for _ in range(n)], 2)])
+            self.release(seq_id)
 
     @property
     def num_free_blocks(self) -> int:
@@ -191,12 +215,20 @@ class DraftModelDrafter:
                 w.tokens.append(result.token_ids[j])
 
     def _schedule(self, work: list[_Work]) -> tuple[ScheduledBatch, list[_Work]]:
-        """One step: every decoding sequence's next token, then prefill chunks under the step's token budget.
-        Also returns the work of the entries that sample, in batch order."""
+        """One step: every decoding sequence's next token, then prefill chunks under the step's token budget; or,
+        when every sequence has at most ``SPLIT_TOKENS`` pending and they fit a decode graph, each pending token as
+        a one-token entry of its own. Also returns the work of the entries that sample, in batch order."""
         batch = ScheduledBatch()
         samplers: list[_Work] = []
         budget = self.config_used.max_num_batched_tokens
         todo = [w for w in work if w.launched < w.num_tokens]
+        pending = [w.seq.num_pending_tokens for w in todo]
+        if todo and max(pending) <= SPLIT_TOKENS and sum(pending) <= min(budget, self.config_used.max_num_seqs):
+            for w, n in zip(todo, pending, strict=True):
+                start = w.seq.num_computed_tokens
+                batch.entries += [ScheduledSeq(w.seq, 1, start + j, j == n - 1) for j in range(n)]
+                samplers.append(w)
+            return batch, samplers
         decoding = [w for w in todo if w.seq.num_pending_tokens == 1]
         for w in decoding + [w for w in todo if w.seq.num_pending_tokens > 1]:
             pending = w.seq.num_pending_tokens
