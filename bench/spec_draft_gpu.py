@@ -100,6 +100,7 @@ def time_drafter(drafter: DraftModelDrafter, batch: int, k: int, mode: str, args
     sync(device)
     elapsed, proposed = 0.0, 0
     for _ in range(args.calls):
+        before = [list(t) for t in tokens.values()]
         t0 = time.perf_counter()
         proposals = call()
         sync(device)
@@ -115,6 +116,7 @@ def time_drafter(drafter: DraftModelDrafter, batch: int, k: int, mode: str, args
         "batch": batch, "k": k, "mode": mode, "call_ms": call_ms, "per_token_ms": call_ms / k,
         "per_forward_ms": call_ms * args.calls / max(1, counts["steps"]), "forwards": counts["steps"],
         "graph_forwards": counts["graph"], "all_proposed": full,
+        "last_call": list(zip(before, proposals, strict=True)),  # checked against LLM.generate on the draft
     }  # fmt: skip
 
 
@@ -208,6 +210,20 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
+    # The proposals of each case's last call against plain greedy decoding of the draft checkpoint (the same
+    # random weights: load_format="dummy" draws them from a fixed seed).
+    draft_llm = LLM(str(draft_dir), **engine_args)
+    params = {k: SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in ks}
+    same = total = 0
+    for r in rows:
+        pairs = r.pop("last_call")
+        outs = draft_llm.generate([t for t, _ in pairs], params[r["k"]], use_tqdm=False)
+        r["same_as_generate"] = sum(list(o.outputs[0].token_ids) == p for o, (_, p) in zip(outs, pairs, strict=True))
+        same, total = same + r["same_as_generate"], total + len(pairs)
+    report["same_as_generate"] = [same, total]
+    del draft_llm
+    gc.collect()
+
     if target_on:
         llm = LLM(str(target_dir), gpu_memory_utilization=0.6, **engine_args)
         for batch in batches:
@@ -224,6 +240,7 @@ def main() -> None:
         new = "2 (accept)" if r["mode"] == "accept" else "1 (reject)"
         print(f"| {r['batch']} | {r['k']} | {new} | {r['call_ms']:.3f} | {r['per_token_ms']:.3f} | "
               f"{r['per_forward_ms']:.3f} | {r['graph_forwards']}/{r['forwards']} |")  # fmt: skip
+    print(f"\nProposals equal to LLM.generate's greedy continuation on the draft checkpoint: {same} of {total}")
     if report["target_step_ms"]:
         print("\nTarget plain decode step (on CUDA: graphs, async scheduling): "
               + ", ".join(f"batch {b} {ms:.3f} ms" for b, ms in report["target_step_ms"].items()))  # fmt: skip
