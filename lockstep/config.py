@@ -3,6 +3,8 @@
 import os
 from dataclasses import dataclass
 
+from lockstep.spec.config import SpeculativeConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # EngineConfig.load_format
@@ -113,6 +115,10 @@ class EngineConfig:
     # online (an FP8 checkpoint is read as FP8 whatever this says); kv_cache_dtype "fp8" keeps K/V in e4m3.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    # Speculative decoding (README, "Speculative decoding"): vLLM's speculative_config dict, parsed into a
+    # SpeculativeConfig. Drafting changes only how many tokens a step adds, never which; its steps run
+    # synchronously (async_scheduling off).
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -160,6 +166,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         self._resolve_kernels()
         self._resolve_tp()
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.async_scheduling:
+                raise ValueError("speculative_config runs synchronous steps: async_scheduling=True cannot go with it")
+            self.async_scheduling = False
         if self.async_scheduling is None:
             from lockstep.engine.model_runner import resolve_device  # torch and the engine: only when a config is made
 

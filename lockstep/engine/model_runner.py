@@ -23,13 +23,13 @@ from lockstep.distributed import ControlChannel, TPGroup
 from lockstep.engine.block_tables import DeviceBlockTables, TableUpdate
 from lockstep.engine.cuda_graph import DecodeGraphs
 from lockstep.engine.encoder_cache import EncoderCache
-from lockstep.engine.scheduler import ScheduledBatch
+from lockstep.engine.scheduler import ScheduledBatch, ScheduledSeq
 from lockstep.engine.sequence import Sequence
 from lockstep.engine.token_feed import FedRows, TokenFeed
 from lockstep.layers.attention import FlatBatch, flatten_batch
 from lockstep.layers.sampler import PendingSample, Sampled, Sampler, TokenLogprobs, device_tensor, gather_logprobs
 from lockstep.models.loader import load_model
-from lockstep.structured.grammar import token_masks
+from lockstep.structured.grammar import token_masks, token_masks_ahead
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Without num_kv_blocks, the CPU cache gets this much memory (at least one full-length sequence's worth).
@@ -286,12 +286,12 @@ class ModelRunner:
         mm = self._multimodal_step(batch, flat) if self.is_multimodal else None
         prompt = self._prompt_logprob_rows(batch, flat.query_start_loc)
         groups = [prompt.rows[j : j + PROMPT_LOGPROB_ROWS] for j in range(0, len(prompt.rows), PROMPT_LOGPROB_ROWS)]
-        samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
+        samplers = _sample_rows(batch, flat.query_start_loc)
         fed = feed.plan([e.seq for e in entries], flat.query_start_loc, flat.input_ids) if feed is not None else None
         step = ForwardStep(
             flat,
             tables,
-            groups + ([[row for _, row in samplers]] if samplers else []),
+            groups + ([[row for _, row, _ in samplers]] if samplers else []),
             self.use_graphs,
             None if fed is None else (fed.dst, fed.src, len(fed.tokens)),
             mm,
@@ -304,9 +304,10 @@ class ModelRunner:
         self._prompt_logprobs(batch, prompt, logits[: len(groups)])
         if not samplers:
             return PendingSample(torch.zeros(0, dtype=torch.int64, device=self.device), None, {})
-        params = [e.seq.params for e, _ in samplers]
-        histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e, _ in samplers]
-        return self.sampler.launch(logits[-1], params, [e.end for e, _ in samplers], histories, self._masks(samplers))
+        params = [e.seq.params for e, _, _ in samplers]
+        positions = [e.start + e.num_fed + j for e, _, j in samplers]  # the index of the token each row samples
+        histories = [_history(e, j) for e, _, j in samplers]
+        return self.sampler.launch(logits[-1], params, positions, histories, self._masks(samplers))
 
     def _multimodal_step(self, batch: ScheduledBatch, flat: FlatBatch) -> tuple[torch.Tensor, object] | None:
         """Encode the images the step asks for, put every vision-language row's M-RoPE position into
@@ -368,13 +369,17 @@ class ModelRunner:
 
     def _masks(self, samplers: list) -> tuple[list[int], torch.Tensor] | None:
         """The tokens each structured-output row may choose, from its grammar state and its own output tokens (EOS
-        only where it could end the request: not under ``ignore_eos``)."""
-        rows = [k for k, (e, _) in enumerate(samplers) if e.seq.grammar is not None]
+        only where it could end the request: not under ``ignore_eos``); a verify chunk's row ``j`` from the state
+        after its first ``j`` drafts."""
+        rows = [k for k, (e, _, _) in enumerate(samplers) if e.seq.grammar is not None]
         if not rows:
             return None
-        seqs = [samplers[k][0].seq for k in rows]
-        states = [(s.grammar, s.output_token_ids, not s.params.ignore_eos) for s in seqs]
-        return rows, token_masks(states, self.vocab_size, self.device)
+        entries = [samplers[k][0] for k in rows if samplers[k][2] == 0]  # one per entry: its first row
+        if not any(e.drafts for e in entries):
+            states = [(e.seq.grammar, e.seq.output_token_ids, not e.seq.params.ignore_eos) for e in entries]
+            return rows, token_masks(states, self.vocab_size, self.device)
+        states = [(e.seq.grammar, e.seq.output_token_ids, e.drafts, not e.seq.params.ignore_eos) for e in entries]
+        return rows, token_masks_ahead(states, self.vocab_size, self.device)
 
     @torch.inference_mode()
     def execute(self, step: ForwardStep, fed: FedRows | None = None) -> list[torch.Tensor]:
@@ -480,6 +485,29 @@ class _PromptRows:
     targets: list[int]  # the prompt token each row predicts
     nums: list[int]  # how many top logprobs each row's request asked for
     owners: list[tuple[Sequence, int]]  # (sequence, how many of the rows are its), in row order
+
+
+def _sample_rows(batch: ScheduledBatch, query_start_loc: list[int]) -> list[tuple[ScheduledSeq, int, int]]:
+    """``(entry, hidden row, j)`` for every row that samples, in batch order: the last row of a sampling entry
+    (``j`` 0), or every row of a verify chunk, its ``j``-th row sampling the token after its ``j``-th draft."""
+    rows = []
+    for i, e in enumerate(batch.entries):
+        if e.sample:
+            first = query_start_loc[i + 1] - 1 - len(e.drafts)
+            rows.extend((e, first + j, j) for j in range(1 + len(e.drafts)))
+    return rows
+
+
+def _history(e: ScheduledSeq, j: int) -> tuple[list[int], int]:
+    """What the sampler's penalties and ``min_tokens`` read for row ``j`` of ``e``: the tokens before the one it
+    samples (for a verify row, the sequence's tokens and the drafts before it: what plain decoding would have)."""
+    seq = e.seq
+    if j == 0:
+        return seq.token_ids, seq.num_prompt_tokens
+    p = seq.params
+    if not (p.penalized or p.min_tokens):  # the sampler reads no history for this row
+        return seq.token_ids, seq.num_prompt_tokens
+    return seq.token_ids + list(e.drafts[:j]), seq.num_prompt_tokens
 
 
 def _table_width(blocks: int) -> int:
