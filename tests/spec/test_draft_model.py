@@ -208,3 +208,97 @@ def test_warm_up_leaves_nothing_behind(tiny_model_dir: Path, draft_dir: Path, re
     assert drafter.num_free_blocks == total
     requests = [DraftRequest(i, p, k) for i, (p, k) in enumerate(zip(PROMPTS, KS, strict=True))]
     assert drafter.propose(requests) == [reference(p, k) for p, k in zip(PROMPTS, KS, strict=True)]
+
+
+# -- through the engine ------------------------------------------------------------------------------------------
+
+E2E_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=1234, max_tokens=12, logprobs=3, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=7, top_k=20, top_p=0.9, max_tokens=9, ignore_eos=True),
+    SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=12, logprobs=2, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+]
+
+
+def output_bits(outs) -> list[tuple]:
+    """Token ids, logprob bit patterns and top logprobs of every output."""
+    import struct
+
+    as_bits = lambda xs: tuple(struct.pack("<d", x) for x in xs)
+    result = []
+    for out in outs:
+        o = out.outputs[0]
+        tops = tuple(tuple((t, struct.pack("<d", v.logprob), v.rank) for t, v in d.items()) for d in o.logprobs or ())
+        result.append((tuple(o.token_ids), as_bits(o.token_logprobs), tops, o.finish_reason))
+    return result
+
+
+@pytest.fixture(scope="module")
+def plain_bits(tiny_model_dir: Path):
+    """``plain_bits(params)``: the target's outputs over PROMPTS without drafting, as bits (cached per params)."""
+    llm = LLM(str(tiny_model_dir), block_size=BLOCK)
+    cache: dict[tuple, list[tuple]] = {}
+
+    def run(params: list[SamplingParams]) -> list[tuple]:
+        key = tuple(repr(p) for p in params)
+        if key not in cache:
+            cache[key] = output_bits(llm.generate(PROMPTS, params, use_tqdm=False))
+        return cache[key]
+
+    return run
+
+
+def speculative(target: Path, draft: Path, **engine_args) -> LLM:
+    spec = {"model": str(draft), "num_speculative_tokens": 3}
+    return LLM(str(target), block_size=BLOCK, speculative_config=spec, **engine_args)
+
+
+def test_engine_with_the_target_as_draft(tiny_model_dir: Path, plain_bits) -> None:
+    """Drafting with the target itself: plain decoding's bits, and every greedy draft accepted."""
+    greedy = [SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)] * len(PROMPTS)
+    llm = speculative(tiny_model_dir, tiny_model_dir)
+    assert output_bits(llm.generate(PROMPTS, greedy, use_tqdm=False)) == plain_bits(greedy)
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.acceptance_rate == 1.0  # the draft's greedy continuation is the target's, bit for bit
+    assert stats.mean_accepted_length > 3.5  # 4 tokens a step, less the requests' last steps
+    mixed = [E2E_PARAMS[i % len(E2E_PARAMS)] for i in range(len(PROMPTS))]
+    assert output_bits(llm.generate(PROMPTS, mixed, use_tqdm=False)) == plain_bits(mixed)
+    drafter = llm.engine.drafter
+    assert drafter.num_free_blocks == drafter.num_kv_blocks  # every finished sequence was released
+
+
+def test_engine_with_an_unrelated_draft(tiny_model_dir: Path, draft_dir: Path, plain_bits) -> None:
+    """A random draft model: plain decoding's bits, and few of its drafts accepted."""
+    mixed = [E2E_PARAMS[i % len(E2E_PARAMS)] for i in range(len(PROMPTS))]
+    llm = speculative(tiny_model_dir, draft_dir)
+    assert output_bits(llm.generate(PROMPTS, mixed, use_tqdm=False)) == plain_bits(mixed)
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 50
+    assert stats.acceptance_rate < 0.15  # 0.03 when measured
+
+
+def test_engine_with_a_small_cache(tiny_model_dir: Path, plain_bits) -> None:
+    """A target cache too small for the batch: preemptions (the drafter releases and later prefills again) and a
+    draft cache as small as the target's (sequences it cannot hold draft nothing); plain decoding's bits."""
+    mixed = [E2E_PARAMS[i % len(E2E_PARAMS)] for i in range(len(PROMPTS))]
+    llm = speculative(tiny_model_dir, tiny_model_dir, num_kv_blocks=10, max_model_len=40)
+    drafter = llm.engine.drafter
+    assert drafter.num_kv_blocks == 10
+    preempted, released, empty = [], [], []
+    preempt, release, propose = llm.engine.scheduler._preempt, drafter.release, drafter.propose
+    llm.engine.scheduler._preempt = lambda seq: (preempted.append(seq.arrival), preempt(seq))[1]
+    drafter.release = lambda seq_id: (released.append(seq_id), release(seq_id))[1]
+
+    def counting(requests):
+        got = propose(requests)
+        empty.extend(r.seq_id for r, p in zip(requests, got, strict=True) if not p)
+        return got
+
+    drafter.propose = counting
+    assert output_bits(llm.generate(PROMPTS, mixed, use_tqdm=False)) == plain_bits(mixed)
+    assert preempted and set(preempted) <= set(released)
+    assert empty  # some requests found the draft's cache full
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert drafter.num_free_blocks == drafter.num_kv_blocks
