@@ -49,9 +49,9 @@ from lockstep.spec.drafter import DraftRequest
 # A call's first step feeds each sequence what is new since the last call: one token after a rejection, the last
 # draft and the target's bonus token after a full acceptance, a few more where a step went undrafted. Up to this
 # many go as one-token entries (positions p, p + 1, ..., one block table), so the step is decode-shaped and replays
-# a CUDA graph instead of running eagerly (~30 ms of kernel launches for a 28-layer draft on the H200): each row
-# attends over the K/V the rows before it wrote into the cache in the same layer (written before it is read), the
-# bits a chunk of those tokens gives.
+# a CUDA graph instead of running eagerly (host-bound: 33-53 ms for an eager Qwen3-8B-shaped step on the H200,
+# 5.7 ms replayed, docs/perf.md): each row attends over the K/V the rows before it wrote into the cache in the same
+# layer (written before it is read), the bits a chunk of those tokens gives.
 SPLIT_TOKENS = 8
 # On CUDA the draft's KV cache takes at most this share of the memory free when the drafter starts (after the
 # target took its cache), less the draft's weights: the rest stays for the draft's activations and graphs.
