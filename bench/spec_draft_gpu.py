@@ -10,6 +10,9 @@ the engine would after a verify step: "accept" = every draft accepted plus the t
 tokens a sequence), "reject" = the first draft rejected (one new token). Reported: ms per call, per proposed token
 and per draft forward (a call is k forwards), and how many of the forwards replayed a CUDA graph.
 
+``--e2e`` adds ``LLM.generate`` with the draft (k = 3) against plain decoding at each batch: output tok/s,
+acceptance (near 0 with random weights: this prices drafting that fails), and the same ids and logprob bits.
+
 ``--target-step`` (default on CUDA) also times the target's plain decode step at each batch (graphs and async
 scheduling, 128-token prompts, as bench/decode_step.py) and prints the tokens per second one sequence would get
 at a per-token acceptance rate a: E = (1 - a^(k+1)) / (1 - a) tokens a step over (draft call + verify step), the
@@ -18,6 +21,7 @@ bounds; spec-core's bench measures the verify step itself. JSON to ``--out``.
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -146,6 +150,53 @@ def target_step_ms(llm: LLM, batch: int, args, rng: random.Random) -> float:
     return ms
 
 
+def end_to_end(target_dir: Path, draft_dir: Path, engine_args: dict, batches: list[int], args) -> list[dict]:
+    """``LLM.generate`` with the draft model (k = 3) against plain decoding: output tok/s, acceptance, and whether
+    the token ids and logprob bits are the same. Random weights: the draft and the target disagree, so this prices
+    drafting when (almost) nothing is accepted."""
+    import struct
+
+    def bits(outs) -> list:
+        return [(o.outputs[0].token_ids, [struct.pack("<d", x) for x in o.outputs[0].token_logprobs]) for o in outs]
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.e2e_tokens, ignore_eos=True, logprobs=0)
+    rows: dict[int, dict] = {b: {"batch": b} for b in batches}
+    results = {}
+    spec = {"model": str(draft_dir), "num_speculative_tokens": 3}
+    for name, extra in (("plain", {}), ("draft", {"speculative_config": spec})):
+        llm = LLM(str(target_dir), gpu_memory_utilization=0.6, **engine_args, **extra)
+        vocab = llm.engine.vocab_size
+        for b in batches:
+            rng = random.Random(b)
+            prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(b)]
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm
+            before = dataclasses.replace(llm.engine.spec_stats)
+            sync(llm.engine.runner.device)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            sync(llm.engine.runner.device)
+            wall = time.perf_counter() - t0
+            results[name, b] = bits(outs)
+            rows[b][f"{name}_tok_s"] = b * args.e2e_tokens / wall
+            if name == "draft":
+                stats = llm.engine.spec_stats
+                drafted = stats.num_draft_tokens - before.num_draft_tokens
+                accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+                rows[b]["acceptance"] = accepted / drafted if drafted else None
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(f"\nEnd to end, greedy, {args.input_len}-token prompts, {args.e2e_tokens} tokens each, k = 3:\n")
+    print("| batch | plain tok/s | with the draft tok/s | acceptance | same ids and logprob bits |")
+    print("|---|---|---|---|---|")
+    for b, r in rows.items():
+        r["same_bits"] = results["plain", b] == results["draft", b]
+        acc = "-" if r.get("acceptance") is None else f"{r['acceptance']:.3f}"
+        print(f"| {b} | {r['plain_tok_s']:.1f} | {r['draft_tok_s']:.1f} | {acc} | {r['same_bits']} |")
+    return list(rows.values())
+
+
 def expected_tokens(a: float, k: int) -> float:
     """Tokens a step adds at per-token acceptance rate ``a`` with ``k`` drafts: 1 + a + ... + a^k."""
     return sum(a**i for i in range(k + 1))
@@ -163,6 +214,8 @@ def main() -> None:
     ap.add_argument("--target-step", choices=["on", "off", "auto"], default="auto", help="auto: on on CUDA")
     ap.add_argument("--target-steps", type=int, default=32)
     ap.add_argument("--target-warm", type=int, default=4)
+    ap.add_argument("--e2e", action="store_true", help="also LLM.generate with the draft against plain decoding")
+    ap.add_argument("--e2e-tokens", type=int, default=64)
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -253,6 +306,8 @@ def main() -> None:
                 call = next(r["call_ms"] for r in rows if r["batch"] == batch and r["k"] == k)
                 cells = [f"{expected_tokens(a, k) / (call + step) * 1e3:.0f}" for a in ACCEPTANCE]
                 print(f"| {batch} | {k} | " + " | ".join(cells) + f" | {1e3 / step:.0f} |")
+    if args.e2e:
+        report["e2e"] = end_to_end(target_dir, draft_dir, engine_args, batches, args)
     out = Path(args.out) / "spec_draft_gpu.json"
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"\nwrote {out}")

@@ -164,6 +164,8 @@ class DraftModelDrafter:
         its work (None: it drafts nothing this time)."""
         tokens = list(r.token_ids)
         n = len(tokens)
+        if n == 0:
+            return None
         k = min(r.num_tokens, self.max_model_len - n)  # no proposal past max_model_len
         seq = self._seqs.get(r.seq_id)
         if seq is not None:
@@ -172,7 +174,7 @@ class DraftModelDrafter:
             seq.token_ids = tokens
             seq.num_prompt_tokens = n
             seq.num_computed_tokens = min(keep, n - 1)  # the newest token is fed again: its logits draft
-        if k < 1 or n == 0:
+        if k < 1:
             return None
         # K/V for every fed token: the request's n, and the first k - 1 drafted ones.
         have = len(seq.block_table) if seq is not None else 0

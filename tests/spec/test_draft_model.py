@@ -183,7 +183,7 @@ def test_full_cache_drafts_less_or_nothing(tiny_model_dir: Path, draft_dir: Path
 def test_requests_that_draft_nothing(tiny_model_dir: Path, draft_dir: Path) -> None:
     drafter = make_drafter(tiny_model_dir, draft_dir)
     assert drafter.propose([]) == []
-    assert drafter.propose([DraftRequest(0, PROMPTS[2], 0)]) == [[]]
+    assert drafter.propose([DraftRequest(0, PROMPTS[2], 0), DraftRequest(2, [], 3)]) == [[], []]
     with pytest.raises(ValueError, match="seq_id appears twice"):
         drafter.propose([DraftRequest(1, PROMPTS[2], 2), DraftRequest(1, PROMPTS[3], 2)])
 
