@@ -302,3 +302,25 @@ def test_engine_with_a_small_cache(tiny_model_dir: Path, plain_bits) -> None:
     assert empty  # some requests found the draft's cache full
     assert llm.engine.spec_stats.num_accepted_tokens > 0
     assert drafter.num_free_blocks == drafter.num_kv_blocks
+
+
+def test_dtype_length_and_cache_follow_the_target(tiny_model_dir: Path, draft_dir: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    bf16 = tmp_path / "draft-bf16"
+    shutil.copytree(draft_dir, bf16)
+    config = json.loads((bf16 / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
+    drafter = make_drafter(tiny_model_dir, bf16, max_model_len=48, num_kv_blocks=40)
+    assert drafter.config_used.dtype == "float32"  # the target's ("auto": its checkpoint's), not the draft's
+    assert {p.dtype for p in drafter.runner.model.parameters()} == {draft_model.torch.float32}
+    assert drafter.max_model_len == 48
+    assert drafter.num_kv_blocks == 40  # as many tokens as the target's cache
+    assert make_drafter(tiny_model_dir, bf16, dtype="bfloat16").config_used.dtype == "bfloat16"
+
+
+def test_a_cache_too_small_for_one_sequence_is_an_error(tiny_model_dir: Path, draft_dir: Path, monkeypatch) -> None:
+    monkeypatch.setattr(draft_model, "CPU_KV_CACHE_BYTES", 1 << 10)
+    with pytest.raises(ValueError, match="draft model's KV cache needs 64 blocks"):
+        make_drafter(tiny_model_dir, draft_dir)
