@@ -323,8 +323,7 @@ class LLMEngine:
         first call reports nothing), see ``_step_overlapped``."""
         if self.config.async_scheduling:
             return self._step_overlapped()
-        drafts = self._propose() if self.drafter is not None else None
-        batch = self.scheduler.schedule(drafts)
+        batch = self.scheduler.schedule(self._propose()) if self.drafter is not None else self.scheduler.schedule()
         for seq in batch.preempted:  # a preempted sequence is prefilled again; its drafter state goes
             if self.drafter is not None:
                 self.drafter.release(seq.arrival)

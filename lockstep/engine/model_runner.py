@@ -305,7 +305,7 @@ class ModelRunner:
         if not samplers:
             return PendingSample(torch.zeros(0, dtype=torch.int64, device=self.device), None, {})
         params = [e.seq.params for e, _, _ in samplers]
-        positions = [e.start + e.num_fed + j for e, _, j in samplers]  # the index of the token each row samples
+        positions = [_sample_position(e, j) for e, _, j in samplers]
         histories = [_history(e, j) for e, _, j in samplers]
         return self.sampler.launch(logits[-1], params, positions, histories, self._masks(samplers))
 
@@ -496,6 +496,12 @@ def _sample_rows(batch: ScheduledBatch, query_start_loc: list[int]) -> list[tupl
             first = query_start_loc[i + 1] - 1 - len(e.drafts)
             rows.extend((e, first + j, j) for j in range(1 + len(e.drafts)))
     return rows
+
+
+def _sample_position(e: ScheduledSeq, j: int) -> int:
+    """The index in its sequence of the token row ``j`` of ``e`` samples: what its seeded noise is keyed by, the
+    position plain decoding samples that token at."""
+    return e.start + e.num_fed + j
 
 
 def _history(e: ScheduledSeq, j: int) -> tuple[list[int], int]:

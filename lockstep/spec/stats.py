@@ -15,6 +15,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    chunks_by_accepted: list[int] = field(default_factory=list)  # [a]: verify chunks that accepted a drafts
     # Finished requests' accepted lengths: their output tokens over the steps that gave them tokens.
     num_finished: int = 0
     sum_accepted_length: float = 0.0
@@ -27,6 +28,9 @@ class SpecDecodeStats:
             self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+        if len(self.chunks_by_accepted) <= num_accepted:
+            self.chunks_by_accepted += [0] * (num_accepted + 1 - len(self.chunks_by_accepted))
+        self.chunks_by_accepted[num_accepted] += 1
 
     def count_finished(self, num_tokens: int, num_steps: int) -> None:
         if num_steps:
