@@ -140,9 +140,13 @@ class DraftModelDrafter:
             if w is not None:
                 work.append((i, w))
         group = self.config_used.max_num_seqs
-        for j in range(0, len(work), group):
-            part = [w for _, w in work[j : j + group]]
-            self._run(part)
+        try:
+            for j in range(0, len(work), group):
+                self._run([w for _, w in work[j : j + group]])
+        except BaseException:  # a failed forward: the sequences' K/V and pending tokens are unknown, start over
+            for r in requests:
+                self.release(r.seq_id)
+            raise
         for i, w in work:
             out[i] = self._finish(w)
         return out

@@ -188,6 +188,30 @@ def test_requests_that_draft_nothing(tiny_model_dir: Path, draft_dir: Path) -> N
         drafter.propose([DraftRequest(1, PROMPTS[2], 2), DraftRequest(1, PROMPTS[3], 2)])
 
 
+def test_a_failed_forward_forgets_the_calls_sequences(tiny_model_dir: Path, draft_dir: Path, reference) -> None:
+    drafter = make_drafter(tiny_model_dir, draft_dir)
+    total = drafter.num_free_blocks
+    drafter.propose([DraftRequest(0, PROMPTS[2], 3), DraftRequest(1, PROMPTS[3], 3)])
+    launch = drafter.runner.launch
+    calls = []
+
+    def failing(batch, feed=None):
+        calls.append(len(batch))
+        if len(calls) == 2:
+            raise RuntimeError("the device fell over")
+        return launch(batch, feed)
+
+    drafter.runner.launch = failing
+    with pytest.raises(RuntimeError, match="fell over"):
+        drafter.propose([DraftRequest(0, PROMPTS[2] + [1], 3)])
+    assert drafter.num_computed_tokens(0) == 0 and drafter.num_computed_tokens(1) == len(PROMPTS[3]) + 2
+    drafter.runner.launch = launch
+    assert drafter.propose([DraftRequest(0, PROMPTS[2] + [1], 3)]) == [reference(PROMPTS[2] + [1], 3)]
+    drafter.release(0)
+    drafter.release(1)
+    assert drafter.num_free_blocks == total
+
+
 def test_vocabulary_mismatch_is_an_error_naming_both(tiny_model_dir: Path, tmp_path: Path) -> None:
     bigger = save_tiny_llama(tmp_path / "bigger-vocab", vocab_size=TINY_VOCAB + 23)
     with pytest.raises(ValueError, match="vocabulary of 120 tokens") as e:
