@@ -5,10 +5,12 @@
 
 Random bf16 weights (``load_format="dummy"``: config.json only). ``DraftModelDrafter`` runs the draft on the
 invariant kernels with its CUDA graphs. For each batch and k, the batch's sequences (``--input-len`` random tokens)
-are prefilled by one untimed ``propose`` call, then ``--calls`` calls are timed after ``--warm-calls``, each made as
-the engine would after a verify step: "accept" = every draft accepted plus the target's bonus token (two new
-tokens a sequence), "reject" = the first draft rejected (one new token). Reported: ms per call, per proposed token
-and per draft forward (a call is k forwards), and how many of the forwards replayed a CUDA graph.
+are prefilled by a first ``propose`` call (timed apart), then ``--calls`` calls are timed after ``--warm-calls``,
+each made as the engine would after a verify step: "accept" = every draft accepted plus the target's bonus token
+(two new tokens a sequence), "reject" = the first draft rejected (one new token). Reported: ms per call, per
+proposed token and per draft forward (a call is k forwards), how many of the forwards replayed a CUDA graph, the
+first call's ms, and whether each case's last proposals equal plain greedy decoding of the draft checkpoint
+(``LLM.generate``, the same bits).
 
 ``--e2e`` adds ``LLM.generate`` with the draft (k = 3) against plain decoding at each batch: output tok/s,
 acceptance (near 0 with random weights: this prices drafting that fails), and the same ids and logprob bits.
@@ -97,7 +99,12 @@ def time_drafter(drafter: DraftModelDrafter, batch: int, k: int, mode: str, args
             else:
                 t.append((p[0] + 1) % vocab if p else rng.randrange(vocab))
 
-    advance(call())  # the prefill
+    sync(device)
+    t0 = time.perf_counter()
+    first = call()  # the prompt's prefill, then k - 1 decode steps
+    sync(device)
+    first_ms = (time.perf_counter() - t0) * 1e3
+    advance(first)
     for _ in range(args.warm_calls):
         advance(call())
     counts = count_graph_steps(drafter)
@@ -117,7 +124,8 @@ def time_drafter(drafter: DraftModelDrafter, batch: int, k: int, mode: str, args
     call_ms = elapsed / args.calls * 1e3
     full = proposed == args.calls * batch * k
     return {
-        "batch": batch, "k": k, "mode": mode, "call_ms": call_ms, "per_token_ms": call_ms / k,
+        "batch": batch, "k": k, "mode": mode, "first_call_ms": first_ms, "call_ms": call_ms,
+        "per_token_ms": call_ms / k,
         "per_forward_ms": call_ms * args.calls / max(1, counts["steps"]), "forwards": counts["steps"],
         "graph_forwards": counts["graph"], "all_proposed": full,
         "last_call": list(zip(before, proposals, strict=True)),  # checked against LLM.generate on the draft
@@ -287,12 +295,15 @@ def main() -> None:
     print(f"\nDraft {'tiny' if args.smoke else 'Qwen3-0.6B'} shape for {'tiny' if args.smoke else 'Qwen3-8B'} shape, "
           f"{device}, {dtype}, {args.input_len}-token prompts; draft start-up {startup:.1f} s (on CUDA: graph "
           f"capture and warm-up)\n")  # fmt: skip
-    print("| batch | k | new tokens | call ms | ms per drafted token | ms per draft forward | graphed |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| batch | k | new tokens | call ms | ms per drafted token | ms per draft forward | graphed | first call ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         new = "2 (accept)" if r["mode"] == "accept" else "1 (reject)"
         print(f"| {r['batch']} | {r['k']} | {new} | {r['call_ms']:.3f} | {r['per_token_ms']:.3f} | "
-              f"{r['per_forward_ms']:.3f} | {r['graph_forwards']}/{r['forwards']} |")  # fmt: skip
+              f"{r['per_forward_ms']:.3f} | {r['graph_forwards']}/{r['forwards']} | "
+              f"{r['first_call_ms']:.2f} |")  # fmt: skip
     print(f"\nProposals equal to LLM.generate's greedy continuation on the draft checkpoint: {same} of {total}")
     if report["target_step_ms"]:
         print("\nTarget plain decode step (on CUDA: graphs, async scheduling): "
