@@ -46,13 +46,6 @@ from lockstep.sampling_params import SamplingParams
 from lockstep.spec.config import SpeculativeConfig
 from lockstep.spec.drafter import DraftRequest
 
-# A call's first step feeds each sequence what is new since the last call: one token after a rejection, the last
-# draft and the target's bonus token after a full acceptance, a few more where a step went undrafted. Up to this
-# many go as one-token entries (positions p, p + 1, ..., one block table), so the step is decode-shaped and replays
-# a CUDA graph instead of running eagerly (host-bound: 33-53 ms for an eager Qwen3-8B-shaped step on the H200,
-# 5.7 ms replayed, docs/perf.md): each row attends over the K/V the rows before it wrote into the cache in the same
-# layer (written before it is read), the bits a chunk of those tokens gives.
-SPLIT_TOKENS = 8
 # On CUDA the draft's KV cache takes at most this share of the memory free when the drafter starts (after the
 # target took its cache), less the draft's weights: the rest stays for the draft's activations and graphs.
 DRAFT_FREE_MEMORY_SHARE = 0.5
@@ -221,20 +214,14 @@ class DraftModelDrafter:
                 w.tokens.append(result.token_ids[j])
 
     def _schedule(self, work: list[_Work]) -> tuple[ScheduledBatch, list[_Work]]:
-        """One step: every decoding sequence's next token, then prefill chunks under the step's token budget; or,
-        when every sequence has at most ``SPLIT_TOKENS`` pending and they fit a decode graph, each pending token as
-        a one-token entry of its own. Also returns the work of the entries that sample, in batch order."""
+        """One step: every decoding sequence's next token, then prefill chunks under the step's token budget. Also
+        returns the work of the entries that sample, in batch order. A call's first step in steady state brings one
+        new token a sequence (after a rejection) or two (the last draft and the target's bonus token): short chunks,
+        which replay a decode graph like the decode steps after them (``cuda_graph.expand_rows``)."""
         batch = ScheduledBatch()
         samplers: list[_Work] = []
         budget = self.config_used.max_num_batched_tokens
         todo = [w for w in work if w.launched < w.num_tokens]
-        pending = [w.seq.num_pending_tokens for w in todo]
-        if todo and max(pending) <= SPLIT_TOKENS and sum(pending) <= min(budget, self.config_used.max_num_seqs):
-            for w, n in zip(todo, pending, strict=True):
-                start = w.seq.num_computed_tokens
-                batch.entries += [ScheduledSeq(w.seq, 1, start + j, j == n - 1) for j in range(n)]
-                samplers.append(w)
-            return batch, samplers
         decoding = [w for w in todo if w.seq.num_pending_tokens == 1]
         for w in decoding + [w for w in todo if w.seq.num_pending_tokens > 1]:
             pending = w.seq.num_pending_tokens
