@@ -6,7 +6,8 @@
 1. Step cost: for each batch size, ``--batch`` requests of ``--input-len`` random tokens are prefilled, then
    ``--steps`` engine steps are timed (schedule, forward, sample, accept, outputs) after ``--warm-steps``: plain
    decode steps (CUDA graphs, and eager), and verify steps with exactly ``k`` drafts per sequence (a drafter that
-   always proposes ``k`` random tokens; chunks of up to 8 tokens replay decode graphs as one-token rows). With random weights almost nothing is
+   always proposes ``k`` random tokens;
+   chunks of up to 8 tokens replay decode graphs as one-token rows). With random weights almost nothing is
    accepted, so a verify step here adds one token per sequence: its time is the price of checking ``k`` drafts.
 2. tok/s against acceptance: with each draft accepted with probability ``a`` (independently), a verify step adds
    ``(1 - a^(k+1)) / (1 - a)`` tokens per sequence on average; tok/s = batch x that / the measured verify step.
