@@ -6,7 +6,7 @@ and every row gets the bits the chunk gives it. Run on the CPU: the graph's buff
 import torch
 
 from lockstep.engine.cuda_graph import MAX_GRAPH_CHUNK, DecodeGraphs, expand_rows
-from lockstep.layers.attention import flatten_batch
+from lockstep.layers.batch import flatten_batch
 from lockstep.models.loader import load_model
 from lockstep.ops.attention import _paged_attention_triton
 
