@@ -31,6 +31,7 @@ import lockstep
 from lockstep.llm import LLM
 from lockstep.outputs import OutputKind
 from lockstep.sampling_params import SamplingParams
+from lockstep.spec.stats import SpecDecodeStats
 
 Kind = Literal["latency", "throughput"]
 PERCENTILES = (50, 90, 99)
@@ -172,12 +173,15 @@ def run_benchmark(llm: LLM, cfg: BenchConfig, progress: bool = True) -> dict:
     prompts = lambda: [rng.choices(pool, k=cfg.input_len) for _ in range(cfg.num_requests)]
     for i in range(cfg.num_iters_warmup):
         run_batch(llm, prompts(), cfg.params(warmup=True), f"warmup{i}")
+    llm.engine.spec_stats = SpecDecodeStats()  # the timed runs' acceptance only
     iters = range(cfg.num_iters)
     if progress and cfg.kind == "latency":
         iters = tqdm(iters, desc="Iterations", unit="iter", dynamic_ncols=True)
     request_bar = progress and cfg.kind == "throughput"
     runs = [run_batch(llm, prompts(), cfg.params(), f"iter{i}", request_bar) for i in iters]
     results = latency_results(runs) if cfg.kind == "latency" else throughput_results(runs[0])
+    if llm.engine.drafter is not None:
+        results["speculative"] = speculative_results(llm.engine.spec_stats)
     return {
         "benchmark": cfg.kind,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -215,6 +219,20 @@ def throughput_results(run: Run) -> dict:
     ):
         r[key] = r[count] / run.seconds if run.seconds > 0 else None
     return r
+
+
+def speculative_results(s: SpecDecodeStats) -> dict:
+    """The timed runs' acceptance: drafted and accepted tokens, the rate, tokens per verify chunk, and the mean
+    over requests of the tokens each step gave them (their accepted length; 1.0 without drafting)."""
+    return {
+        "num_drafts": s.num_drafts,
+        "num_draft_tokens": s.num_draft_tokens,
+        "num_accepted_tokens": s.num_accepted_tokens,
+        "accepted_per_position": s.accepted_per_position,
+        "acceptance_rate": s.acceptance_rate,
+        "mean_accepted_length": s.mean_accepted_length,
+        "mean_request_accepted_length": s.mean_request_accepted_length,
+    }
 
 
 def environment(llm: LLM) -> dict:
@@ -267,4 +285,11 @@ def summary_lines(report: dict) -> list[str]:
         stats = r[key]
         cells = [f"{stats[k] * scale:>10.3f}" if stats else f"{'-':>10}" for k in ("mean", "p50", "p90", "p99")]
         lines.append(f"{label:<16}" + "".join(cells))
+    spec = r.get("speculative")
+    if spec is not None:
+        lines.append(
+            f"speculative: {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} drafted tokens accepted "
+            f"({spec['acceptance_rate']:.1%}), {spec['mean_accepted_length']:.2f} tokens per verify chunk, "
+            f"{spec['mean_request_accepted_length']:.2f} tokens per step per request (mean accepted length)"
+        )
     return lines

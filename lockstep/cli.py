@@ -41,6 +41,23 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
         help="fp8: keep the KV cache in e4m3 (half the memory of bf16)",
     )  # fmt: skip
+    p.add_argument(
+        "--speculative-config", type=_json_object, default=None, metavar="JSON",
+        help='speculative decoding, vLLM\'s dict: \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+        '\'{"model": PATH, "num_speculative_tokens": 3}\'; the same bits as without, only faster or slower',
+    )  # fmt: skip
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 
 
 def kernel_args(args: argparse.Namespace) -> dict:
@@ -50,7 +67,8 @@ def kernel_args(args: argparse.Namespace) -> dict:
             "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling,
             "tensor_parallel_size": args.tensor_parallel_size,
             "tp_invariant": True if args.tp_invariant else None, "load_format": args.load_format,
-            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
+            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+            "speculative_config": args.speculative_config}  # fmt: skip
 
 
 def add_revision_arg(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from lockstep.spec.config import SpeculativeConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # EngineConfig.load_format
@@ -133,6 +135,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # vLLM's: allow LLM.sleep / wake_up (engine/sleep.py), freeing the KV cache and the weights for a trainer.
     enable_sleep_mode: bool = False
+    # Speculative decoding (README, "Speculative decoding"): vLLM's speculative_config dict, parsed into a
+    # SpeculativeConfig. Drafting changes only how many tokens a step adds, never which; its steps run
+    # synchronously (async_scheduling off).
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -183,6 +189,11 @@ class EngineConfig:
         _check_bool("skip_tokenizer_init", self.skip_tokenizer_init)
         self._resolve_kernels()
         self._resolve_tp()
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.async_scheduling:
+                raise ValueError("speculative_config runs synchronous steps: async_scheduling=True cannot go with it")
+            self.async_scheduling = False
         if self.async_scheduling is None:
             self.async_scheduling = resolve_device(self.device).type == "cuda"
         _check_bool("async_scheduling", self.async_scheduling)

@@ -59,6 +59,11 @@ class LLM:
     ``allowed_local_media_path``). ``limit_mm_per_prompt={"image": N}``, ``mm_processor_kwargs={"min_pixels": ...,
     "max_pixels": ...}``, ``max_num_encoder_tokens_per_step`` and ``max_image_pixels`` are engine arguments too.
 
+    ``speculative_config`` is vLLM's dict (``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max":
+    ..., "prompt_lookup_min": ...}``, or ``{"model": path, "num_speculative_tokens": k}`` for a draft model): each
+    step checks drafted tokens against what plain decoding samples, so the outputs are plain decoding's, bit for
+    bit; only the time changes (README, "Speculative decoding").
+
     ``tensor_parallel_size=N`` shards the model over N processes (one GPU each, ``cuda:0`` to ``cuda:N-1``; gloo
     processes on the CPU) that this process starts and stops: the token ids and logprobs are the same bits at
     every N (the chunk-tree reduction, ``tp_invariant``; pass ``tp_invariant=True`` at N = 1 for the same

@@ -250,6 +250,33 @@ def test_decode_logprobs_equal_a_fresh_prefill(vlm_dir: Path, reference: list[tu
     assert [bits(o)[:3] for o in outs] == expect
 
 
+def test_the_same_image_across_requests_and_n_choices_is_encoded_once(vlm_dir: Path, reference: list[tuple]) -> None:
+    """The first target twice, and another question on its image with n=3 seeded choices, in one batch: the encoder
+    runs once (one image), every request shares those features, and the bits equal each request's own encoding:
+    the target alone (``reference``) and the n choices run one at a time without prefix caching (each encodes the
+    image afresh)."""
+    text, images, p = TARGETS[0]
+    ask = prompt_of(f"user: {PLACE}What is in it?\nassistant:", images)
+    n_params = SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=6, logprobs=1, ignore_eos=True)
+    serial = make_llm(vlm_dir, max_num_seqs=1, enable_prefix_caching=False)
+    calls = encoder_calls(serial)
+    [one_by_one] = serial.generate(ask, n_params, use_tqdm=False)
+    assert sum(calls) == 3  # each choice encoded its own copy
+
+    llm = make_llm(vlm_dir)
+    calls = encoder_calls(llm)
+    outs = llm.generate([prompt_of(text, images), ask, prompt_of(text, images)], [p, n_params, p], use_tqdm=False)
+    cache = llm.engine.runner.encoder_cache
+    assert calls == [1] and cache.encoded == 1 and cache.shared == 4
+    assert bits(outs[0]) == bits(outs[2]) == reference[0]
+
+    def choices(out: RequestOutput) -> list[tuple]:
+        return [(tuple(c.token_ids), tuple(struct.pack("<d", x) for x in c.token_logprobs)) for c in out.outputs]
+
+    assert choices(outs[1]) == choices(one_by_one) and len(set(choices(outs[1]))) > 1
+    assert_nothing_held(llm)
+
+
 def test_negative_control_default_kernels_differ(vlm_dir: Path) -> None:
     """The same harness on torch's default kernels sees the batch in the bits (proof the matrix could fail)."""
     ref = alone(vlm_dir, batch_invariant=False)

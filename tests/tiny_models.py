@@ -32,12 +32,13 @@ LLAMA3_ROPE = dict(
 )
 
 
-def save_char_tokenizer(folder: Path) -> None:
-    """A tokenizer with one token per printable ASCII character, ``<unk>`` = 95, ``</s>`` = 96 (EOS)."""
+def save_char_tokenizer(folder: Path, chars: str = TINY_CHARS) -> None:
+    """A tokenizer with one token per printable ASCII character, ``<unk>`` = 95, ``</s>`` = 96 (EOS); ``chars``:
+    the characters in id order (a permutation of ``TINY_CHARS`` gives another tokenizer of the same size)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {c: i for i, c in enumerate(TINY_CHARS)} | {"<unk>": TINY_VOCAB - 2, "</s>": TINY_EOS}
+    vocab = {c: i for i, c in enumerate(chars)} | {"<unk>": TINY_VOCAB - 2, "</s>": TINY_EOS}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()

@@ -159,6 +159,29 @@ class BlockManager:
                 raise RuntimeError(f"append_slot: no free block for {seq.request_id!r}")
             seq.block_table.append(self._take_free())
 
+    def reserve(self, seq: Sequence, num_tokens: int) -> int:
+        """Speculative decoding: grow seq's table with free blocks toward ``num_tokens`` slots (its tokens and the
+        drafts after them); returns how many slots it covers now, at most ``num_tokens``. Never preempts."""
+        while len(seq.block_table) * self.block_size < num_tokens and self.free_block_ids:
+            seq.block_table.append(self._take_free())
+        return min(num_tokens, len(seq.block_table) * self.block_size)
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past those seq's current tokens need (``reserve``'s that rejected drafts left
+        unused). They were never full of computed KV, so they hold no hash. The table becomes a new list: the
+        device block tables mirror a list by appends alone, and start over for a new one (engine/block_tables.py)."""
+        keep = seq.num_blocks
+        if len(seq.block_table) <= keep:
+            return
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                raise RuntimeError(f"trim: {seq.request_id!r} block {block_id} is hashed, so computed")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids.append(block_id)
+        seq.block_table = seq.block_table[:keep]
+
     def mark_computed(self, seq: Sequence, num_new_tokens: int) -> None:
         """Record that the next ``num_new_tokens`` of seq now have KV in the cache; hash blocks that filled up."""
         start = seq.num_computed_tokens

@@ -17,6 +17,25 @@ import torch
 from lockstep.engine.token_feed import FedRows
 from lockstep.layers.batch import AttentionMetadata, FlatBatch
 
+# Steps whose sequences each bring at most this many tokens (a verify chunk of k + 1 <= 8 tokens, a draft model's
+# new tokens, a short prompt) replay a graph too, each token as a one-token row of its own (``expand_rows``).
+MAX_GRAPH_CHUNK = 8
+
+
+def expand_rows(flat: FlatBatch) -> tuple[list[int], list[int]]:
+    """``flat`` as one-token rows, the way a decode graph runs it: each token's sequence length (its sequence's
+    length less the step's tokens after it) and the index of the sequence whose block table it reads. A chunk's row
+    at position p then attends over positions 0..p, the K/V of the chunk's earlier rows included (every layer writes
+    the step's K/V before it attends): the same blocks in the same order as in the chunk, so the same bits."""
+    seq_lens: list[int] = []
+    owners: list[int] = []
+    starts = flat.query_start_loc
+    for i, length in enumerate(flat.seq_lens):
+        q = starts[i + 1] - starts[i]
+        seq_lens += range(length - q + 1, length + 1)
+        owners += [i] * q
+    return seq_lens, owners
+
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """The buckets: 1, 2, 4, 8, then steps of 8 to 64 and of 16 beyond, and ``max_num_seqs`` itself."""
@@ -82,18 +101,25 @@ class DecodeGraphs:
         self.outputs.clear()
 
     def can_run(self, flat: FlatBatch) -> bool:
-        """Whether ``flat`` is a decode step (one token per sequence) that fits a bucket."""
-        num_seqs = len(flat.seq_lens)
-        return flat.num_tokens == num_seqs and 0 < num_seqs <= self.max_batch
+        """Whether ``flat`` fits a bucket as one-token rows: a decode step (one token per sequence), or a step whose
+        sequences bring at most ``MAX_GRAPH_CHUNK`` tokens each (``expand_rows``)."""
+        n, num_seqs = flat.num_tokens, len(flat.seq_lens)
+        if not 0 < n <= self.max_batch:
+            return False
+        starts = flat.query_start_loc
+        return n == num_seqs or all(starts[i + 1] - starts[i] <= MAX_GRAPH_CHUNK for i in range(num_seqs))
 
     def fill(self, flat: FlatBatch, block_tables: torch.Tensor) -> int:
-        """Copy a decode step into the buffers, padded up to its bucket; returns the bucket. ``block_tables``:
-        the step's ``[num_seqs, width <= max_blocks]`` table on the device."""
-        n = len(flat.seq_lens)
+        """Copy a step into the buffers as one-token rows, padded up to its bucket; returns the bucket.
+        ``block_tables``: the step's ``[num_seqs, width <= max_blocks]`` table on the device."""
+        n = flat.num_tokens
         size = next(s for s in self.sizes if s >= n)
         device = self.input_ids.device
+        decode = n == len(flat.seq_lens)
+        seq_lens, owners = (flat.seq_lens, []) if decode else expand_rows(flat)
         # One host tensor for the per-row values, copied in one transfer.
-        rows = torch.tensor([flat.input_ids, flat.positions, flat.slot_mapping, flat.seq_lens], dtype=torch.int64)
+        values = [flat.input_ids, flat.positions, flat.slot_mapping, seq_lens] + ([] if decode else [owners])
+        rows = torch.tensor(values, dtype=torch.int64)
         if device.type == "cuda":
             rows = rows.pin_memory()
         rows = rows.to(device, non_blocking=True)
@@ -104,15 +130,16 @@ class DecodeGraphs:
         if size > n:  # padding rows: write nothing, attend over one position
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
+        tables = block_tables if decode else block_tables.index_select(0, rows[4])  # each row its sequence's
+        self.block_tables[:n, : tables.shape[1]].copy_(tables)
         return size
 
     def run(self, flat: FlatBatch, block_tables: torch.Tensor, fed: FedRows | None = None) -> torch.Tensor:
-        """Replay the smallest bucket that holds ``flat``; its hidden states ``[num_seqs, hidden]`` (a view into
-        the graph's output, valid until the next replay). ``fed``: input rows that take the previous step's
-        sampled tokens, on the device (async scheduling)."""
+        """Replay the smallest bucket that holds ``flat``; its hidden states ``[num_tokens, hidden]`` in the step's
+        token order (a view into the graph's output, valid until the next replay). ``fed``: input rows that take
+        the previous step's sampled tokens, on the device (async scheduling)."""
         size = self.fill(flat, block_tables)
         if fed is not None:
             fed.write(self.input_ids)
         self.graphs[size].replay()
-        return self.outputs[size][: len(flat.seq_lens)]
+        return self.outputs[size][: flat.num_tokens]

@@ -19,6 +19,7 @@ of the whole step (the model's forward) raises, for the caller to abort what is 
 """
 
 import dataclasses
+import operator
 import os
 import random
 import secrets
@@ -41,6 +42,8 @@ from lockstep.layers.token_bans import bad_words_token_ids, needs_newest_token
 from lockstep.multimodal.processor import placeholder_runs
 from lockstep.outputs import CompletionOutput, Logprob, OutputKind, PromptLogprobs, RequestOutput, RequestStateStats
 from lockstep.sampling_params import SamplingParams
+from lockstep.spec.drafter import Drafter, DraftRequest, make_drafter
+from lockstep.spec.stats import SpecDecodeStats
 from lockstep.structured.grammar import GrammarCompiler, GrammarError
 from lockstep.structured.limits import GrammarLimits
 
@@ -62,6 +65,7 @@ class _Request:
     metrics: RequestStateStats = field(default_factory=RequestStateStats)  # vLLM's RequestOutput.metrics
     num_cached_tokens: int | None = None  # prefix-cache hits at its first admission (vLLM's)
     stop_string: str | None = None  # the stop string that ended it
+    num_steps: int = 0  # steps that gave it tokens (speculative decoding's accepted length per request)
 
 
 @dataclass
@@ -138,6 +142,11 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None
         self.grammar_limits = GrammarLimits()  # set before the first constraint (the server's options)
         self._in_flight: _InFlight | None = None  # async scheduling: the launched step not yet reported
+        # Speculative decoding (docs/design.md): the drafter proposes, the verify chunk decides.
+        self.drafter: Drafter | None = None
+        self.spec_stats = SpecDecodeStats()
+        if self.config.speculative_config is not None:
+            self.drafter = make_drafter(self.config.speculative_config, self.config)
         if self.runner.device.type == "cuda":
             warm_up(self)  # prefill shapes compile now, not while serving (engine/warmup.py)
         self._compiles_at_start = len(compiled_kernels())
@@ -413,13 +422,99 @@ class LLMEngine:
         first call reports nothing), see ``_step_overlapped``."""
         if self.config.async_scheduling:
             return self._step_overlapped()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._propose()) if self.drafter is not None else self.scheduler.schedule()
+        for seq in batch.preempted:  # a preempted sequence is prefilled again; its drafter state goes
+            if self.drafter is not None:
+                self.drafter.release(seq.arrival)
         if not batch:
             return self._idle(batch)
         self._note_scheduled(batch)
         sampled = self._on_every_rank(self.runner.run, batch)
         self.scheduler.advance(batch, pending=False)
+        if batch.has_drafts:
+            return self._report_verified(batch, sampled)
         return self._report(batch, sampled)
+
+    def _propose(self) -> dict[Sequence, list[int]]:
+        """Drafts for the running sequences about to decode: at most ``num_speculative_tokens`` each, and never
+        more than the request can still add (max_tokens, max_model_len) less the target's own next token.
+        Proposals are cut at the first value that is not a token id (a drafter may be wrong, not harmful)."""
+        k = self.config.speculative_config.num_speculative_tokens
+        seqs: list[Sequence] = []
+        requests: list[DraftRequest] = []
+        for seq in self.scheduler.running:
+            if seq.num_pending_tokens != 1 or seq.mm is not None or seq.has_pending_token:
+                continue
+            n = min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+            if n > 0:
+                seqs.append(seq)
+                requests.append(DraftRequest(seq.arrival, list(seq.token_ids), n))
+        if not requests:
+            return {}
+        proposals = self.drafter.propose(requests)
+        if len(proposals) != len(requests):
+            raise RuntimeError(f"the drafter answered {len(proposals)} proposals for {len(requests)} requests")
+        drafts: dict[Sequence, list[int]] = {}
+        vocab = self.vocab_size
+        for seq, request, proposal in zip(seqs, requests, proposals, strict=True):
+            valid: list[int] = []
+            for t in list(proposal)[: request.num_tokens]:
+                try:
+                    t = operator.index(t)  # ints and numpy integers
+                except TypeError:
+                    break
+                if not 0 <= t < vocab:
+                    break
+                valid.append(t)
+            if valid:
+                drafts[seq] = valid
+        return drafts
+
+    def _report_verified(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
+        """``_report`` for a step with verify chunks, every sampling entry token by token: a verify chunk's row
+        ``j`` sampled the token after its ``j`` drafts, so its drafts are kept while each equals the token sampled
+        at its position, and the first token that differs (or follows the last draft) is the target's own. Each
+        kept token then goes through exactly what a decode step does with its token (stop ids, lengths, the
+        grammar, stop strings), so a run can end part-way; the rejected drafts' KV slots are given back."""
+        outputs: list[RequestOutput] = []
+        row = 0
+        for entry in batch.entries:
+            if not entry.sample:
+                continue
+            first, row = row, row + entry.num_samples
+            seq = entry.seq
+            request = self._live(seq)
+            if request is None or seq.is_finished:
+                continue
+            tokens = sampled.token_ids[first:row]
+            accepted = 0
+            while accepted < len(entry.drafts) and entry.drafts[accepted] == tokens[accepted]:
+                accepted += 1
+            if entry.drafts:
+                self.spec_stats.count_chunk(len(entry.drafts), accepted)
+            request.num_steps += 1
+            for j in range(accepted + 1):
+                why = sampled.errors.get(first + j)
+                if why is not None:
+                    self._fail(request, why)
+                    break
+                self.scheduler.accept_token(seq, tokens[j], sampled.logprobs[first + j], j > 0)
+                if seq.grammar is not None and request.error is None:
+                    self._advance_grammar(request)
+                if request.error is None:
+                    try:
+                        self._update_text(request)
+                    except Exception as e:  # the request's own tokens broke detokenising or the stop check
+                        self._fail(request, f"detokenizing failed: {type(e).__name__}: {e}")
+                if seq.is_finished:
+                    break
+            self.scheduler.trim_drafts(seq)
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+                outputs.append(self._forget(request))
+            elif request.kind is not OutputKind.FINAL_ONLY:
+                outputs.append(self._output(request))
+        return outputs
 
     def _idle(self, batch: ScheduledBatch) -> list[RequestOutput]:
         if batch.preempted or not self.scheduler.has_unfinished():
@@ -471,6 +566,10 @@ class LLMEngine:
         """Apply a step's samples (after ``Scheduler.advance``) and build the outputs. Under async scheduling a
         sequence may have finished or been aborted since its step was launched: its sample is dropped unseen."""
         sampling = [entry for entry in batch.entries if entry.sample]
+        for entry in sampling:
+            request = self._live(entry.seq)
+            if request is not None:
+                request.num_steps += 1
         for k, why in sampled.errors.items():
             request = self._live(sampling[k].seq)
             if request is not None:
@@ -505,6 +604,9 @@ class LLMEngine:
         sequences may stay referenced a while (a block-table row keeps its sequence until the row is reused)."""
         output = self._output(request)
         request.seq.grammar = None
+        if self.drafter is not None:
+            self.drafter.release(request.seq.arrival)
+            self.spec_stats.count_finished(request.seq.num_output_tokens, request.num_steps)
         return output
 
     def _live(self, seq: Sequence) -> _Request | None:
@@ -652,14 +754,13 @@ class LLMEngine:
 def _start_workers(config: EngineConfig) -> WorkerPool | None:
     """Rank 0's pool of workers: spawned here, or, in processes a launcher started (torchrun's ``RANK`` and
     ``WORLD_SIZE`` in the environment), joined through ``env://``; None on a launched rank other than 0."""
-    from lockstep.models.llama import LlamaForCausalLM
-    from lockstep.models.loader import read_config
+    from lockstep.models.loader import model_class, read_config
 
     size = config.tensor_parallel_size
     # Shapes the TP size cannot split fail here, before any process starts (a model on the meta device).
-    LlamaForCausalLM(
-        read_config(config.model), kernels=config.kernels, device="meta", tp=TPGroup(0, size),
-        tp_invariant=config.tp_invariant,
+    model_config = read_config(config.model)
+    model_class(model_config.architecture)(
+        model_config, kernels=config.kernels, device="meta", tp=TPGroup(0, size), tp_invariant=config.tp_invariant,
     )  # fmt: skip
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])

@@ -23,7 +23,7 @@ from lockstep.distributed import ControlChannel, TPGroup
 from lockstep.engine.block_tables import DeviceBlockTables, TableUpdate
 from lockstep.engine.cuda_graph import DecodeGraphs
 from lockstep.engine.encoder_cache import EncoderCache
-from lockstep.engine.scheduler import ScheduledBatch
+from lockstep.engine.scheduler import ScheduledBatch, ScheduledSeq
 from lockstep.engine.sequence import Sequence
 from lockstep.engine.sleep import SleepState
 from lockstep.engine.token_feed import FedRows, TokenFeed
@@ -31,7 +31,7 @@ from lockstep.layers.batch import FlatBatch, flatten_batch
 from lockstep.layers.sampler import PendingSample, Sampled, Sampler, TokenLogprobs, device_tensor, gather_logprobs
 from lockstep.models.loader import load_model
 from lockstep.models.quantization import checkpoint_slots, conform, load_full_precision
-from lockstep.structured.grammar import token_masks
+from lockstep.structured.grammar import token_masks, token_masks_ahead
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Without num_kv_blocks, the CPU cache gets this much memory (at least one full-length sequence's worth).
@@ -76,17 +76,20 @@ class ForwardStep:
     use_graphs: bool
     fed: tuple[list[int], list[int], int] | None = None
     # A vision-language step with image rows: ``(positions [3, num_tokens], MultimodalBatch)`` on the device.
-    # Rank 0 only (not part of the message: such models do not run under tensor parallelism yet).
+    # Under tensor parallelism the message holds only the number of image rows (``mm_rows``); rank 0, which runs
+    # the vision tower, broadcasts the tensors after it (``ModelRunner.launch``, ``_receive_mm``).
     mm: tuple[torch.Tensor, object] | None = None
+    mm_rows: int = -1  # image rows of ``mm`` (-1: none), what the message carries
 
     def encode(self) -> torch.Tensor:
         """The control message: ``[STEP, num_tokens, num_seqs, num_table_entries, use_graphs, num_fed,
-        num_samples, num_groups, *group_sizes]``, then the flat batch's lists, the table update's, the fed rows'
-        and the groups, concatenated."""
+        num_samples, mm_rows, num_groups, *group_sizes]``, then the flat batch's lists, the table update's, the
+        fed rows' and the groups, concatenated."""
         f, t = self.flat, self.tables
         dst, src, num_samples = self.fed if self.fed is not None else ([], [], 0)
+        mm_rows = -1 if self.mm is None else int(self.mm[1].rows.shape[0])
         header = [STEP, f.num_tokens, len(f.seq_lens), len(t.rows), int(self.use_graphs), len(dst), num_samples]
-        header += [len(self.logit_rows)] + [len(rows) for rows in self.logit_rows]
+        header += [mm_rows, len(self.logit_rows)] + [len(rows) for rows in self.logit_rows]
         rows = [r for group in self.logit_rows for r in group]
         values = header + f.input_ids + f.positions + f.slot_mapping + f.seq_lens + f.query_start_loc
         values += t.picks + t.rows + t.cols + t.values + dst + src + rows
@@ -95,11 +98,11 @@ class ForwardStep:
     @classmethod
     def decode(cls, message: torch.Tensor) -> "ForwardStep":
         values = message.tolist()
-        op, num_tokens, num_seqs, num_entries, use_graphs, num_fed, num_samples, num_groups = values[:8]
+        op, num_tokens, num_seqs, num_entries, use_graphs, num_fed, num_samples, mm_rows, num_groups = values[:9]
         if op != STEP:
             raise ValueError(f"not a step message (op {op})")
-        sizes = values[8 : 8 + num_groups]
-        at = 8 + num_groups
+        sizes = values[9 : 9 + num_groups]
+        at = 9 + num_groups
 
         def take(n: int) -> list[int]:
             nonlocal at
@@ -114,7 +117,7 @@ class ForwardStep:
         if at != len(values):
             raise ValueError(f"a step message of {len(values)} values holds {at}")
         flat = FlatBatch(input_ids, positions, slot_mapping, [], seq_lens, query_start_loc)
-        return cls(flat, tables, logit_rows, bool(use_graphs), fed)
+        return cls(flat, tables, logit_rows, bool(use_graphs), fed, mm_rows=mm_rows)
 
 
 class ModelRunner:
@@ -159,11 +162,6 @@ class ModelRunner:
             quantization=config.quantization,
         )
         self.is_multimodal = bool(getattr(self.model, "is_multimodal", False))
-        if self.is_multimodal and self.tp.size > 1:
-            raise ValueError(
-                f"{config.model}: vision-language models do not run under tensor parallelism yet "
-                f"(tensor_parallel_size={config.tensor_parallel_size}); use tensor_parallel_size=1"
-            )
         self.encoder_cache = EncoderCache()  # the scheduler decides what it holds (engine/encoder_cache.py)
         if config.kv_cache_dtype != "auto":  # "fp8": e4m3 caches (ops.attention: written saturated, read exactly)
             self.model.kv_cache_dtype = torch.float8_e4m3fn
@@ -414,12 +412,12 @@ class ModelRunner:
         mm = self._multimodal_step(batch, flat) if self.is_multimodal else None
         prompt = self._prompt_logprob_rows(batch, flat.query_start_loc)
         groups = [prompt.rows[j : j + PROMPT_LOGPROB_ROWS] for j in range(0, len(prompt.rows), PROMPT_LOGPROB_ROWS)]
-        samplers = [(e, flat.query_start_loc[i + 1] - 1) for i, e in enumerate(batch.entries) if e.sample]
+        samplers = _sample_rows(batch, flat.query_start_loc)
         fed = feed.plan([e.seq for e in entries], flat.query_start_loc, flat.input_ids) if feed is not None else None
         step = ForwardStep(
             flat,
             tables,
-            groups + ([[row for _, row in samplers]] if samplers else []),
+            groups + ([[row for _, row, _ in samplers]] if samplers else []),
             self.use_graphs,
             None if fed is None else (fed.dst, fed.src, len(fed.tokens)),
             mm,
@@ -428,13 +426,16 @@ class ModelRunner:
             self.channel.send(step.encode())
             if fed is not None:  # the other ranks' fed rows need the samples: on the device, no host sync
                 self.tp.broadcast(fed.tokens.contiguous())
+            if mm is not None:  # the image rows, as rank 0 computed them (the tower runs here only)
+                self._broadcast_mm(mm)
         logits = self.execute(step, fed)
         self._prompt_logprobs(batch, prompt, logits[: len(groups)])
         if not samplers:
             return PendingSample(torch.zeros(0, dtype=torch.int64, device=self.device), None, {})
-        params = [e.seq.params for e, _ in samplers]
-        histories = [(e.seq.token_ids, e.seq.num_prompt_tokens) for e, _ in samplers]
-        return self.sampler.launch(logits[-1], params, [e.end for e, _ in samplers], histories, self._masks(samplers))
+        params = [e.seq.params for e, _, _ in samplers]
+        positions = [_sample_position(e, j) for e, _, j in samplers]
+        histories = [_history(e, j) for e, _, j in samplers]
+        return self.sampler.launch(logits[-1], params, positions, histories, self._masks(samplers))
 
     def _multimodal_step(self, batch: ScheduledBatch, flat: FlatBatch) -> tuple[torch.Tensor, object] | None:
         """Encode the images the step asks for, put every vision-language row's M-RoPE position into
@@ -496,13 +497,17 @@ class ModelRunner:
 
     def _masks(self, samplers: list) -> tuple[list[int], torch.Tensor] | None:
         """The tokens each structured-output row may choose, from its grammar state and its own output tokens (EOS
-        only where it could end the request: not under ``ignore_eos``)."""
-        rows = [k for k, (e, _) in enumerate(samplers) if e.seq.grammar is not None]
+        only where it could end the request: not under ``ignore_eos``); a verify chunk's row ``j`` from the state
+        after its first ``j`` drafts."""
+        rows = [k for k, (e, _, _) in enumerate(samplers) if e.seq.grammar is not None]
         if not rows:
             return None
-        seqs = [samplers[k][0].seq for k in rows]
-        states = [(s.grammar, s.output_token_ids, not s.params.ignore_eos) for s in seqs]
-        return rows, token_masks(states, self.vocab_size, self.device)
+        entries = [samplers[k][0] for k in rows if samplers[k][2] == 0]  # one per entry: its first row
+        if not any(e.drafts for e in entries):
+            states = [(e.seq.grammar, e.seq.output_token_ids, not e.seq.params.ignore_eos) for e in entries]
+            return rows, token_masks(states, self.vocab_size, self.device)
+        states = [(e.seq.grammar, e.seq.output_token_ids, e.drafts, not e.seq.params.ignore_eos) for e in entries]
+        return rows, token_masks_ahead(states, self.vocab_size, self.device)
 
     @torch.inference_mode()
     def execute(self, step: ForwardStep, fed: FedRows | None = None) -> list[torch.Tensor]:
@@ -538,7 +543,9 @@ class ModelRunner:
             op = int(message[0])
             if op == STEP:
                 step = ForwardStep.decode(message)
-                self.execute(step, self._receive_fed(step))
+                fed = self._receive_fed(step)
+                step.mm = self._receive_mm(step)
+                self.execute(step, fed)
             elif op == WEIGHTS:
                 self._receive_weights()
             elif op == GROUP_WEIGHTS:
@@ -563,6 +570,36 @@ class ModelRunner:
         dst, src, num_samples = step.fed
         tokens = torch.empty(num_samples, dtype=torch.int64, device=self.device)
         return FedRows(dst, src, self.tp.broadcast(tokens))
+
+    def _broadcast_mm(self, mm: tuple[torch.Tensor, object]) -> None:
+        """Rank 0: a vision-language step's M-RoPE positions and image rows (features, DeepStack) to every rank.
+        The other ranks hold the tower's weights too but never run it: the features are rank 0's bits."""
+        positions, batch = mm
+        self.tp.broadcast(positions.contiguous())
+        self.tp.broadcast(batch.rows.contiguous())
+        self.tp.broadcast(batch.embeds.contiguous())
+        if batch.deepstack is not None:
+            self.tp.broadcast(batch.deepstack.contiguous())
+
+    def _receive_mm(self, step: ForwardStep) -> tuple[torch.Tensor, object] | None:
+        """Ranks > 0: what ``_broadcast_mm`` sends, for a step whose message has image rows."""
+        if step.mm_rows < 0:
+            return None
+        from lockstep.models.multimodal import MultimodalBatch
+
+        m, n = step.mm_rows, step.flat.num_tokens
+        hidden, dtype, depth = (
+            self.model.config.hidden_size,
+            self.model.dtype,
+            self.model.mm_config.num_deepstack_layers,
+        )
+        positions = self.tp.broadcast(torch.empty((3, n), dtype=torch.int64, device=self.device))
+        rows = self.tp.broadcast(torch.empty(m, dtype=torch.int64, device=self.device))
+        embeds = self.tp.broadcast(torch.empty((m, hidden), dtype=dtype, device=self.device))
+        deepstack = None
+        if depth:
+            deepstack = self.tp.broadcast(torch.empty((depth, m, hidden), dtype=dtype, device=self.device))
+        return positions, MultimodalBatch(rows=rows, embeds=embeds, deepstack=deepstack)
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks' ``serve`` to return; this rank runs no more steps either."""
@@ -618,6 +655,36 @@ class _PromptRows:
     targets: list[int]  # the prompt token each row predicts
     nums: list[int]  # how many top logprobs each row's request asked for
     owners: list[tuple[Sequence, int]]  # (sequence, how many of the rows are its), in row order
+
+
+def _sample_rows(batch: ScheduledBatch, query_start_loc: list[int]) -> list[tuple[ScheduledSeq, int, int]]:
+    """``(entry, hidden row, j)`` for every row that samples, in batch order: the last row of a sampling entry
+    (``j`` 0), or every row of a verify chunk, its ``j``-th row sampling the token after its ``j``-th draft."""
+    rows = []
+    for i, e in enumerate(batch.entries):
+        if e.sample:
+            first = query_start_loc[i + 1] - 1 - len(e.drafts)
+            rows.extend((e, first + j, j) for j in range(1 + len(e.drafts)))
+    return rows
+
+
+def _sample_position(e: ScheduledSeq, j: int) -> int:
+    """The index in its sequence of the token row ``j`` of ``e`` samples: what its seeded noise is keyed by, the
+    position plain decoding samples that token at."""
+    return e.start + e.num_fed + j
+
+
+def _history(e: ScheduledSeq, j: int) -> tuple[list[int], int]:
+    """What the sampler's penalties, ``min_tokens`` and bad words read for row ``j`` of ``e``: the tokens before the
+    one it samples (for a verify row, the sequence's tokens and the drafts before it: what plain decoding would
+    have)."""
+    seq = e.seq
+    if j == 0:
+        return seq.token_ids, seq.num_prompt_tokens
+    p = seq.params
+    if not (p.penalized or p.min_tokens or p.bad_words_token_ids):  # the sampler reads no history for this row
+        return seq.token_ids, seq.num_prompt_tokens
+    return seq.token_ids + list(e.drafts[:j]), seq.num_prompt_tokens
 
 
 def _table_width(blocks: int) -> int:

@@ -8,7 +8,9 @@ One step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
    again over prompt + outputs on readmission.
 2. The batch: running decodes (one token each), then running sequences part-way through a chunked prefill,
    then waiting sequences admitted first-in first-out while blocks, sequence slots and token budget allow. A
-   prompt longer than the budget left is chunked; the rest follows in later steps.
+   prompt longer than the budget left is chunked; the rest follows in later steps. Speculative decoding: a
+   decode row may carry drafted tokens (``schedule(drafts)``), out of the budget the decode rows leave and the
+   free blocks, never preempting anything for them.
 
 A vision-language request's prefill chunk that reaches image tokens encodes those images first, in the same step
 (``ScheduledSeq.encode``), within the step's encoder budget (``max_num_encoder_tokens_per_step`` image tokens): a
@@ -22,6 +24,7 @@ calls give the same batches. The batch layout never decides the result's bits; t
 
 import bisect
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lockstep.config import EngineConfig
@@ -38,6 +41,10 @@ class ScheduledSeq:
     give the next token; a chunk that ends mid-prompt samples nothing. ``encode``: the indices of the images of
     ``seq.mm`` that the step encodes (into the ``EncoderCache``) before its forward. Valid until
     ``Scheduler.postprocess``.
+
+    ``drafts`` (speculative decoding): a decoding sequence's drafted tokens, computed after its last token as one
+    chunk of ``1 + len(drafts)`` tokens (``num_new_tokens`` counts them); every position of the chunk samples, and
+    ``LLMEngine`` keeps the drafts that equal what was sampled (docs/design.md, "Speculative decoding").
     """
 
     seq: Sequence
@@ -45,14 +52,26 @@ class ScheduledSeq:
     start: int
     sample: bool
     encode: tuple[int, ...] = ()
+    drafts: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
 
     @property
+    def num_fed(self) -> int:
+        """The chunk's tokens that are the sequence's own (not drafts)."""
+        return self.num_new_tokens - len(self.drafts)
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens sampled from this entry's logits: one per position of a verify chunk, else one or none."""
+        return (1 + len(self.drafts)) if self.sample else 0
+
+    @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.end]
+        ids = self.seq.token_ids[self.start : self.start + self.num_fed]
+        return ids + list(self.drafts) if self.drafts else ids
 
 
 @dataclass
@@ -71,7 +90,11 @@ class ScheduledBatch:
 
     @property
     def num_samples(self) -> int:
-        return sum(1 for e in self.entries if e.sample)
+        return sum(e.num_samples for e in self.entries)
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(e.drafts for e in self.entries)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -189,8 +212,12 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self) -> ScheduledBatch:
-        """Pick this step's work. Call ``postprocess`` with its results before the next ``schedule``."""
+    def schedule(self, drafts: Mapping[Sequence, list[int]] | None = None) -> ScheduledBatch:
+        """Pick this step's work. Call ``postprocess`` with its results before the next ``schedule``.
+
+        ``drafts`` (speculative decoding): drafted tokens of running sequences about to decode. A sequence's drafts
+        join its decode row as far as the token budget left after every decode row and the free KV blocks allow
+        (drafts never preempt anything); the rest are dropped."""
         batch = ScheduledBatch()
         bm = self.block_manager
 
@@ -215,13 +242,17 @@ class Scheduler:
         # 2. The batch: decodes, then running prefill chunks, then admissions.
         budget = self.config.max_num_batched_tokens
         self._encoder_left = self.encoder_budget
+        # Draft tokens come out of what the decode rows leave of the budget.
+        spare = budget - sum(1 for s in self.running if s.num_pending_tokens == 1) if drafts else 0
         for seq in self.running:
             if seq.num_pending_tokens == 1 and budget > 0:
                 if seq.mm is not None:  # the one token left may be an image's (a prompt that ends in one)
                     budget -= self._schedule_chunk(batch, seq, 1)
                     continue
-                batch.entries.append(ScheduledSeq(seq, 1, seq.num_computed_tokens, True))
-                budget -= 1
+                drafted = self._fit_drafts(seq, drafts.get(seq, ()), spare) if spare > 0 else ()
+                spare -= len(drafted)
+                batch.entries.append(ScheduledSeq(seq, 1 + len(drafted), seq.num_computed_tokens, True, (), drafted))
+                budget -= 1 + len(drafted)
         for seq in self.running:
             if seq.num_pending_tokens > 1 and budget > 0:
                 budget -= self._schedule_chunk(batch, seq, budget)
@@ -239,6 +270,15 @@ class Scheduler:
                 budget -= self._schedule_chunk(batch, seq, budget)
         return batch
 
+    def _fit_drafts(self, seq: Sequence, drafts, spare: int) -> tuple[int, ...]:
+        """The leading drafts of ``seq`` that ``spare`` budget tokens and the free blocks can take; blocks for them
+        are added to its table (``trim_drafts`` gives back the ones rejected drafts leave unused)."""
+        if not drafts or seq.has_pending_token:
+            return ()
+        n = min(len(drafts), spare)
+        n = self.block_manager.reserve(seq, seq.num_tokens + n) - seq.num_tokens
+        return tuple(drafts[: max(n, 0)])
+
     def _schedule_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         n = min(seq.num_pending_tokens, budget)
         encode: tuple[int, ...] = ()
@@ -252,15 +292,20 @@ class Scheduler:
     def _fit_images(self, seq: Sequence, n: int) -> tuple[int, tuple[int, ...]]:
         """The next ``n`` tokens of ``seq`` cut short before the first image among them that is neither encoded
         nor within what is left of the step's encoder budget, and the images the chunk must encode. An image
-        larger than the whole budget goes when nothing else was encoded this step, so it never waits forever."""
+        larger than the whole budget goes when nothing else was encoded this step, so it never waits forever. An
+        image whose pixels another running request holds, or is encoding in this step, costs nothing: its
+        features are shared (engine/encoder_cache.py)."""
         start = seq.num_computed_tokens
         encode = []
+        cache = self.encoder_cache
         for k, image in seq.mm.overlapping(start, start + n):
-            if (seq.request_id, k) in self.encoder_cache:
+            if cache.holds_content(seq.request_id, k, image):
+                cache.claim(seq.request_id, k, image)  # no work: held, or encoded earlier in this step
                 continue
             if image.num_tokens > self._encoder_left and self._encoder_left < self.encoder_budget:
                 return max(0, image.offset - start), tuple(encode)
             self._encoder_left = max(0, self._encoder_left - image.num_tokens)
+            cache.claim(seq.request_id, k, image)
             encode.append(k)
         return n, tuple(encode)
 
@@ -303,7 +348,7 @@ class Scheduler:
                     f"postprocess: {seq.request_id!r} was scheduled from position {entry.start} but has "
                     f"{seq.num_computed_tokens} computed tokens (schedule called twice without postprocess?)"
                 )
-            self.block_manager.mark_computed(seq, entry.num_new_tokens)
+            self.block_manager.mark_computed(seq, entry.num_fed)  # a draft's KV counts once it is accepted
             if seq.mm is not None:
                 self.encoder_cache.free_computed(seq)
             if pending and entry.sample and not self._ends_by_length(seq):
@@ -328,6 +373,8 @@ class Scheduler:
         and lengths, and return the sequences that finished. A sequence preempted since (async scheduling: the
         next step was scheduled first) gets its token too, and may finish from the waiting queue."""
         num_samples = _check_samples(batch, token_ids, logprobs)
+        if batch.has_drafts:
+            raise ValueError("apply_tokens: a batch with drafts is applied token by token (accept_token)")
         finished: list[Sequence] = []
         samples = (entry.seq for entry in batch.entries if entry.sample)
         for seq, token_id, token_logprobs in zip(samples, token_ids, logprobs or [None] * num_samples, strict=True):
@@ -340,6 +387,27 @@ class Scheduler:
                 self._release(seq, reason)
                 finished.append(seq)
         return finished
+
+    def accept_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None, draft_computed: bool) -> bool:
+        """Speculative decoding, after ``advance``: append one token of a verify chunk's accepted run, as
+        ``apply_tokens`` appends a decode's, and return whether it finished ``seq``. ``draft_computed``: the token
+        before it is an accepted draft, whose KV the step computed (now counted, and hashed once its block fills:
+        a rejected draft's slot is never counted, so no block holding one is ever registered)."""
+        if draft_computed:
+            self.block_manager.mark_computed(seq, 1)
+        seq.append_token(token_id, logprobs)
+        reason = self._stop_reason(seq, token_id)
+        if reason is not None:
+            self.running.remove(seq)
+            self._release(seq, reason)
+            return True
+        return False
+
+    def trim_drafts(self, seq: Sequence) -> None:
+        """After a verify chunk's accepted run: give back the blocks past ``seq``'s tokens (its rejected drafts'
+        slots; their KV is overwritten when the positions are computed again)."""
+        if not seq.is_finished and seq.status is SequenceStatus.RUNNING:
+            self.block_manager.trim(seq)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params
@@ -380,6 +448,7 @@ class Scheduler:
         stale = [key for key in self.encoder_cache.keys() if key not in live]
         if stale:
             raise AssertionError(f"Scheduler integrity: the encoder cache holds {stale[:4]}, no running image's")
+        self.encoder_cache.check_integrity()
         self.block_manager.check_integrity(self.running)
 
 

@@ -9,6 +9,8 @@ token, fc1, GELU, fc2) runs in window order and its output is put back in the pr
 computed per image, so an image's windows, and its bits, never depend on the other images of the call.
 """
 
+import functools
+
 import torch
 from torch import nn
 
@@ -18,6 +20,7 @@ from lockstep.layers.norm import RMSNorm
 from lockstep.models.llama import ModelConfig
 from lockstep.models.multimodal import ImageFeatures, VisionConfig
 from lockstep.models.vision import (
+    GRID_CACHE,
     Grid,
     PatchEmbed,
     VisionAttention,
@@ -83,10 +86,11 @@ class PatchMerger(nn.Module):
         return self.mlp["2"](self.kernels.gelu(self.mlp["0"](x), "none"))
 
 
-def window_order(grid: Grid, merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
+@functools.lru_cache(maxsize=GRID_CACHE)
+def window_order(grid: Grid, merge: int, window: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     """One image's merged tokens in window order: ``(order [t*h'*w'] int64`` (the token, in the processor's order,
     at each place), ``window lengths in merged tokens)``. Windows of ``window x window`` merged tokens, row-major,
-    frame by frame; each window's tokens row-major."""
+    frame by frame; each window's tokens row-major. Kept per grid (shared: do not modify)."""
     t, h, w = grid
     th, tw = h // merge, w // merge
     order, lengths = [], []
@@ -97,7 +101,7 @@ def window_order(grid: Grid, merge: int, window: int) -> tuple[torch.Tensor, lis
                 cols = torch.arange(c0, min(c0 + window, tw))
                 order.append((frame * th * tw + rows[:, None] * tw + cols[None, :]).flatten())
                 lengths.append(order[-1].numel())
-    return torch.cat(order), lengths
+    return torch.cat(order), tuple(lengths)
 
 
 class Qwen25VisionModel(nn.Module):

@@ -9,6 +9,8 @@ into one token, fc1, GELU, fc2). The mixture of experts differs only in its deco
 the experts' fused checkpoint tensors).
 """
 
+import functools
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ from lockstep.layers.linear import Linear
 from lockstep.models.llama import ModelConfig
 from lockstep.models.multimodal import ImageFeatures, VisionConfig
 from lockstep.models.vision import (
+    GRID_CACHE,
     Grid,
     PatchEmbed,
     VisionAttention,
@@ -25,6 +28,7 @@ from lockstep.models.vision import (
     check_pixels,
     frame_segments,
     grids_of,
+    image_patch_positions,
     patch_positions,
     split_by_image,
 )
@@ -89,12 +93,14 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(self.kernels.gelu(self.linear_fc1(x), "none"))
 
 
+@functools.lru_cache(maxsize=GRID_CACHE)
 def interpolation_taps(grid: Grid, side: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The bilinear resampling (align_corners) of a ``side x side`` learned grid to one image's ``h x w`` patches:
     per patch, in the processor's order, 4 table rows ``[h*w*t, 4]`` int64 and their fp32 weights, by
-    transformers' formulas (``vision_utils.get_vision_interpolation_indices_and_weights``)."""
+    transformers' formulas (``vision_utils.get_vision_interpolation_indices_and_weights``). Kept per grid
+    (shared: do not modify)."""
     t, h, w = grid
-    pos = patch_positions([(1, h, w)], merge)  # [h*w, 2]
+    pos = image_patch_positions((1, h, w), merge)  # [h*w, 2]
 
     def axis(index: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         src = index.float() * (side - 1) / torch.tensor(max(size - 1, 1)).float()

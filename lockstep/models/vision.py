@@ -7,8 +7,13 @@ is per row except attention, which runs within segments (``cu_seqlens``: one per
 Qwen2.5-VL) through the kernel set's ``vision_attention``. Everything computed from a grid (positions, windows,
 interpolation weights) is computed per image on the host. So an image's features have the same bits whichever other
 images share the call.
+
+Those per-grid host tensors are kept (``functools.lru_cache`` by grid, ``GRID_CACHE`` grids): images of one size
+are common, and building them took a dozen to a hundred small torch calls per image at every tower call. They are
+pure functions of the grid and shared between calls, so callers must not write to them.
 """
 
+import functools
 import math
 
 import torch
@@ -19,6 +24,7 @@ from lockstep.layers.linear import Linear
 from lockstep.models.multimodal import VisionConfig
 
 Grid = tuple[int, int, int]
+GRID_CACHE = 256  # grids whose host tensors are kept, per function
 
 
 class Weights(nn.Module):
@@ -42,10 +48,23 @@ class PatchEmbed(nn.Module):
         self.proj = Weights(shape, c.hidden_size if bias else None, dtype, device)
         self.kernels = kernels
 
+    def flat_weight(self) -> torch.Tensor:
+        """``[D, C*T*P*P]``, a view of the weight kept between calls (the linear's packed CPU copy and its CUDA
+        descriptor are kept on the tensor it is given, which a fresh view each call would throw away). A weight
+        that requires grad (a trainer's) gets a fresh view each call: a kept one would carry one graph's node into
+        the next."""
+        w = self.proj.weight
+        if w.requires_grad:
+            return w.view(w.shape[0], -1)
+        flat = getattr(self, "_flat", None)
+        if flat is None or flat._base is not w or flat.data_ptr() != w.data_ptr():
+            flat = self._flat = w.view(w.shape[0], -1)
+        return flat
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         # pixels: [num_patches, C*T*P*P] -> [num_patches, hidden]
-        w = self.proj.weight
-        return self.kernels.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
+        w = self.flat_weight()
+        return self.kernels.linear(pixels.to(w.dtype), w, self.proj.bias)
 
 
 class VisionRotary(nn.Module):
@@ -140,16 +159,20 @@ def check_pixels(pixel_values: torch.Tensor, grids: list[Grid], config: VisionCo
 
 def patch_positions(grids: list[Grid], merge: int) -> torch.Tensor:
     """``[total_patches, 2]`` int64 (row, column) of every patch, in the processor's merge-block order."""
-    out = []
-    for t, h, w in grids:
-        rows = torch.arange(h)[:, None].expand(h, w)
-        cols = torch.arange(w)[None, :].expand(h, w)
-        # [h, w] -> [h / m, m, w / m, m] -> blocks row-major, then the block's patches row-major
-        block = (h // merge, merge, w // merge, merge)
-        rows = rows.reshape(block).transpose(1, 2).flatten()
-        cols = cols.reshape(block).transpose(1, 2).flatten()
-        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
-    return torch.cat(out)
+    return torch.cat([image_patch_positions(g, merge) for g in grids])
+
+
+@functools.lru_cache(maxsize=GRID_CACHE)
+def image_patch_positions(grid: Grid, merge: int) -> torch.Tensor:
+    """One image's ``[t*h*w, 2]`` (shared: do not modify)."""
+    t, h, w = grid
+    rows = torch.arange(h)[:, None].expand(h, w)
+    cols = torch.arange(w)[None, :].expand(h, w)
+    # [h, w] -> [h / m, m, w / m, m] -> blocks row-major, then the block's patches row-major
+    block = (h // merge, merge, w // merge, merge)
+    rows = rows.reshape(block).transpose(1, 2).flatten()
+    cols = cols.reshape(block).transpose(1, 2).flatten()
+    return torch.stack([rows, cols], dim=-1).repeat(t, 1)
 
 
 def frame_segments(grids: list[Grid], device) -> torch.Tensor:

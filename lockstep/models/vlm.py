@@ -85,7 +85,9 @@ class VisionLanguageModel(LlamaForCausalLM):
     """A Qwen vision-language model over one flattened, paged batch: ``LlamaForCausalLM``'s interface, plus
     ``encode_images`` and ``mrope_positions``, and ``forward``'s ``mm`` (the batch's image rows).
 
-    Subclasses build the vision tower (``_build_visual``). Tensor parallelism is not supported yet."""
+    Subclasses build the vision tower (``_build_visual``). Under tensor parallelism the decoder is split as a text
+    model's; the vision tower is whole on every rank (its weights replicated), and only rank 0 runs it: the model
+    runner broadcasts the step's image rows (engine/model_runner.py)."""
 
     is_multimodal = True
 
@@ -102,10 +104,6 @@ class VisionLanguageModel(LlamaForCausalLM):
     ):
         if config.vision is None or config.multimodal is None:
             raise ValueError(f"{type(self).__name__} needs a vision-language config, got {config.architecture}")
-        if tp is not None and tp.size > 1:
-            raise ValueError(
-                f"{config.architecture}: tensor parallelism is not supported for vision-language models yet"
-            )
         check_vision_kernels(kernels if isinstance(kernels, Kernels) else get_kernels(kernels))
         super().__init__(
             config, kernels=kernels, dtype=dtype, device=device, max_model_len=max_model_len, tp=tp,

@@ -29,9 +29,26 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 ROW_TILE = 4
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Read once: ``triton.jit`` decides at decoration (import) time whether a kernel is interpreted, so the variable
+    cannot change the answer later anyway, and reading ``os.environ`` costs ~3 us a launch on the host.
+    """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Host-side integer helpers for launch grids and block sizes. ``triton.cdiv`` and ``triton.next_power_of_2`` are
+# constexpr functions in recent Triton, whose host call wraps and unwraps its arguments: ~6 us each on the CPU
+# machines, several per launch. These return the same integers.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` for ``n >= 1`` (0 for 0), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 # Programmatic dependent launch (Hopper and newer): a kernel launched with ``launch_pdl=True`` may start while the

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops._common import FLOATS, pdl_launch, pdl_wait
+from lockstep.ops._common import FLOATS, cdiv, pdl_launch, pdl_wait
 from lockstep.ops.reduce import RowConfig, row_config, row_sums
 
 
@@ -87,7 +87,7 @@ def _layer_norm_triton(
     if m == 0:
         return out
     cfg = config or row_config(n)
-    _layer_norm_kernel[(triton.cdiv(m, cfg.rows),)](
+    _layer_norm_kernel[(cdiv(m, cfg.rows),)](
         x, weight if weight is not None else x, bias if bias is not None else x, out,
         m, n, x.stride(0), out.stride(0),
         float(n), float(eps),

@@ -11,6 +11,7 @@ to fp32 there and rounded once at the end. A weight that ``linear`` sees again i
 (``_cpu_weight``): packing reads and writes the whole weight, which at decode sizes costs more than the multiply.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from lockstep.ops._common import (
     FLOATS,
     ROW_TILE,
+    cdiv,
     interpreting,
     intra_op_threads,
     map_row_tiles,
@@ -187,6 +189,7 @@ class MatmulConfig:
     flat: bool = False  # one pipelined loop over a program's (tile, k step) pairs (_mm_kernel's FLAT); not with tma
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of its arguments; ~10 us of host time a launch uncached
 def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     """The tile for one problem, from (dtype, N) and a bucket of M; the reduction order never depends on it.
 
@@ -228,25 +231,55 @@ def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     return large
 
 
-def _tma_descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: MatmulConfig):
+def _aligned(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _weight_descriptor(weight: torch.Tensor, block: list[int]) -> TensorDescriptor | None:
+    """The TMA descriptor of a row-major ``weight: [N, K]`` (B as [N, K]), kept on the tensor: a layer's weight is
+    described the same way at every call, and building a descriptor costs ~7 us of host time. The memo is keyed by
+    what the descriptor encodes (address, shape, strides, dtype, block), never by the contents, so an in-place
+    update needs no rebuild and a swapped storage gets a new one. It holds a detached alias, not the Parameter
+    itself, so no reference cycle keeps a dropped model's weights alive. None when the layout does not allow TMA.
+    """
+    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, tuple(block))
+    memo = getattr(weight, "_lockstep_tma", None)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    if not _aligned(weight):
+        return None
+    desc = TensorDescriptor.from_tensor(weight.detach(), list(block))
+    try:
+        weight._lockstep_tma = (key, desc)
+    except (AttributeError, RuntimeError):  # a tensor that takes no attributes: describe it at every call
+        pass
+    return desc
+
+
+def _tma_descriptors(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: MatmulConfig, weight: torch.Tensor | None = None
+):
     """Tensor descriptors for a 1-batch problem, or None when the layout does not allow them.
 
     TMA needs a unit-stride last dimension and 16-byte aligned rows and base addresses. B is described as
-    [N, K] when it is a transposed row-major weight (F.linear's case), else as [K, N].
+    [N, K] when it is a transposed row-major weight (F.linear's case), else as [K, N]. ``weight``: the ``[N, K]``
+    tensor ``b[0]`` is the transpose of (``linear``'s), whose descriptor is kept between calls.
     """
     a2, b2, c2 = a[0], b[0], c[0]
-
-    def aligned(t: torch.Tensor) -> bool:
-        return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-
-    b_is_nk = b2.stride(0) == 1 and b2.stride(1) != 1
-    b_major = b2.t() if b_is_nk else b2
-    if not (aligned(a2) and aligned(b_major) and aligned(c2)):
+    if not (_aligned(a2) and _aligned(c2)):
         return None
+    b_is_nk = b2.stride(0) == 1 and b2.stride(1) != 1
     b_block = [cfg.bn, cfg.bk] if b_is_nk else [cfg.bk, cfg.bn]
+    if b_is_nk and weight is not None:
+        b_desc = _weight_descriptor(weight, b_block)
+    else:
+        b_major = b2.t() if b_is_nk else b2
+        b_desc = TensorDescriptor.from_tensor(b_major, b_block) if _aligned(b_major) else None
+    if b_desc is None:
+        return None
     return (
         TensorDescriptor.from_tensor(a2, [cfg.bm, cfg.bk]),
-        TensorDescriptor.from_tensor(b_major, b_block),
+        b_desc,
         TensorDescriptor.from_tensor(c2, [cfg.bm, cfg.bn]),
         b_is_nk,
     )
@@ -260,16 +293,18 @@ def _bmm_triton(
     beta: float = 1.0,
     config: MatmulConfig | None = None,
     out_dtype: torch.dtype | None = None,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # a: [B, M, K], b: [B, K, N] (any strides), bias: [N] -> c: [B, M, N] in out_dtype (default a's dtype).
-    # out_dtype=float32 stores the fp32 accumulator itself, unrounded.
+    # out_dtype=float32 stores the fp32 accumulator itself, unrounded. weight: linear's [N, K] with b[0] = weight.t()
+    # (its TMA descriptor is kept; see _weight_descriptor).
     batch, m, k = a.shape
     n = b.shape[2]
     c = torch.empty((batch, m, n), device=a.device, dtype=out_dtype or a.dtype)
     if m == 0 or n == 0 or batch == 0:
         return c
     cfg = config or matmul_config(m, n, k, a.dtype)
-    programs = max(1, min(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), num_sms(a.device)))  # persistent
+    programs = max(1, min(cdiv(m, cfg.bm) * cdiv(n, cfg.bn), num_sms(a.device)))  # persistent
     common = dict(
         HAS_BIAS=bias is not None, SCALED=alpha != 1.0,
         UPCAST=interpreting() and a.dtype != torch.float32,
@@ -277,7 +312,7 @@ def _bmm_triton(
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
     )  # fmt: skip
-    descriptors = _tma_descriptors(a, b, c, cfg) if cfg.tma and batch == 1 else None
+    descriptors = _tma_descriptors(a, b, c, cfg, weight) if cfg.tma and batch == 1 else None
     if descriptors is not None:
         a_desc, b_desc, c_desc, b_is_nk = descriptors
         _mm_tma_kernel[(programs,)](
@@ -377,11 +412,19 @@ def _check_bias(bias: torch.Tensor | None, n: int) -> None:
         raise ValueError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
 
 
-def _addmm(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+def _addmm(
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    alpha: float,
+    beta: float,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # weight: linear's [N, K], b = weight.t() (for _bmm_triton's kept descriptor)
     _check(a, b, batched=False)
     _check_bias(bias, b.shape[1])
     if a.is_cuda:
-        return _bmm_triton(a[None], b[None], bias, alpha, beta)[0]
+        return _bmm_triton(a[None], b[None], bias, alpha, beta, weight=weight)[0]
     return _mm_cpu(a, b.t().float(), bias, alpha, beta)
 
 
@@ -419,7 +462,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # x: [*lead, K] -> [num_rows, K]
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if x.is_cuda or weight.device != x.device:
-        out = _addmm(bias, x2, weight.t(), 1.0, 1.0)
+        out = _addmm(bias, x2, weight.t(), 1.0, 1.0, weight if x.is_cuda else None)
     else:  # the CPU keeps a packed copy of the weight (_cpu_weight)
         _check(x2, weight.t(), batched=False)
         _check_bias(bias, weight.shape[0])

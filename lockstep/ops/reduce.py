@@ -14,6 +14,7 @@ once, with no row tiles and no padding. torch's own CPU ``sum`` gave one such lo
 M >= 2 (see tests/ops/test_reduce.py).
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops._common import ATEN_GRAIN, cast_for_reduction
+from lockstep.ops._common import ATEN_GRAIN, cast_for_reduction, cdiv, next_power_of_2
 
 # Rows up to this long are held in registers in one piece (rms_norm and softmax then read them once).
 MAX_FUSED = 16384
@@ -37,11 +38,12 @@ class RowConfig:
     num_warps: int
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of n, asked at every launch of the row kernels
 def row_config(n: int) -> RowConfig:
     """The program shape for rows of length ``n``. A function of ``n`` alone: it fixes every row's order."""
     if n > MAX_FUSED:
         return RowConfig(block=CHUNK, rows=1, num_warps=8)
-    block = triton.next_power_of_2(max(n, 1))
+    block = next_power_of_2(max(n, 1))
     rows = max(1, 2048 // block)  # short rows (head_dim norms): several per program
     return RowConfig(block=block, rows=rows, num_warps=min(16, max(4, rows * block // 512)))
 
@@ -76,7 +78,7 @@ def _row_sum_triton(
     if m == 0:
         return out
     cfg = config or row_config(n)
-    _row_sum_kernel[(triton.cdiv(m, cfg.rows),)](
+    _row_sum_kernel[(cdiv(m, cfg.rows),)](
         x, out, m, n, x.stride(0), float(n),
         MEAN=mean, ROWS=cfg.rows, BLOCK=cfg.block, num_warps=cfg.num_warps,
     )  # fmt: skip

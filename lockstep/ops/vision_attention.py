@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops._common import FLOATS, interpreting, pdl_launch, pdl_wait
+from lockstep.ops._common import FLOATS, interpreting, next_power_of_2, pdl_launch, pdl_wait
 
 # Keys per reduction tile (part of the numerics: a row's softmax sums run over tiles of this size).
 TILE = 64
@@ -134,7 +134,7 @@ def _vision_attention_triton(
         q, k, v, out, cu_seqlens,
         num_segments, max(1, num_segments.bit_length()), scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, TILE=TILE,
+        HEAD_DIM=head_dim, D_PAD=max(16, next_power_of_2(head_dim)), BLOCK_M=block_m, TILE=TILE,
         UPCAST=interpreting() and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=2, **pdl_launch(q),

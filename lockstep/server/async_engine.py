@@ -590,6 +590,8 @@ class AsyncEngine:
         self.metrics.kv_blocks_used = bm.num_blocks - bm.num_free_blocks
         self.metrics.triton_compiles = self.engine.triton_compiles_after_start
         self.metrics.grammar_cache_bytes, self.metrics.grammar_cache_entries = self.engine.grammar_cache
+        if self.engine.drafter is not None:
+            self.metrics.spec_decode = self.engine.spec_stats
 
 
 def _fail_future(future: Future, error: BaseException) -> None:

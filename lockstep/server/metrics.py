@@ -14,6 +14,8 @@ thread after every step. Plain attribute updates are enough here: a scrape may b
 import bisect
 from dataclasses import dataclass, field
 
+from lockstep.spec.stats import SpecDecodeStats
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -68,6 +70,7 @@ class Metrics:
     info: dict[str, str] = field(default_factory=dict)  # what is served: kernel set, device, dtype, version
     model_name: str = ""  # the served model's name: the label of vLLM's metric names
     finished: dict[str, int] = field(default_factory=dict)  # requests ended, by finish reason (vLLM's)
+    spec_decode: SpecDecodeStats | None = None  # the engine's, when it drafts (speculative_config)
 
     def count_request(self, status: int) -> None:
         key = str(status)
@@ -105,6 +108,8 @@ class Metrics:
             ("inter_token_latency_seconds", self.inter_token_seconds, "A request's time from one token to the next."),
         ):
             lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} histogram", *hist.lines(p + name)]
+        if self.spec_decode is not None:
+            lines += _spec_decode_lines(p + "spec_decode_", self.spec_decode)
         return "\n".join(lines + self.vllm_lines()) + "\n"
 
     def vllm_lines(self) -> list[str]:
@@ -134,3 +139,25 @@ class Metrics:
         ):
             lines += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} histogram", *hist.lines(f"vllm:{name}", label)]
         return lines
+
+
+def _spec_decode_lines(p: str, s: SpecDecodeStats) -> list[str]:
+    """vLLM's spec_decode counters (drafts, draft tokens, accepted tokens, accepted per position), the verify
+    chunks by how many drafts each accepted, and the acceptance rate so far."""
+    lines = []
+    for name, value, doc in (
+        ("num_drafts_total", s.num_drafts, "Verify chunks: one sequence's drafts checked in one step."),
+        ("num_draft_tokens_total", s.num_draft_tokens, "Drafted tokens."),
+        ("num_accepted_tokens_total", s.num_accepted_tokens, "Drafted tokens accepted (equal to the sample)."),
+    ):
+        lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} counter", f"{p}{name} {value}"]
+    name = "num_accepted_tokens_per_pos_total"
+    lines += [f"# HELP {p}{name} Verify chunks whose draft at this position was accepted.", f"# TYPE {p}{name} counter"]
+    lines += [f'{p}{name}{{position="{i}"}} {v}' for i, v in enumerate(s.accepted_per_position)]
+    name = "chunks_by_accepted_total"
+    lines += [f"# HELP {p}{name} Verify chunks by how many drafts they accepted.", f"# TYPE {p}{name} counter"]
+    lines += [f'{p}{name}{{accepted="{a}"}} {v}' for a, v in enumerate(s.chunks_by_accepted)]
+    name = "acceptance_rate"
+    lines += [f"# HELP {p}{name} Accepted over drafted tokens so far.", f"# TYPE {p}{name} gauge"]
+    lines += [f"{p}{name} {s.acceptance_rate}"]
+    return lines

@@ -364,6 +364,36 @@ class GrammarState:
             for t in self.eos_token_ids:
                 out[t // 32] &= ~(1 << (t % 32))
 
+    def fill_bitmasks_ahead(
+        self, out: torch.Tensor, output_token_ids: list[int], drafts: Sequence[int], allow_eos: bool = True
+    ) -> None:
+        """Speculative decoding: row ``j`` of ``out: [len(drafts) + 1, words]`` gets ``fill_bitmask``'s mask after
+        ``output_token_ids + drafts[:j]``, the mask plain decoding would use at that position. Rows after a draft
+        the grammar rejects allow every token: a token sampled there is never kept (the draft before it differs
+        from every token the grammar allows, so from the one sampled). The state is left at ``output_token_ids``."""
+        self.fill_bitmask(out[0], output_token_ids, allow_eos)
+        if not drafts:
+            return
+        saved = (self._matcher.deep_copy(), list(self._consumed), self.free, self._scanned) if self.after else None
+        before = len(self._consumed)
+        ahead = list(output_token_ids)
+        j = 0
+        try:
+            for j, token in enumerate(drafts, start=1):
+                ahead.append(token)
+                self.fill_bitmask(out[j], ahead, allow_eos)
+        except GrammarError:
+            out[j:].fill_(-1)
+        finally:
+            if saved is not None:  # a marker's search state moves with the tokens: put all of it back
+                self._matcher, self._consumed, self.free, self._scanned = saved
+            elif len(self._consumed) >= before:
+                if len(self._consumed) > before:
+                    self._matcher.rollback(len(self._consumed) - before)
+                    del self._consumed[before:]
+            else:  # a rejected draft sent the matcher back to the start
+                self.advance(output_token_ids)
+
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
@@ -385,6 +415,20 @@ def token_masks(
     words = torch.zeros(len(states), width, dtype=torch.int32)
     for row, (state, output_ids, allow_eos) in enumerate(states):
         state.fill_bitmask(words[row, : state.num_words], output_ids, allow_eos)
+    return unpack_bitmask(words.to(device), vocab_size)
+
+
+def token_masks_ahead(
+    states: list[tuple[GrammarState, list[int], Sequence[int], bool]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """``token_masks`` for verify chunks: for each ``(state, output token ids, drafts, allow EOS)``, one row per
+    position of the chunk (``GrammarState.fill_bitmasks_ahead``), all in order: ``[rows, vocab_size]`` bool."""
+    width = max([bitmask_words(vocab_size)] + [state.num_words for state, _, _, _ in states])
+    words = torch.zeros(sum(1 + len(d) for _, _, d, _ in states), width, dtype=torch.int32)
+    row = 0
+    for state, output_ids, drafts, allow_eos in states:
+        state.fill_bitmasks_ahead(words[row : row + 1 + len(drafts), : state.num_words], output_ids, drafts, allow_eos)
+        row += 1 + len(drafts)
     return unpack_bitmask(words.to(device), vocab_size)
 
 

@@ -147,6 +147,47 @@ def test_preemption_and_abort_free_the_encoder_cache() -> None:
     assert len(sched.encoder_cache) == 0
 
 
+def test_the_same_image_in_several_requests_and_twice_in_one_is_encoded_once() -> None:
+    # Three running requests show image "a" (one of them twice) and one shows "b": "a" is encoded by the first
+    # chunk that reaches it, the others share its features; they go when the last request that needs them does.
+    sched = make_scheduler(max_num_batched_tokens=64)
+    seqs = [
+        mm_seq("x", [2], [(6, b"a")], [3]),
+        mm_seq("y", [4, 5], [(6, b"a"), (6, b"a")], [3]),  # other text, the image twice
+        mm_seq("z", [2], [(6, b"b")], [3]),
+        mm_seq("w", [2], [(4, b"a")], [3]),  # the same tag, another grid: another image
+    ]
+    for seq in seqs:
+        sched.add(seq)
+    first = run_step(sched)
+    assert [(e.seq.request_id, e.encode) for e in first.entries] == [("x", (0,)), ("y", ()), ("z", (0,)), ("w", (0,))]
+    cache = sched.encoder_cache
+    assert (cache.encoded, cache.shared, len(cache)) == (3, 2, 0)  # every image's tokens were computed in one go
+    # The second request alone, then the first again while it is still running: nothing is encoded again.
+    sched = make_scheduler(max_num_batched_tokens=6, max_num_seqs=4)
+    a = mm_seq("a", [2], [(8, b"a")], [3])
+    sched.add(a)
+    encodes = [run_step(sched).entries[0].encode]  # 6 of a's tokens: its image is cut, kept
+    b = mm_seq("b", [2], [(8, b"a")], [3])
+    sched.add(b)
+    while sched.has_unfinished():
+        encodes += [e.encode for e in run_step(sched).entries]
+    assert [k for e in encodes for k in e] == [0] and sched.encoder_cache.encoded == 1
+    assert len(sched.encoder_cache) == 0 and sched.encoder_cache.keys() == []
+
+
+def test_encoder_cache_integrity_sees_a_miscounted_reference() -> None:
+    """Negative control for the encoder cache's reference counts (check_integrity)."""
+    import pytest
+
+    sched = make_scheduler(max_num_batched_tokens=4, max_num_seqs=4)
+    sched.add(mm_seq("a", [2], [(5, b"a")], [3], max_tokens=8))
+    run_step(sched)  # a chunk that ends inside the image: its features are held
+    sched.encoder_cache._users[next(iter(sched.encoder_cache._users))] += 1
+    with pytest.raises(AssertionError, match="Encoder cache integrity"):
+        sched.check_integrity()
+
+
 def test_prefix_cache_keys_blocks_by_the_image_pixels() -> None:
     sched = make_scheduler()
     bm = sched.block_manager
@@ -233,7 +274,11 @@ def test_random_image_workloads_keep_every_invariant() -> None:
             for k in range(len(seq.mm.images) if seq.mm else 0):
                 n = encodes.get((seq.request_id, k), 0)
                 assert n <= seq.num_preemptions + 1
-                assert n >= 1 or sched.config.enable_prefix_caching  # a prefix hit may cover a whole image
+                # A prefix hit may cover a whole image, and another request with the same image may encode it.
+                image = seq.mm.images[k]
+                same = [s for s in seqs if s is not seq and s.mm and any(im.hash == image.hash and im.grid_thw ==
+                        image.grid_thw for im in s.mm.images)]  # fmt: skip
+                assert n >= 1 or sched.config.enable_prefix_caching or same
     assert preemptions and cut_images  # the workloads did preempt, and cut chunks inside images
 
 

@@ -56,7 +56,7 @@ def test_config(folder):
 def test_window_order():
     # 6 x 8 patches = 3 x 4 merged tokens, windows of 2 x 2: [0 1 4 5] [2 3 6 7] [8 9] [10 11].
     order, lengths = window_order((1, 6, 8), 2, 2)
-    assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 10, 11] and lengths == [4, 4, 2, 2]
+    assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 10, 11] and lengths == (4, 4, 2, 2)
 
 
 def test_image_features_match_transformers(case, hf, ours):

@@ -164,11 +164,16 @@ def test_chunked_and_batched_prefill_equal_one_shot(ours, folder):
 # --- checkpoints, dtypes, the mixture of experts --------------------------------------------------------------
 
 
-def test_tensor_parallel_is_refused(folder):
+def test_tensor_parallel_splits_the_decoder_and_keeps_the_tower_whole(folder):
+    # (tests/test_llm_vlm_tp.py runs TP 2 end to end against TP 1.)
     from lockstep.distributed import TPGroup
 
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        Qwen3VLForConditionalGeneration(read_config(folder), device="meta", tp=TPGroup(0, 2))
+    one = Qwen3VLForConditionalGeneration(read_config(folder), device="meta").checkpoint_tensors()
+    two = Qwen3VLForConditionalGeneration(read_config(folder), device="meta", tp=TPGroup(1, 2)).checkpoint_tensors()
+    assert one.keys() == two.keys()
+    split = [n for n in one if one[n].shape != two[n].shape]
+    assert split and all(n.startswith("model.language_model.") or n == "lm_head.weight" for n in split)
+    assert all(one[n].shape == two[n].shape for n in one if n.startswith("model.visual."))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -221,6 +221,29 @@ def test_triton_tma_path_matches_fp64_and_is_invariant(transposed):
         assert torch.equal(out, _bmm_triton(a, b, bias, alpha=0.5, config=MatmulConfig(16, 16, 32)))
 
 
+def test_triton_tma_kept_weight_descriptor_gives_the_same_bits_and_follows_the_storage():
+    # linear passes its [N, K] weight along, and the weight's descriptor is built once and kept on the tensor: the
+    # bits equal a fresh descriptor's; a new storage (weight.data swapped) gets a new descriptor, in-place writes
+    # keep it (the descriptor encodes the address, not the values).
+    a, w, bias = randn(1, 40, 72, seed=1), randn(36, 72, seed=2), randn(36, seed=3)
+    cfg = MatmulConfig(16, 16, 32, tma=True)
+    fresh = _bmm_triton(a, w.t()[None], bias, config=cfg)
+    assert torch.equal(_bmm_triton(a, w.t()[None], bias, config=cfg, weight=w), fresh)
+    kept = w._lockstep_tma[1]
+    assert torch.equal(_bmm_triton(a[:, :17], w.t()[None], bias, config=cfg, weight=w), fresh[:, :17])
+    assert w._lockstep_tma[1] is kept
+    w.mul_(2.0)  # in place: the same descriptor, the new values
+    assert w._lockstep_tma[1] is kept
+    assert torch.equal(
+        _bmm_triton(a, w.t()[None], bias, config=cfg, weight=w), _bmm_triton(a, w.t()[None], bias, config=cfg)
+    )
+    w.data = randn(36, 72, seed=4)
+    out = _bmm_triton(a, w.t()[None], bias, config=cfg, weight=w)
+    assert w._lockstep_tma[1] is not kept
+    assert torch.equal(out, _bmm_triton(a, w.t()[None], bias, config=cfg))
+    assert not torch.equal(out, fresh)  # negative control: the harness sees another weight
+
+
 def test_config_table_depends_only_on_m_bucket_n_k_dtype():
     for m in [1, 7, 16]:
         assert matmul_config(m, 4096, 4096, torch.bfloat16) == matmul_config(1, 4096, 4096, torch.bfloat16)

@@ -33,6 +33,7 @@ from lockstep.layers.rotary import RotaryEmbedding
 from lockstep.models.llama import ModelConfig
 from lockstep.rl.hf.batch import flat_layout
 from lockstep.rl.hf.layers import K, layer_forward
+from lockstep.rl.hf.vlm import is_vlm, mrope_table, vision_tower, vlm_backbone
 from lockstep.rl.hf.weights import causal_lm
 
 __all__ = ["is_patched", "patch_model", "unpatch_model"]
@@ -64,6 +65,7 @@ class _Patch:
             tp_invariant, fp8,
         )  # fmt: skip
         self._tables: dict[tuple[torch.device, torch.dtype], RotaryEmbedding] = {}
+        self.tower: nn.Module | None = None  # a vision-language model's (rl.hf.vlm.vision_tower)
 
     def rotary(self, device: torch.device, dtype: torch.dtype) -> RotaryEmbedding:
         """The engine's cos/sin table (``layers.rotary``, built the same way for every position the config allows)."""
@@ -73,6 +75,13 @@ class _Patch:
             self._tables[key] = RotaryEmbedding(
                 c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device
             )
+        return self._tables[key]
+
+    def mrope(self, device: torch.device, dtype: torch.dtype) -> RotaryEmbedding:
+        """A vision-language model's M-RoPE table (the engine's, ``rl.hf.vlm.mrope_table``)."""
+        key = (device, dtype, "mrope")
+        if key not in self._tables:
+            self._tables[key] = mrope_table(self.config, device, dtype)
         return self._tables[key]
 
 
@@ -147,6 +156,48 @@ def _model_forward(
 
 
 @torch.compiler.disable
+def _vlm_model_forward(
+    self: nn.Module,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache=None,
+    inputs_embeds: torch.Tensor | None = None,
+    pixel_values: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    past_key_values=None,
+    **kwargs,
+):
+    """The patched vision-language base model's forward (``rl.hf.vlm``): ``[batch, seq]`` token ids, with
+    ``pixel_values`` and ``image_grid_thw`` for the images, in; ``last_hidden_state: [batch, seq, hidden]`` out.
+    ``position_ids``, when given, only mark where packed sequences start (1-D positions, as for text models): the
+    M-RoPE positions are computed from the tokens and grids, as the engine computes them."""
+    from transformers.modeling_outputs import MultimodalBaseModelOutputWithPast, MultimodalMoeBaseModelOutputWithPast
+
+    patch: _Patch = getattr(self, _STATE)
+    past = cache if cache is not None else past_key_values
+    if past is not None and past.get_seq_length() > 0:
+        raise NotImplementedError("a lockstep-patched model runs whole sequences; generate with lockstep.LLM")
+    if pixel_values_videos is not None or video_grid_thw is not None or kwargs.get("mm_encoder_outputs"):
+        raise NotImplementedError("a lockstep-patched vision-language model takes images (pixel_values) only")
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("output_router_logits"):
+        raise NotImplementedError(
+            "a lockstep-patched model returns no attentions, per-layer hidden states or router logits"
+        )
+    if position_ids is not None and position_ids.dim() == 3:  # transformers' own M-RoPE ids: computed here
+        position_ids = None
+    with no_autocast(self.language_model.norm.weight.device):
+        hidden = vlm_backbone(
+            self, patch, input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, image_grid_thw
+        )
+    out = MultimodalMoeBaseModelOutputWithPast if patch.config.num_experts else MultimodalBaseModelOutputWithPast
+    return out(last_hidden_state=hidden)
+
+
+@torch.compiler.disable
 def _head_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     # hidden: [..., hidden] -> logits [..., vocab] in the model dtype (the engine's head before its fp32 cast)
     with no_autocast(hidden.device):
@@ -155,8 +206,10 @@ def _head_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def patch_model(model: nn.Module, *, tp_invariant: bool = False, quantization: str | None = None) -> nn.Module:
     """Make ``model`` (a transformers ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-    ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``MixtralForCausalLM``, or a PEFT model of one) run lockstep's
-    invariant kernels, forward and backward, in place; returns ``model``.
+    ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``MixtralForCausalLM``, a vision-language
+    ``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration`` or
+    ``Qwen2_5_VLForConditionalGeneration`` (``rl.hf.vlm``: images as ``pixel_values`` and ``image_grid_thw``), or a
+    PEFT model of one) run lockstep's invariant kernels, forward and backward, in place; returns ``model``.
 
     Its per-token logprobs (``selective_log_softmax`` of its logits) then equal bit for bit the ``token_logprobs``
     a ``lockstep.LLM`` with the same weights, dtype and device reported when it sampled those tokens, for padded
@@ -177,10 +230,17 @@ def patch_model(model: nn.Module, *, tp_invariant: bool = False, quantization: s
         raise NotImplementedError(f"the LM head is a {type(lm.lm_head).__name__}; patch_model needs a plain nn.Linear")
     if quantization == "fp8" and config.num_experts:
         raise NotImplementedError("patch_model(quantization='fp8') of a mixture of experts (FP8 experts)")
+    if quantization is not None and is_vlm(lm):
+        raise NotImplementedError("patch_model(quantization=...) of a vision-language model")
     unpatch_model(model)
-    setattr(base, _STATE, _Patch(config, tp_invariant, quantization == "fp8"))
-    base.forward = types.MethodType(_model_forward, base)
-    for layer in base.layers:
+    state = _Patch(config, tp_invariant, quantization == "fp8")
+    setattr(base, _STATE, state)
+    if is_vlm(lm):
+        state.tower = vision_tower(config, base.visual)
+        base.forward = types.MethodType(_vlm_model_forward, base)
+    else:
+        base.forward = types.MethodType(_model_forward, base)
+    for layer in _layers(lm):
         layer.forward = types.MethodType(torch.compiler.disable(layer_forward), layer)
     lm.lm_head.forward = types.MethodType(_head_forward, lm.lm_head)
     return model
@@ -190,12 +250,16 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo ``patch_model`` (transformers' own forwards again); a model that is not patched is left as it is."""
     lm = causal_lm(model)
     base = lm.model
-    for module in (base, lm.lm_head, *base.layers):
+    for module in (base, lm.lm_head, *_layers(lm)):
         module.__dict__.pop("forward", None)
     base.__dict__.pop(_STATE, None)
     if lm.__dict__.pop("_lockstep_fused_head", None) is not None:  # fused_head.add_fused_lm_head's
         lm.__dict__.pop("forward", None)
     return model
+
+
+def _layers(lm: nn.Module) -> nn.ModuleList:
+    return lm.model.language_model.layers if is_vlm(lm) else lm.model.layers
 
 
 def is_patched(model: nn.Module) -> bool:

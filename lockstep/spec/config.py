@@ -1,0 +1,91 @@
+"""The speculative-decoding configuration, parsed from vLLM's ``speculative_config`` dict.
+
+vLLM's dict is the interface users already write (``LLM(model, speculative_config={...})``,
+``--speculative-config JSON``); the keys lockstep does not implement are refused by name rather than ignored, so
+a setting never silently does nothing.
+"""
+
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram", "draft_model", "eagle3")
+# vLLM's defaults for n-gram lookup when neither bound is given (vllm/config/speculative.py).
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+class NotImplementedMethod(ValueError, NotImplementedError):
+    """A drafting method vLLM has and lockstep does not yet: a NotImplementedError that is also the ValueError the
+    CLI and the server report in one line."""
+
+
+@dataclass
+class SpeculativeConfig:
+    """What to draft with and how many tokens to draft per step.
+
+    ``method`` "ngram" looks the tokens up in the sequence itself (``prompt_lookup_min`` to ``prompt_lookup_max``
+    long suffix n-grams); "draft_model" runs ``model`` (a smaller checkpoint with the target's tokenizer);
+    "eagle3" is refused for now. Left out, ``method`` is "draft_model" when ``model`` is given (and "ngram" when
+    ``model`` is vLLM's "ngram"/"[ngram]" spelling).
+    """
+
+    num_speculative_tokens: int
+    method: str | None = None
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an int >= 1, got {k!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config: model must be a path or model id string, got {self.model!r}")
+        if self.method is None:
+            if self.model in ("ngram", "[ngram]"):
+                self.method, self.model = "ngram", None
+            elif self.model is not None:
+                self.method = "draft_model"
+            else:
+                raise ValueError('speculative_config needs "method" (ngram, draft_model, eagle3) or "model"')
+        if self.method == "[ngram]":
+            self.method = "ngram"
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config: method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "eagle3":
+            raise NotImplementedMethod("speculative_config: method 'eagle3' (EAGLE-3 heads) is not implemented yet")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError('speculative_config: method "draft_model" needs "model", the draft checkpoint')
+        if self.method == "ngram":
+            self._resolve_lookup()
+        elif self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+            raise ValueError(f"speculative_config: prompt_lookup_min/max apply to method 'ngram', not {self.method!r}")
+
+    def _resolve_lookup(self) -> None:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = DEFAULT_PROMPT_LOOKUP
+        low = high if low is None else low
+        high = low if high is None else high
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an int >= 1, got {value!r}")
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        self.prompt_lookup_min, self.prompt_lookup_max = low, high
+
+    @classmethod
+    def from_dict(cls, config: "dict | SpeculativeConfig") -> "SpeculativeConfig":
+        """Parse vLLM's dict; a key this class does not take is a ValueError that names it."""
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unsupported key(s) {', '.join(map(repr, unknown))}; lockstep takes "
+                f"{', '.join(sorted(known))}"
+            )
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        return cls(**config)

@@ -1,0 +1,43 @@
+"""The drafter interface: what the engine asks a drafter and what it may answer.
+
+A drafter sees each speculating sequence's tokens so far and proposes up to ``num_tokens`` more. Its proposals are
+checked token by token against what plain decoding samples, so a drafter may be wrong, slow or even random: it
+changes only how many tokens a step adds. ``release`` is called when a sequence finishes, is aborted or is
+preempted, so a drafter that keeps per-sequence state (a draft model's KV cache) can free it; after a preemption
+the sequence may come back under the same ``seq_id`` with the same tokens.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from lockstep.spec.config import SpeculativeConfig
+
+
+@dataclass
+class DraftRequest:
+    seq_id: int
+    token_ids: list[int]  # prompt + every output token so far, newest last (never a PENDING token)
+    num_tokens: int  # propose at most this many
+
+
+class Drafter(Protocol):
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """One list per request, in order, each at most ``num_tokens`` long (an empty list drafts nothing)."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """The sequence finished, was aborted or was preempted: drop whatever is kept for it."""
+        ...
+
+
+def make_drafter(config: SpeculativeConfig, engine_config) -> Drafter:
+    """The drafter ``config`` names; ``engine_config`` is the target engine's EngineConfig (device, dtype, ...)."""
+    if config.method == "ngram":
+        from lockstep.spec.ngram import NgramDrafter
+
+        return NgramDrafter(config)
+    if config.method == "draft_model":
+        from lockstep.spec.draft_model import DraftModelDrafter  # another module; torch and a second model
+
+        return DraftModelDrafter(config, engine_config)
+    raise NotImplementedError(f"speculative_config: method {config.method!r} is not implemented")
