@@ -57,7 +57,6 @@ NEUTRAL: dict[str, tuple] = {
     "data_parallel_size": (1,),
     "distributed_executor_backend": (None, "mp", "uni"),  # lockstep starts its own processes
     "enable_lora": (False,),
-    "speculative_config": (None,),
     "logprobs_mode": ("raw_logprobs",),  # lockstep's logprobs are the raw distribution's
     "enable_prompt_embeds": (False,),
     "override_generation_config": (None, {}),

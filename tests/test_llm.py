@@ -473,7 +473,7 @@ def test_vllm_arguments_that_change_nothing_are_accepted(tiny_model_dir: Path) -
     for bad in (
         {"enable_mm_embeds": True}, {"tokenizer_mode": "slow"}, {"tokenizer": "/elsewhere"}, {"enable_lora": True},
         {"logprobs_mode": "processed_logprobs"}, {"scheduling_policy": "priority"}, {"pipeline_parallel_size": 2},
-        {"speculative_config": {"method": "ngram"}}, {"logits_processors": ["my.Processor"]}, {"hf_token": "x"},
+        {"logits_processors": ["my.Processor"]}, {"hf_token": "x"},
     ):  # fmt: skip
         [(name, value)] = bad.items()
         with pytest.raises(ValueError, match=f"LLM\\({name}="):
