@@ -42,7 +42,8 @@ from lockstep.layers.token_bans import bad_words_token_ids, needs_newest_token
 from lockstep.multimodal.processor import placeholder_runs
 from lockstep.outputs import CompletionOutput, Logprob, OutputKind, PromptLogprobs, RequestOutput, RequestStateStats
 from lockstep.sampling_params import SamplingParams
-from lockstep.spec.drafter import Drafter, DraftRequest, make_drafter
+from lockstep.spec.drafter import Drafter, DraftRequest
+from lockstep.spec.factory import make_drafter
 from lockstep.spec.stats import SpecDecodeStats
 from lockstep.structured.grammar import GrammarCompiler, GrammarError
 from lockstep.structured.limits import GrammarLimits

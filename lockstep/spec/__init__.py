@@ -6,6 +6,7 @@ for bit, whatever the drafter proposes.
 """
 
 from lockstep.spec.config import SpeculativeConfig
-from lockstep.spec.drafter import Drafter, DraftRequest, make_drafter
+from lockstep.spec.drafter import Drafter, DraftRequest
+from lockstep.spec.factory import make_drafter
 
 __all__ = ["DraftRequest", "Drafter", "SpeculativeConfig", "make_drafter"]

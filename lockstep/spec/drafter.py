@@ -10,8 +10,6 @@ the sequence may come back under the same ``seq_id`` with the same tokens.
 from dataclasses import dataclass
 from typing import Protocol
 
-from lockstep.spec.config import SpeculativeConfig
-
 
 @dataclass
 class DraftRequest:
@@ -28,16 +26,3 @@ class Drafter(Protocol):
     def release(self, seq_id: int) -> None:
         """The sequence finished, was aborted or was preempted: drop whatever is kept for it."""
         ...
-
-
-def make_drafter(config: SpeculativeConfig, engine_config) -> Drafter:
-    """The drafter ``config`` names; ``engine_config`` is the target engine's EngineConfig (device, dtype, ...)."""
-    if config.method == "ngram":
-        from lockstep.spec.ngram import NgramDrafter
-
-        return NgramDrafter(config)
-    if config.method == "draft_model":
-        from lockstep.spec.draft_model import DraftModelDrafter  # another module; torch and a second model
-
-        return DraftModelDrafter(config, engine_config)
-    raise NotImplementedError(f"speculative_config: method {config.method!r} is not implemented")
