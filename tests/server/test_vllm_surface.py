@@ -296,9 +296,21 @@ def test_the_server_takes_the_model_generation_config_defaults(generation_config
     assert all(t.startswith("token_id:") for t in lp.tokens)  # --return-tokens-as-token-ids
 
 
+def _settled(log, quiet: float = 0.3, limit: float = 10.0) -> str:
+    """The log's text once it has stopped growing for ``quiet`` seconds."""
+    text, deadline = log.read_text(), time.monotonic() + limit
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = log.read_text()
+        if now == text:
+            break
+        text = now
+    return text
+
+
 def test_one_access_log_line_per_request_and_never_a_prompt(guarded_server: Server) -> None:
     s = guarded_server  # --log-level info: the access log is on by default
-    before = s.log.read_text()
+    before = _settled(s.log)  # earlier calls' lines (the fixture's start-up polls) may still be on their way
     secret = "my secret prompt"
     r = _post(s, "/v1/completions", {"model": s.model, "prompt": secret, "max_tokens": 3, "ignore_eos": True},
               {"Authorization": "Bearer env-key"})  # fmt: skip
