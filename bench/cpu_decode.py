@@ -14,7 +14,8 @@
    ``--input-len`` random prompt tokens (128) submitted at once, each generating ``--output-len`` tokens (32),
    stepped to the end (``lockstep.benchmark.run_batch``), lockstep invariant and default kernels in turn for
    ``--rounds`` rounds after one warm-up each. Prints output tok/s (median), the invariant/default ratio of every
-   round and the load average before and after.
+   round by wall time and by this process's CPU time (user + system, all threads: less swayed by other processes
+   on shared cores, with PASSIVE workers that sleep while they wait), and the load average before and after.
 
 The 2-core CPU machines are shared, so only figures from one run are comparable; nothing here asserts a speed.
 OMP_WAIT_POLICY defaults to PASSIVE here, as in the tests: on shared cores, OpenMP workers that spin while they
@@ -130,14 +131,16 @@ def run_batched(batch: int, input_len: int, output_len: int, rounds: int, conver
         warm = [[rng.choice(pool) for _ in range(input_len)] for _ in range(batch)]
         run_batch(llm, warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), "warm")
     rates: dict[str, list[float]] = {name: [] for name in engines}
+    cpu_rates: dict[str, list[float]] = {name: [] for name in engines}  # per second of this process's CPU time
     for r in range(rounds):
         prompts = [[rng.choice(pool) for _ in range(input_len)] for _ in range(batch)]  # fresh: no prefix hits
         for name, llm in engines.items():
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             done = run_batch(llm, prompts, params, f"r{r}")
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             assert done.output_tokens == batch * output_len, (name, done.output_tokens)
             rates[name].append(done.output_tokens / seconds)
+            cpu_rates[name].append(done.output_tokens / cpu_seconds)
     policy = os.environ.get("OMP_WAIT_POLICY", "unset")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, OMP_WAIT_POLICY {policy}"
@@ -146,9 +149,11 @@ def run_batched(batch: int, input_len: int, output_len: int, rounds: int, conver
     print(f"batched: fp32, greedy, {batch} x {input_len}/{output_len} (random prompts), {rounds} rounds, interleaved")
     for name, rs in rates.items():
         print(f"  {name:26s} {statistics.median(rs):6.1f} output tok/s (rounds: {', '.join(f'{x:.1f}' for x in rs)})")
-    inv, dflt = rates["lockstep invariant"], rates["lockstep default kernels"]
-    ratios = [a / b for a, b in zip(inv, dflt, strict=True)]
-    print(f"  invariant / default: {statistics.median(ratios):.2f} (rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
+    for label, table in (("wall", rates), ("CPU time", cpu_rates)):
+        inv, dflt = table["lockstep invariant"], table["lockstep default kernels"]
+        ratios = [a / b for a, b in zip(inv, dflt, strict=True)]
+        rounds_text = ", ".join(f"{x:.2f}" for x in ratios)
+        print(f"  invariant / default, {label}: {statistics.median(ratios):.2f} (rounds: {rounds_text})")
     load_after = os.getloadavg()
     print(f"  load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
 
