@@ -6,12 +6,15 @@ so its bits depend only on its own row and column and on K. No split-K, stream-K
 CUDA runs a persistent-tile Triton kernel. The tile shape comes from a fixed table keyed by (dtype, N, K) and an
 M bucket: on the H200 the tile shape did not change the bits (docs/design.md, "Matmul"), and bench/ops.py re-checks
 every M.
-The CPU runs oneDNN's fp32 matmul on fixed-shape row tiles (see ``_common.map_row_tiles``); bf16/fp16 are upcast
-to fp32 there and rounded once at the end. A weight that ``linear`` sees again is kept in oneDNN's blocked layout
-(``_cpu_weight``): packing reads and writes the whole weight, which at decode sizes costs more than the multiply.
+The CPU runs oneDNN's fp32 matmul on row tiles of fixed heights: ``ROW_TILE`` rows (``_common.map_row_tiles``), and
+taller ones for many rows where a probe found them to give the 4-row tiles' bits (``_tall_tile_ok``); bf16/fp16
+are upcast to fp32 there and rounded once at the end. A weight that ``linear`` sees again is kept in oneDNN's
+blocked layout (``_cpu_weight``): packing reads and writes the whole weight, which at decode sizes costs more than
+the multiply.
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -340,6 +343,19 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 # 5 us with spinning OpenMP workers on an idle machine, tens of us with OMP_WAIT_POLICY=PASSIVE, and whole
 # scheduler slices when other processes share the cores. Threads never change the bits (tested).
 _CPU_SERIAL_WEIGHT_BYTES = 16 << 20
+# Taller row tiles for calls of many rows (ROW_TILE times a power of two). A 4-row tile reads the whole weight for
+# every 4 rows: at batch 32 a decode step's matmuls read each weight 8 times and took ~2.5x torch's one call. On
+# the 2-core machines (AMD EPYC, AVX-512, oneDNN 3.12 in torch 2.13) oneDNN's rows did not depend on the call's
+# height from 2 rows up (every M of 2..69, 96, 127..129, 200, 255..257 and 512 tried on SmolLM2's five weight shapes
+# and two odd ones, packed and plain, 1 and 2 threads); only the 1-row call (a gemv) differs. Nothing promises that
+# on another CPU or library, so a height is used for a (weight shape and layout, thread count) only once a probe has
+# found it bitwise equal to ROW_TILE-row calls there (``_tall_tile_ok``); otherwise those rows go 4 at a time.
+_TALL_TILES = (256, 128, 64, 32, 16, 8)
+_tall_ok: dict[tuple, bool] = {}
+
+
+def _onednn_mm(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
 
 
 def _cpu_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -381,18 +397,50 @@ def _mm_cpu(
 
     def tile_mm(rows: torch.Tensor) -> torch.Tensor:
         if _ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
+            return _onednn_mm(rows, w)
         # aten.mm.out, not torch.mm: inside batch_invariant_mode torch.mm would come back here.
         return torch.ops.aten.mm.out(rows, w.t(), out=rows.new_empty((rows.shape[0], w.shape[0])))
 
     serial = a.shape[0] <= ROW_TILE and w.shape[0] * w.shape[1] * 4 < _CPU_SERIAL_WEIGHT_BYTES
     with intra_op_threads(1 if serial else None):
-        c = map_row_tiles(tile_mm, a.float())
+        c = _map_tall_tiles(tile_mm, a.float(), w)
     if alpha != 1.0:
         c = c * alpha
     if bias is not None:
         c = c + beta * bias.float()
     return c.to(out_dtype or a.dtype)
+
+
+def _tall_tile_ok(tile_mm: Callable[[torch.Tensor], torch.Tensor], w: torch.Tensor, tile: int) -> bool:
+    """Whether ``tile``-row calls of ``tile_mm`` on weights like ``w`` give ROW_TILE-row calls' bits, row for row.
+
+    Probed once per (tile, weight shape and layout, dtype, thread count) on random rows through ``w`` itself: a
+    library that picks another algorithm for the taller call sums in another order, which shows in the bits of
+    random fp32 rows (the tests check that a probe sees it)."""
+    layout = "packed" if w.is_mkldnn else w.stride()
+    key = (tile, tuple(w.shape), layout, w.dtype, torch.get_num_threads(), _ONEDNN)
+    ok = _tall_ok.get(key)
+    if ok is None:
+        x = torch.randn((tile, w.shape[1]), generator=torch.Generator().manual_seed(tile))
+        ok = _tall_ok[key] = torch.equal(tile_mm(x), map_row_tiles(tile_mm, x))
+    return ok
+
+
+def _map_tall_tiles(tile_mm: Callable[[torch.Tensor], torch.Tensor], a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # a: [M, K] fp32 -> [M, N]: the tallest tiles that fit (and passed their probe) first, the rest 4 rows a call.
+    m = a.shape[0]
+    if m < _TALL_TILES[-1]:
+        return map_row_tiles(tile_mm, a)
+    a = a.contiguous()
+    parts, done = [], 0
+    for tile in _TALL_TILES:
+        if m - done >= tile and _tall_tile_ok(tile_mm, w, tile):
+            while m - done >= tile:
+                parts.append(tile_mm(a[done : done + tile]))
+                done += tile
+    if done < m:
+        parts.append(map_row_tiles(tile_mm, a[done:]))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, batched: bool) -> None:

@@ -116,7 +116,14 @@ def _check_reference(fn, lengths, q_lens, hq, hkv, d, page, dtype, atol):
 # split None: the public API (SPLIT); 128 puts 300 positions over 3 splits. Page 7 does not divide the tile.
 @pytest.mark.parametrize(
     "d,hq,hkv,page,split",
-    [(64, 9, 3, 16, None), (64, 3, 3, 7, 128), (32, 9, 3, 7, None), (32, 3, 3, 16, 128), (64, 9, 3, 7, 128)],
+    [
+        (64, 9, 3, 16, None),
+        (64, 3, 3, 7, 128),
+        (32, 9, 3, 7, None),
+        (32, 3, 3, 16, 128),
+        (64, 9, 3, 7, 128),
+        (16, 10, 2, 5, 128),
+    ],  # group 5: decode rows in short entries of 8 rows (tall: 20)
 )
 def test_cpu_matches_fp64_reference(d, hq, hkv, page, split):
     # prefill, a chunk after context, decode, prefill, decode
@@ -333,13 +340,45 @@ def test_cpu_plan_and_chunks_do_not_change_bits(monkeypatch):
         assert len(plan.chunks) == expected_chunks
         return _paged_attention_cpu(q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, split=128, plan=plan)
 
-    expected_chunks = 1
+    expected_chunks = 2  # one per entry height: b's decode row has a short entry of its own (_short_entries_ok)
     for out, ref in zip(paged.attend(with_plan, items), whole, strict=True):
         assert_bitwise(out, ref)
     monkeypatch.setattr(attention_cpu, "_CPU_CHUNK_BYTES", 1)
-    expected_chunks = 75 + 1 + 2 + 8  # one per entry of _CPU_ROWS query tokens
+    expected_chunks = 75 + 1 + 2 + 8  # one per entry of _CPU_ROWS query tokens (b's of one)
     for out, ref in zip(paged.attend(with_plan, items), whole, strict=True):
         assert_bitwise(out, ref)
+
+
+def test_cpu_decode_rows_take_short_entries_only_where_the_probe_allows(monkeypatch):
+    # A decode row gets an entry of its own (group rows padded to 4, not _CPU_ROWS tokens' worth) only where a probe
+    # found the bmm's rows equal at both heights (attention_cpu._short_entries_ok). Negative control: a BLAS whose
+    # short calls sum in another order (here fp64 below the tall height). Taken without the probe, the decode row's
+    # bits move off the prefill's, which the harness sees; with the probe the short entries are refused.
+    seq = Seq(150, 9, 3, 64, torch.float32, seed=1)
+    paged = Paged(3, 64, torch.float32)
+    paged.write("t", seq, 0, 150)
+    prefill = paged.attend(cpu(128), [("t", seq, 0, 150)])[0]
+    tables, lens, starts = (
+        torch.tensor([paged.tables["t"]], dtype=torch.int32),
+        torch.tensor([150]),
+        torch.tensor([0, 1]),
+    )
+    plan = cpu_attention_plan(tables, lens.int(), starts.int(), paged.k.shape, 9)
+    assert [c.n_rows for c in plan.chunks] == [4]  # as on the 2-core machines: the probe passed
+    real = attention_cpu._bmm
+
+    def other_order(a, b):
+        return real(a, b) if a.shape[1] >= _CPU_ROWS * 3 else (a.double() @ b.double()).float()
+
+    monkeypatch.setattr(attention_cpu, "_bmm", other_order)
+    monkeypatch.setattr(attention_cpu, "_short_ok", {})
+    decode = [("t", seq, p, p + 1) for p in (0, 63, 64, 149)]
+    for _, _, p, _ in decode:
+        assert_bitwise(paged.attend(cpu(128), [("t", seq, p, p + 1)])[0], prefill[p : p + 1])
+    assert attention_cpu._short_ok and not any(attention_cpu._short_ok.values())
+    monkeypatch.setattr(attention_cpu, "_short_entries_ok", lambda *args: True)
+    outs = [paged.attend(cpu(128), [item])[0] for item in decode]
+    assert any(not torch.equal(o, prefill[p : p + 1]) for o, (_, _, p, _) in zip(outs, decode, strict=True))
 
 
 def test_cpu_bits_do_not_depend_on_the_thread_count():

@@ -4,6 +4,7 @@ from invariance import INVARIANCE_MS, MOVES, SIZES, check_moved_row, check_prefi
 
 from lockstep import ops
 from lockstep.ops import matmul
+from lockstep.ops._common import ROW_TILE, map_row_tiles
 from lockstep.ops.matmul import MatmulConfig, _bmm_triton, _cpu_weight, _mm_cpu, matmul_config
 
 # Relative error bounds against fp64 (METHOD.md: fp32 far under 1e-3; bf16 operands 1e-3..1e-2).
@@ -247,3 +248,45 @@ def test_triton_tma_kept_weight_descriptor_gives_the_same_bits_and_follows_the_s
 def test_config_table_depends_only_on_m_bucket_n_k_dtype():
     for m in [1, 7, 16]:
         assert matmul_config(m, 4096, 4096, torch.bfloat16) == matmul_config(1, 4096, 4096, torch.bfloat16)
+
+
+def test_cpu_tall_tiles_give_the_4_row_tiles_bits(monkeypatch):
+    # Calls of many rows go in taller tiles where a probe found them equal to 4-row tiles (matmul._tall_tile_ok):
+    # the bits must be the 4-row tiles' at every height, and a row's wherever it sits.
+    monkeypatch.setattr(matmul, "_tall_ok", {})
+    heights = []
+    real = matmul._onednn_mm
+    monkeypatch.setattr(matmul, "_onednn_mm", lambda rows, w: heights.append(rows.shape[0]) or real(rows, w))
+    x, w = randn(300, 576, seed=1), randn(960, 576, seed=2)
+    packed = _cpu_weight(w)
+    four = map_row_tiles(lambda rows: real(rows, packed), x)
+    assert torch.equal(ops.linear(x, w), four)  # probes 256, 32 and 8 rows
+    heights.clear()
+    assert torch.equal(ops.linear(x, w), four)
+    if all(ok for key, ok in matmul._tall_ok.items()):  # as on the 2-core machines: 300 rows in 4 calls
+        assert heights == [256, 32, 8, 4]
+    for m in [8, 9, 37, 255, 256, 257]:
+        assert torch.equal(ops.linear(x[:m], w), four[:m]), f"rows differ at m={m}"
+    check_moved_row(lambda t: ops.linear(t, w), x, MOVES + [(300, 299), (64, 33)])
+
+
+def test_cpu_tall_tile_probe_rejects_a_height_with_other_bits(monkeypatch):
+    # Negative control: a library whose taller calls sum in another order (here fp64 for calls of more than 4 rows).
+    # Taken without the probe it changes the bits (the harness sees it); with the probe those heights are refused
+    # and the rows keep the 4-row tiles' bits.
+    real = matmul._onednn_mm
+
+    def other_order(rows, w):
+        if rows.shape[0] <= ROW_TILE:
+            return real(rows, w)
+        dense = w.to_dense() if w.is_mkldnn else w
+        return (rows.double() @ dense.double().t()).float()
+
+    x, w = randn(100, 131, seed=1), randn(77, 131, seed=2)
+    four = map_row_tiles(lambda rows: real(rows, _cpu_weight(w)), x)
+    monkeypatch.setattr(matmul, "_onednn_mm", other_order)
+    monkeypatch.setattr(matmul, "_tall_ok", {})
+    assert torch.equal(ops.linear(x, w), four)
+    assert matmul._tall_ok and not any(matmul._tall_ok.values())
+    monkeypatch.setattr(matmul, "_tall_tile_ok", lambda tile_mm, w, tile: True)
+    assert not torch.equal(ops.linear(x, w), four)

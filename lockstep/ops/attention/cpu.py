@@ -42,11 +42,13 @@ _CPU_SERIAL_ENTRIES = 96
 
 @dataclass(frozen=True)
 class _CpuChunk:
-    """Entries ``[first, first + num_entries)`` of a plan, as a grid of ``num_entries x num_tiles`` items."""
+    """Entries ``[first, first + num_entries)`` of one height of a plan, as a grid of ``num_entries x num_tiles``
+    items, each ``n_rows`` matmul rows per KV head."""
 
     first: int
     num_entries: int
     num_tiles: int  # tiles of the chunk's longest entry
+    n_rows: int  # R: matmul rows of an entry per KV head
     q_rows: torch.Tensor  # [E * T * H_kv * R] rows of q viewed as [tokens * H_q, D] (padding rows read token 0)
     kv_rows: torch.Tensor  # [E * T * H_kv * TILE] rows of the cache viewed as [slots * H_kv, D]
     v_zero: torch.Tensor | None  # indices into kv_rows past a sequence's end (unused slots may hold NaN)
@@ -56,18 +58,56 @@ class _CpuChunk:
 @dataclass(frozen=True)
 class CpuAttentionPlan:
     """How the CPU path cuts one batch into work, for caches with ``key = (page_size, num_kv_heads, head_dim,
-    group)``. Entries of ``rows_per_entry`` query tokens of one sequence are ordered longest first; each is
-    ``R = rows_per_entry * group`` matmul rows per KV head, (token, head of the group) token-major."""
+    group)``. Entries of ``rows_per_entry`` query tokens of one sequence, ``rows_per_entry * group`` matmul rows per
+    KV head, (token, head of the group) token-major; a sequence of one query token (a decode row) gets an entry of
+    its own, ``group`` rows padded to a multiple of 4, where ``_short_entries_ok`` allows it. Each height's entries
+    are ordered longest first."""
 
     key: tuple[int, int, int, int]
     rows_per_entry: int
     chunks: tuple[_CpuChunk, ...]
-    out_rows: torch.Tensor  # [tokens * H_q]: where each (token, query head) sits in the output [E * H_kv * R]
+    out_rows: torch.Tensor  # [tokens * H_q]: where each (token, query head) sits in the chunks' outputs, flattened
 
     @property
     def bmm_entries(self) -> int:
         """(item, kv head) pairs: the entries of each of the step's two bmm passes."""
         return sum(c.num_entries * c.num_tiles for c in self.chunks) * self.key[1]
+
+
+# Decode rows in entries of their own. A decode token is one token of its sequence, so in an entry of _CPU_ROWS
+# tokens 3 of every 4 rows are padding: at batch 32 (SmolLM2, group 3) the attention took ~3x what one-token entries
+# took. Those entries are shorter ([ceil(group / 4) * 4, D] x [D, TILE]), so they keep the contract only if the bmm
+# gives a row the same bits at both heights, from any token slot of the taller entry: MKL did on the 2-core machines
+# (every height from 4 to 48 equal, 1 to 3 not), which nothing promises elsewhere. So a probe on random rows checks
+# it once per (heights, group, head_dim, thread count), at one thread and at all of them; without it decode rows
+# take the tall entries, as prefill rows always do.
+_short_ok: dict[tuple, bool] = {}
+
+
+def _short_entries_ok(short: int, tall: int, group: int, head_dim: int) -> bool:
+    """Whether a bmm entry of ``short`` rows gives each of its first ``group`` rows the bits of that row in an entry
+    of ``tall`` rows, at every token slot of the tall one, for both of the CPU path's matmuls."""
+    key = (short, tall, group, head_dim, torch.get_num_threads())
+    ok = _short_ok.get(key)
+    if ok is None:
+        g = torch.Generator().manual_seed(tall * 1000 + short)
+        n = 8
+        q, q_pad = torch.randn(n, tall, head_dim, generator=g), torch.randn(n, short, head_dim, generator=g)
+        k = torch.randn(n, TILE, head_dim, generator=g).transpose(1, 2)  # the layout _attend_chunk multiplies
+        p, p_pad = torch.rand(n, tall, TILE, generator=g), torch.rand(n, short, TILE, generator=g)
+        v = torch.randn(n, TILE, head_dim, generator=g)
+        ok = True
+        for threads in (1, None):
+            with intra_op_threads(threads):
+                s_tall, o_tall = _bmm(q, k), _bmm(p, v)
+                for r0 in range(0, tall, group):
+                    rows = slice(r0, r0 + group)
+                    qs, ps = q_pad.clone(), p_pad.clone()
+                    qs[:, :group], ps[:, :group] = q[:, rows], p[:, rows]
+                    ok &= torch.equal(_bmm(qs, k)[:, :group], s_tall[:, rows])
+                    ok &= torch.equal(_bmm(ps, v)[:, :group], o_tall[:, rows])
+        _short_ok[key] = ok
+    return ok
 
 
 def cpu_attention_plan(
@@ -82,34 +122,61 @@ def cpu_attention_plan(
     """The CPU path's plan for one batch (``paged_attention``'s arguments; ``cache_shape`` is the K cache's)."""
     _, page_size, num_kv_heads, head_dim = cache_shape
     group = num_q_heads // num_kv_heads
-    n_rows = rows_per_entry * group
+    tall = rows_per_entry * group
+    short = -(-group // 4) * 4
+    if short >= tall or not _short_entries_ok(short, tall, group, head_dim):
+        short = 0
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    toks, poss, seqs = [], [], []
+    by_height: dict[int, tuple[list, list, list]] = {}  # matmul rows -> the entries' tokens, positions, sequences
     for i in range(len(lens)):
         q_len = starts[i + 1] - starts[i]
         if q_len == 0:
             continue
-        padded = -(-q_len // rows_per_entry) * rows_per_entry
+        per = 1 if q_len == 1 and short else rows_per_entry
+        toks, poss, seqs = by_height.setdefault(short if per == 1 else tall, ([], [], []))
+        padded = -(-q_len // per) * per
         j = torch.arange(padded)
-        toks.append(torch.where(j < q_len, starts[i] + j, -1).view(-1, rows_per_entry))
-        poss.append(torch.where(j < q_len, lens[i] - q_len + j, -1).view(-1, rows_per_entry))
-        seqs.append(torch.full((padded // rows_per_entry,), i))
-    tok, pos, seq = torch.cat(toks), torch.cat(poss), torch.cat(seqs)
-    n_tiles = pos.amax(1) // TILE + 1
-    # Longest first, so that a chunk's entries need about as many tiles each (the order is only a slot in a bmm).
-    order = torch.argsort(n_tiles, descending=True, stable=True)
-    tok, pos, seq, n_tiles = tok[order], pos[order], seq[order], n_tiles[order].tolist()
-    num_entries = tok.shape[0]
+        toks.append(torch.where(j < q_len, starts[i] + j, -1).view(-1, per))
+        poss.append(torch.where(j < q_len, lens[i] - q_len + j, -1).view(-1, per))
+        seqs.append(torch.full((padded // per,), i))
 
-    # Matmul row (entry e, kv head h, row r * group + g) is query token tok[e, r], head h * group + g.
-    heads = torch.arange(num_kv_heads).view(1, -1, 1, 1) * group + torch.arange(group).view(1, 1, 1, -1)
-    q_rows = tok.clamp(min=0).view(num_entries, 1, rows_per_entry, 1) * num_q_heads + heads  # [E, H, ROWS, group]
-    live = (tok >= 0).view(num_entries, 1, rows_per_entry, 1).expand_as(q_rows).flatten()
-    out_rows = torch.empty(int(live.sum()), dtype=torch.int64)
-    out_rows[q_rows.flatten()[live]] = live.nonzero().squeeze(1)
-    q_rows = q_rows.reshape(num_entries, 1, num_kv_heads, n_rows)
-    row_pos = pos.repeat_interleave(group, dim=1)  # [E, R]
+    num_out = starts[-1] * num_q_heads
+    out_rows = torch.empty(num_out, dtype=torch.int64)
+    chunks: list[_CpuChunk] = []
+    offset = 0  # rows of the chunks' outputs before this height's
+    for n_rows in sorted(by_height, reverse=True):
+        toks, poss, seqs = by_height[n_rows]
+        tok, pos, seq = torch.cat(toks), torch.cat(poss), torch.cat(seqs)
+        per = tok.shape[1]
+        n_tiles = pos.amax(1) // TILE + 1
+        # Longest first, so that a chunk's entries need about as many tiles each (the order is only a slot in a bmm).
+        order = torch.argsort(n_tiles, descending=True, stable=True)
+        tok, pos, seq, n_tiles = tok[order], pos[order], seq[order], n_tiles[order].tolist()
+        num_entries = tok.shape[0]
 
+        # Matmul row (entry e, kv head h, row r * group + g) is query token tok[e, r], head h * group + g; rows past
+        # per * group (a short entry's padding) read q row 0 and see no position.
+        heads = torch.arange(num_kv_heads).view(1, -1, 1, 1) * group + torch.arange(group).view(1, 1, 1, -1)
+        q_rows = (tok.clamp(min=0).view(num_entries, 1, per, 1) * num_q_heads + heads).flatten(2)  # [E, H, per * g]
+        live = (tok >= 0).view(num_entries, 1, per, 1).expand(-1, num_kv_heads, -1, group).flatten(2)
+        row_pos = pos.repeat_interleave(group, dim=1)  # [E, per * group]
+        pad = n_rows - per * group
+        if pad:
+            q_rows = torch.nn.functional.pad(q_rows, (0, pad))
+            live = torch.nn.functional.pad(live, (0, pad))
+            row_pos = torch.nn.functional.pad(row_pos, (0, pad), value=-1)
+        live = live.flatten()
+        out_rows[q_rows.flatten()[live]] = live.nonzero().squeeze(1) + offset
+        offset += live.numel()
+        q_rows = q_rows.view(num_entries, 1, num_kv_heads, n_rows)
+        chunks += _height_chunks(q_rows, row_pos, seq, n_tiles, seq_lens, block_tables, page_size, head_dim)
+    return CpuAttentionPlan((page_size, num_kv_heads, head_dim, group), rows_per_entry, tuple(chunks), out_rows)
+
+
+def _height_chunks(q_rows, row_pos, seq, n_tiles, seq_lens, block_tables, page_size, head_dim) -> list[_CpuChunk]:
+    # One height's entries (q_rows [E, 1, H_kv, R], row_pos [E, R], seq [E], n_tiles: E ints, longest first) cut into
+    # chunks of at most _CPU_CHUNK_BYTES of K each.
+    num_entries, _, num_kv_heads, n_rows = q_rows.shape
     lens_t, tables = seq_lens.long(), block_tables.long()
     kv_heads = torch.arange(num_kv_heads)[:, None]
     item_bytes = num_kv_heads * TILE * head_dim * 4
@@ -126,7 +193,7 @@ def cpu_attention_plan(
         v_zero = (~kv_ok).view(count, num_tiles, 1, TILE).expand(-1, -1, num_kv_heads, -1).flatten().nonzero()
         chunks.append(
             _CpuChunk(
-                first, count, num_tiles,
+                first, count, num_tiles, n_rows,
                 q_rows=q_rows[entries].expand(-1, num_tiles, -1, -1).flatten(),
                 kv_rows=(slots * num_kv_heads + kv_heads).flatten(),
                 v_zero=v_zero.squeeze(1) if v_zero.numel() else None,
@@ -134,7 +201,7 @@ def cpu_attention_plan(
             )
         )  # fmt: skip
         first += count
-    return CpuAttentionPlan((page_size, num_kv_heads, head_dim, group), rows_per_entry, tuple(chunks), out_rows)
+    return chunks
 
 
 def _merge_cpu(run, part):
@@ -162,11 +229,11 @@ def _cache_floats(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _attend_chunk(
-    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, c: _CpuChunk, n_rows: int, tiles_per_split: int
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, c: _CpuChunk, tiles_per_split: int
 ) -> torch.Tensor:
     # q, k_rows, v_rows: [rows, D] views of q and the caches -> [E, H_kv, R, D] fp32 for the chunk's entries
     head_dim = k_rows.shape[1]
-    e, t = c.num_entries, c.num_tiles
+    e, t, n_rows = c.num_entries, c.num_tiles, c.n_rows
     num_kv_heads = c.kv_rows.shape[0] // (e * t * TILE)
     q_items = q.index_select(0, c.q_rows).view(-1, n_rows, head_dim)
     k = _cache_floats(k_rows.index_select(0, c.kv_rows)).view(-1, TILE, head_dim)
@@ -253,9 +320,8 @@ def _paged_attention_cpu(
     q_rows = (q.float() * scale).view(-1, head_dim)  # row token * H_q + head, pre-scaled
     k_rows = _bytes(k_cache).view(-1, head_dim)  # row slot * H_kv + kv head
     v_rows = _bytes(v_cache).view(-1, head_dim)
-    n_rows = rows_per_entry * group
     with intra_op_threads(1 if plan.bmm_entries < _CPU_SERIAL_ENTRIES else None):
-        outs = [_attend_chunk(q_rows, k_rows, v_rows, c, n_rows, split // TILE) for c in plan.chunks]
-    o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [E, H_kv, R, D]
-    out = o.view(-1, head_dim).index_select(0, plan.out_rows).view(q.shape)
+        outs = [_attend_chunk(q_rows, k_rows, v_rows, c, split // TILE).reshape(-1, head_dim) for c in plan.chunks]
+    o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [sum of E * H_kv * R, D]
+    out = o.index_select(0, plan.out_rows).view(q.shape)
     return out.add_(0.0).to(q.dtype)  # + 0.0 turns -0.0 into +0.0 (see the package docstring)
