@@ -500,13 +500,7 @@ class LLMEngine:
                     self._fail(request, why)
                     break
                 self.scheduler.accept_token(seq, tokens[j], sampled.logprobs[first + j], j > 0)
-                if seq.grammar is not None and request.error is None:
-                    self._advance_grammar(request)
-                if request.error is None:
-                    try:
-                        self._update_text(request)
-                    except Exception as e:  # the request's own tokens broke detokenising or the stop check
-                        self._fail(request, f"detokenizing failed: {type(e).__name__}: {e}")
+                self._after_token(request)
                 if seq.is_finished:
                     break
             self.scheduler.trim_drafts(seq)
@@ -585,13 +579,7 @@ class LLMEngine:
             stats = request.metrics
             stats.first_token_ts = stats.first_token_ts or now
             stats.last_token_ts = now
-            if entry.seq.grammar is not None and request.error is None:
-                self._advance_grammar(request)
-            if request.error is None:
-                try:
-                    self._update_text(request)
-                except Exception as e:  # the request's own tokens broke detokenising or the stop check
-                    self._fail(request, f"detokenizing failed: {type(e).__name__}: {e}")
+            self._after_token(request)
             if request.seq.is_finished:
                 del self._requests[entry.seq.request_id]
                 outputs.append(self._forget(request))
@@ -630,6 +618,17 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (the engine cannot run steps afterwards). Idempotent."""
         if self.workers is not None:
             self.workers.close()
+
+    def _after_token(self, request: _Request) -> None:
+        """What every token a sequence takes goes through: its grammar advances, its text and stop checks update;
+        a failure of either fails the request alone."""
+        if request.seq.grammar is not None and request.error is None:
+            self._advance_grammar(request)
+        if request.error is None:
+            try:
+                self._update_text(request)
+            except Exception as e:  # the request's own tokens broke detokenising or the stop check
+                self._fail(request, f"detokenizing failed: {type(e).__name__}: {e}")
 
     def _advance_grammar(self, request: _Request) -> None:
         """Feed a structured request's new token to its grammar. A grammar that allows nothing more but EOS ends a
