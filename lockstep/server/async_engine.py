@@ -456,6 +456,8 @@ class AsyncEngine:
         self._failures = 0
         now = time.perf_counter()
         self.metrics.step_seconds.observe(now - start)
+        if self.engine.scheduled_tokens:
+            self.metrics.iteration_tokens.observe(self.engine.scheduled_tokens)
         posts: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             group = self._groups.get(out.request_id)

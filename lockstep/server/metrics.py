@@ -5,7 +5,8 @@ lockstep's own names (``lockstep_*``), and beside them the same figures under vL
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (and the older ``vllm:gpu_cache_usage_perc``: the
 fraction of KV blocks held, 0 to 1), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
 ``vllm:request_success_total``, ``vllm:time_to_first_token_seconds``, ``vllm:e2e_request_latency_seconds`` and
-``vllm:inter_token_latency_seconds``.
+``vllm:inter_token_latency_seconds``, and ``vllm:iteration_tokens_total`` (a histogram, despite its name: the
+tokens each engine step ran, vLLM's buckets; lockstep's ``lockstep_iteration_tokens``).
 
 Counters and histograms are updated from the event loop and the engine thread; gauges are set by the engine
 thread after every step. Plain attribute updates are enough here: a scrape may be one step stale.
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from lockstep.spec.stats import SpecDecodeStats
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -67,6 +69,7 @@ class Metrics:
     first_token_seconds: Histogram = field(default_factory=Histogram)
     step_seconds: Histogram = field(default_factory=Histogram)
     inter_token_seconds: Histogram = field(default_factory=Histogram)  # a request's tokens, one from the next
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKEN_BUCKETS))  # per step
     info: dict[str, str] = field(default_factory=dict)  # what is served: kernel set, device, dtype, version
     model_name: str = ""  # the served model's name: the label of vLLM's metric names
     finished: dict[str, int] = field(default_factory=dict)  # requests ended, by finish reason (vLLM's)
@@ -106,6 +109,7 @@ class Metrics:
             ("time_to_first_token_seconds", self.first_token_seconds, "Arrival to first generated token."),
             ("engine_step_seconds", self.step_seconds, "Duration of one engine step."),
             ("inter_token_latency_seconds", self.inter_token_seconds, "A request's time from one token to the next."),
+            ("iteration_tokens", self.iteration_tokens, "Tokens (prompt and generated) one engine step ran."),
         ):
             lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} histogram", *hist.lines(p + name)]
         if self.spec_decode is not None:
@@ -136,6 +140,7 @@ class Metrics:
             ("time_to_first_token_seconds", self.first_token_seconds, "Histogram of time to first token in seconds."),
             ("e2e_request_latency_seconds", self.request_seconds, "Histogram of end to end request latency."),
             ("inter_token_latency_seconds", self.inter_token_seconds, "Histogram of inter-token latency."),
+            ("iteration_tokens_total", self.iteration_tokens, "Histogram of number of tokens per engine_step."),
         ):
             lines += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} histogram", *hist.lines(f"vllm:{name}", label)]
         return lines

@@ -2,7 +2,7 @@
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (SSE streaming or not), ``GET /v1/models``, ``/health``,
 ``/metrics``, vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``), ``GET /version``, and the rest of vLLM's
-routes (``vllm_routes``: ``/tokenizer_info``, ``/invocations``, ``/flush_cache``). Every completion carries
+routes (``vllm_routes``: ``/tokenizer_info``, ``/load``, ``/invocations``, ``/flush_cache``). Every completion carries
 ``system_fingerprint``: a hash of the weights, lockstep's version, the device, the dtype and the kernel set, the key
 under which a request's output is reproducible. Errors are OpenAI-style JSON bodies; nothing a client sends can
 take the server down.
@@ -33,7 +33,7 @@ from lockstep.server.requests import parse_call
 from lockstep.server.responses import DISCONNECT_POLL_SECONDS, respond
 from lockstep.server.state import ServerState
 from lockstep.server.tokenize import detokenize, tokenize
-from lockstep.server.vllm_routes import add_vllm_routes
+from lockstep.server.vllm_routes import add_vllm_routes, load_tracked
 
 
 def json_response(body: dict, status: int = 200) -> Response:
@@ -134,6 +134,9 @@ def build_app(state: ServerState) -> FastAPI:
                 return job.result()
 
     async def call(request: Request, chat: bool) -> Response:
+        return await load_tracked(state, lambda: answer(request, chat))
+
+    async def answer(request: Request, chat: bool) -> Response:
         parsed = await while_connected(request, parse_call, chat)
         if parsed is None:  # nothing was submitted: a departed client's call costs the engine nothing
             return Response(status_code=499)

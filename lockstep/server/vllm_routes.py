@@ -1,7 +1,8 @@
 """vLLM's (and SGLang's) routes beside the OpenAI API: ``GET /tokenizer_info`` (with
-``--enable-tokenizer-info-endpoint``), ``POST /invocations`` (SageMaker's one route, dispatched on the body's
-shape) and SGLang's ``/flush_cache`` (vLLM's ``POST /reset_prefix_cache`` is a development route, as in vLLM:
-``--dev-mode``, ``rl_api``).
+``--enable-tokenizer-info-endpoint``), ``GET /load`` (with ``--enable-server-load-tracking`` the generation calls in
+flight, counted by ``LoadTracked``; else 0, as vLLM answers), ``POST /invocations`` (SageMaker's one route,
+dispatched on the body's shape) and SGLang's ``/flush_cache`` (vLLM's ``POST /reset_prefix_cache`` is a development
+route, as in vLLM: ``--dev-mode``, ``rl_api``).
 
 ``/flush_cache`` forgets every cached prefix block, on the engine thread between two steps
 (``LLMEngine.reset_prefix_cache``). While requests are running their blocks are in use and nothing is reset (as
@@ -19,6 +20,35 @@ from lockstep.server.state import ServerState
 
 # Tokenizer settings that name files on the server's disk, left out of /tokenizer_info (vLLM drops the same).
 _PRIVATE_TOKENIZER_KEYS = ("tokenizer_object", "vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+
+
+class LoadTracked(Response):
+    """A generation call's response that holds its place in ``state.server_load`` until it is written (a stream: to
+    its end, or until the client leaves): vLLM's count of the requests using the engine. The count is taken before
+    the body is parsed and given back here, whatever happens to the writing."""
+
+    def __init__(self, state: ServerState, inner: Response) -> None:
+        self.state, self.inner = state, inner
+        self.status_code, self.raw_headers, self.background = inner.status_code, inner.raw_headers, inner.background
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
+
+
+async def load_tracked(state: ServerState, answer) -> Response:
+    """``await answer()`` counted in ``state.server_load`` while it runs and while its response is written."""
+    if not state.enable_server_load_tracking:
+        return await answer()
+    state.server_load += 1
+    try:
+        response = await answer()
+    except BaseException:
+        state.server_load -= 1
+        raise
+    return LoadTracked(state, response)
 
 
 def tokenizer_info(state: ServerState) -> dict:
@@ -42,6 +72,10 @@ def add_vllm_routes(app: FastAPI, state: ServerState, call) -> None:
         @app.get("/tokenizer_info")
         async def tokenizer_info_route() -> Response:
             return Response(json.dumps(tokenizer_info(state)), media_type="application/json")
+
+    @app.get("/load")
+    async def load() -> Response:
+        return Response(json.dumps({"server_load": state.server_load}), media_type="application/json")
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:

@@ -3,6 +3,7 @@ and bad_words, chat's echo / add_generation_prompt / continue_final_message and 
 --max-logprobs, cached_tokens and per-request metrics, and the extra routes and metric names."""
 
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +21,7 @@ TEMPLATE = (
 )
 VLLM_FLAGS = (
     "--root-path", ROOT_PATH, "--max-logprobs", "-1", "--enable-prompt-tokens-details",
-    "--enable-force-include-usage", "--enable-tokenizer-info-endpoint", "--dev-mode",
+    "--enable-force-include-usage", "--enable-tokenizer-info-endpoint", "--dev-mode", "--enable-server-load-tracking",
 )  # fmt: skip
 
 
@@ -280,3 +281,64 @@ def test_use_beam_search_gives_the_offline_beams(server: Server, tiny_server_mod
     ):
         err = _assert_error(_post(server, "/v1/completions", comp | extra_field), 400, name)
         assert err["param"] == name
+
+
+def _load(server: Server) -> int:
+    return httpx.get(server.url + "/load", headers=server.headers, timeout=10).json()["server_load"]
+
+
+def _load_settles_at(server: Server, want: int) -> None:
+    """The count is given back once the response is written, which may be just after the client has read it."""
+    for _ in range(200):
+        if _load(server) == want:
+            return
+        time.sleep(0.05)
+    assert _load(server) == want
+
+
+def test_load_counts_generation_calls_in_flight(vllm_server: Server, server: Server) -> None:
+    c = client(vllm_server)
+    kw = dict(model=vllm_server.model, prompt="hi", max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    _load_settles_at(vllm_server, 0)
+    with c.completions.create(**kw) as first:
+        next(iter(first))
+        assert _load(vllm_server) == 1
+        chat = c.chat.completions.create(
+            model=vllm_server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=400, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        with chat:
+            next(iter(chat))
+            assert _load(vllm_server) == 2
+        _load_settles_at(vllm_server, 1)  # the client left: its count is given back
+    _load_settles_at(vllm_server, 0)
+    # A call that fails (a 400 from the parser) or one that is answered in one body leaves nothing counted.
+    _assert_error(_post(vllm_server, "/v1/completions", {"model": vllm_server.model, "prompt": 5}), 400, "prompt")
+    c.completions.create(model=vllm_server.model, prompt="hi", max_tokens=2)
+    _load_settles_at(vllm_server, 0)
+    # Without --enable-server-load-tracking /load is served and says 0, as vLLM's does.
+    with client(server).completions.create(**kw | {"model": server.model}) as stream:
+        next(iter(stream))
+        assert _load(server) == 0
+
+
+def test_iteration_tokens_histogram(vllm_server: Server) -> None:
+    label = f'model_name="{vllm_server.model}"'
+    before = vllm_server.metrics()
+    r = client(vllm_server).completions.create(
+        model=vllm_server.model, prompt="hello", max_tokens=4, extra_body={"ignore_eos": True}
+    )
+    after = vllm_server.metrics()
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    # One prefill step of the prompt, then one decode step per token after the first.
+    assert delta(f"vllm:iteration_tokens_total_count{{{label}}}") == 4 == delta("lockstep_iteration_tokens_count")
+    assert delta(f"vllm:iteration_tokens_total_sum{{{label}}}") == r.usage.prompt_tokens + 3
+    assert delta(f'vllm:iteration_tokens_total_bucket{{{label},le="1"}}') == 3  # the decode steps
+    assert delta(f'vllm:iteration_tokens_total_bucket{{{label},le="8"}}') == 4  # and the prefill of 5 or 6
+    assert (
+        after[f'vllm:iteration_tokens_total_bucket{{{label},le="+Inf"}}']
+        == after[f"vllm:iteration_tokens_total_count{{{label}}}"]
+    )
