@@ -15,6 +15,7 @@ thread after every step. Plain attribute updates are enough here: a scrape may b
 import bisect
 from dataclasses import dataclass, field
 
+from lockstep.outputs import RequestStateStats
 from lockstep.spec.stats import SpecDecodeStats
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
@@ -166,3 +167,28 @@ def _spec_decode_lines(p: str, s: SpecDecodeStats) -> list[str]:
     lines += [f"# HELP {p}{name} Accepted over drafted tokens so far.", f"# TYPE {p}{name} gauge"]
     lines += [f"{p}{name} {s.acceptance_rate}"]
     return lines
+
+
+def per_request_metrics(stats: RequestStateStats | None, num_generation_tokens: int) -> dict:
+    """vLLM's per-request timing metrics (``--enable-per-request-metrics``, a reply's ``metrics``), in ms from the
+    engine's monotonic timestamps: time to first token from the first scheduling, the decode time (first to last
+    token), the queue time (queued to scheduled), the mean inter-token latency over the decode time, and the
+    generated tokens per second from the first scheduling to the last token. A figure whose timestamps are missing
+    (0.0) is None, as in vLLM."""
+    out: dict[str, float | None] = dict.fromkeys(
+        ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms", "tokens_per_second")
+    )
+    if stats is None:
+        return out
+    queued, scheduled, first, last = stats.queued_ts, stats.scheduled_ts, stats.first_token_ts, stats.last_token_ts
+    if scheduled > 0 and first > 0:
+        out["time_to_first_token_ms"] = (first - scheduled) * 1000
+    if first > 0 and last > 0:
+        out["generation_time_ms"] = (last - first) * 1000
+        if num_generation_tokens > 1:
+            out["mean_itl_ms"] = (last - first) / (num_generation_tokens - 1) * 1000
+    if queued > 0 and scheduled > 0:
+        out["queue_time_ms"] = (scheduled - queued) * 1000
+    if scheduled > 0 and last > scheduled:
+        out["tokens_per_second"] = num_generation_tokens / (last - scheduled)
+    return out

@@ -22,6 +22,7 @@ TEMPLATE = (
 VLLM_FLAGS = (
     "--root-path", ROOT_PATH, "--max-logprobs", "-1", "--enable-prompt-tokens-details",
     "--enable-force-include-usage", "--enable-tokenizer-info-endpoint", "--dev-mode", "--enable-server-load-tracking",
+    "--enable-per-request-metrics",
 )  # fmt: skip
 
 
@@ -342,3 +343,41 @@ def test_iteration_tokens_histogram(vllm_server: Server) -> None:
         after[f'vllm:iteration_tokens_total_bucket{{{label},le="+Inf"}}']
         == after[f"vllm:iteration_tokens_total_count{{{label}}}"]
     )
+
+
+def _check_timings(m: dict, num_tokens: int) -> None:
+    """vLLM's per-request metrics, consistent with each other (their values are timings: no more is checked)."""
+    assert set(m) == {
+        "time_to_first_token_ms",
+        "generation_time_ms",
+        "queue_time_ms",
+        "mean_itl_ms",
+        "tokens_per_second",
+    }
+    assert all(isinstance(v, float) and v >= 0 for v in m.values()), m
+    assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / (num_tokens - 1))
+    inference_s = (m["time_to_first_token_ms"] + m["generation_time_ms"]) / 1000  # first scheduling to last token
+    assert m["tokens_per_second"] == pytest.approx(num_tokens / inference_s)
+
+
+def test_per_request_metrics(vllm_server: Server, server: Server) -> None:
+    c = client(vllm_server)
+    kw = dict(model=vllm_server.model, max_tokens=5, extra_body={"ignore_eos": True})
+    r = c.completions.create(prompt="hello", **kw)
+    _check_timings(r.model_extra["metrics"], 5)
+    chat = c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
+    _check_timings(chat.model_extra["metrics"], 5)
+    # Streamed: in the usage chunk alone.
+    chunks = list(c.completions.create(prompt="hello", stream=True, stream_options={"include_usage": True}, **kw))
+    assert all("metrics" not in (ch.model_extra or {}) for ch in chunks[:-1])
+    _check_timings(chunks[-1].model_extra["metrics"], 5)
+    # More than one choice or prompt: null, as vLLM's (whose figures are one request's).
+    assert c.completions.create(prompt="hello", n=2, **kw).model_extra["metrics"] is None
+    assert c.completions.create(prompt=["a", "b"], **kw).model_extra["metrics"] is None
+    # Without --enable-per-request-metrics: null, and no figures in a stream's usage chunk.
+    other = client(server)
+    assert other.completions.create(model=server.model, prompt="hi", max_tokens=2).model_extra["metrics"] is None
+    *_, last = other.completions.create(
+        model=server.model, prompt="hi", max_tokens=2, stream=True, stream_options={"include_usage": True}
+    )
+    assert last.usage is not None and "metrics" not in (last.model_extra or {})
