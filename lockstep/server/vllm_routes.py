@@ -2,7 +2,8 @@
 ``--enable-tokenizer-info-endpoint``), ``GET /load`` (with ``--enable-server-load-tracking`` the generation calls in
 flight, counted by ``LoadTracked``; else 0, as vLLM answers), ``POST /invocations`` (SageMaker's one route,
 dispatched on the body's shape) and SGLang's ``/flush_cache`` (vLLM's ``POST /reset_prefix_cache`` is a development
-route, as in vLLM: ``--dev-mode``, ``rl_api``).
+route, as in vLLM: ``--dev-mode``, ``rl_api``); and the body and reply of vLLM's ``/v1/chat/completions/batch``
+(``split_batch``, ``merge_batch``: many conversations in one call, one choice each), which ``openai_api`` serves.
 
 ``/flush_cache`` forgets every cached prefix block, on the engine thread between two steps
 (``LLMEngine.reset_prefix_cache``). While requests are running their blocks are in use and nothing is reset (as
@@ -15,7 +16,7 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from lockstep.server.protocol import APIError, error_body
+from lockstep.server.protocol import MAX_N, APIError, error_body
 from lockstep.server.state import ServerState
 
 # Tokenizer settings that name files on the server's disk, left out of /tokenizer_info (vLLM drops the same).
@@ -49,6 +50,56 @@ async def load_tracked(state: ServerState, answer) -> Response:
         state.server_load -= 1
         raise
     return LoadTracked(state, response)
+
+
+def split_batch(body: bytes) -> list[bytes]:
+    """vLLM's ``/v1/chat/completions/batch`` body (a chat completion body whose ``messages`` is a list of
+    conversations) as one chat completion body per conversation. Refused as vLLM refuses them: streaming, tools and
+    beam search; and ``n`` above 1 (vLLM's choices are one per conversation) and more than ``MAX_N`` conversations
+    (each one is a request)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise APIError(400, "the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object")
+    conversations = data.get("messages")
+    if not isinstance(conversations, list) or not conversations or not all(isinstance(c, list) for c in conversations):
+        raise APIError(400, "messages must be a non-empty list of conversations (lists of messages)", param="messages")
+    if len(conversations) > MAX_N:
+        raise APIError(400, f"at most {MAX_N} conversations in one batch, got {len(conversations)}", param="messages")
+    for key, refused in (
+        ("stream", bool(data.get("stream"))),
+        ("tools", bool(data.get("tools"))),
+        ("tool_choice", data.get("tool_choice") not in (None, "none")),
+        ("use_beam_search", bool(data.get("use_beam_search"))),
+        ("n", data.get("n", 1) not in (1, None)),
+    ):
+        if refused:
+            raise APIError(400, f"{key} is not supported by /v1/chat/completions/batch", param=key)
+    return [json.dumps(data | {"messages": c}).encode() for c in conversations]
+
+
+def merge_batch(replies: list[dict]) -> dict:
+    """The conversations' replies as one chat completion, vLLM's: choice ``i`` is conversation ``i``'s (its bits
+    those of the same call alone), the usage summed, the per-call fields (prompt logprobs and ids, metrics) null."""
+    first = replies[0]
+    usage = {
+        key: sum(r["usage"][key] for r in replies) for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+    }
+    details = first["usage"].get("prompt_tokens_details")
+    if details is not None:
+        details = {"cached_tokens": sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies)}
+    head = {key: first[key] for key in ("object", "created", "model", "system_fingerprint")}
+    return {
+        "id": first["id"],
+        **head,
+        "choices": [r["choices"][0] | {"index": i} for i, r in enumerate(replies)],
+        "usage": usage | {"prompt_tokens_details": details},
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "metrics": None,
+    }
 
 
 def tokenizer_info(state: ServerState) -> dict:

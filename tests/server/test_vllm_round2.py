@@ -381,3 +381,45 @@ def test_per_request_metrics(vllm_server: Server, server: Server) -> None:
         model=server.model, prompt="hi", max_tokens=2, stream=True, stream_options={"include_usage": True}
     )
     assert last.usage is not None and "metrics" not in (last.model_extra or {})
+
+
+def test_chat_completions_batch(vllm_server: Server) -> None:
+    server = vllm_server
+    conversations = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "a longer question"}],
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}],
+    ]
+    kw = {"max_tokens": 6, "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "ignore_eos": True}
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        body = {"model": server.model, "messages": conversations, **kw, **sampling}
+        # Through the openai client's own request method, as a vLLM user's code calls the route.
+        batch = client(server).post("/chat/completions/batch", cast_to=object, body=body)
+        assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-")
+        assert [ch["index"] for ch in batch["choices"]] == [0, 1, 2]
+        singles = [_post(server, "/v1/chat/completions", body | {"messages": m}).json() for m in conversations]
+        for choice, single in zip(batch["choices"], singles, strict=True):
+            # The same bits as the call alone: text, token ids, logprobs, finish.
+            assert choice == single["choices"][0] | {"index": choice["index"]}
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert batch["usage"][key] == sum(s["usage"][key] for s in singles)
+        assert batch["usage"]["completion_tokens"] == 18
+        assert batch["prompt_logprobs"] is None and batch["prompt_token_ids"] is None and batch["metrics"] is None
+    # The conversations differ, and so do their answers (the comparison above can see a difference).
+    assert len({tuple(ch["token_ids"]) for ch in batch["choices"]}) > 1
+    # Refused as vLLM refuses them; one bad conversation fails the batch.
+    base = {"model": server.model, "messages": conversations, "max_tokens": 2}
+    for extra, param in (
+        ({"stream": True}, "stream"),
+        ({"n": 2}, "n"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"messages": conversations[0]}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [[{"role": "user", "content": "x"}]] * 129}, "messages"),
+    ):
+        err = _assert_error(_post(server, "/v1/chat/completions/batch", base | extra), 400)
+        assert err["param"] == param, err
+    bad = base | {"messages": [conversations[0], [{"role": "", "content": "x"}]]}
+    _assert_error(_post(server, "/v1/chat/completions/batch", bad), 400)
+    _load_settles_at(server, 0)  # nothing left counted (--enable-server-load-tracking)
