@@ -333,6 +333,14 @@ def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
         "--enable-tokenizer-info-endpoint", action="store_true",
         help="GET /tokenizer_info: the tokenizer's settings and chat template",
     )  # fmt: skip
+    p.add_argument(
+        "--enable-server-load-tracking", action="store_true",
+        help="GET /load: the generation calls in flight (else it answers 0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--enable-per-request-metrics", action="store_true",
+        help="a one-choice reply's timings (queue, first token, decode, tokens/s) in its metrics field (else null)",
+    )  # fmt: skip
 
 
 def vllm_serve_args(args: argparse.Namespace) -> tuple[dict, dict]:
@@ -341,6 +349,8 @@ def vllm_serve_args(args: argparse.Namespace) -> tuple[dict, dict]:
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
         "enable_force_include_usage": args.enable_force_include_usage,
         "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint,
+        "enable_server_load_tracking": args.enable_server_load_tracking,
+        "enable_per_request_metrics": args.enable_per_request_metrics,
     }
     return state, {"max_logprobs": args.max_logprobs}
 

@@ -1,5 +1,7 @@
 """What the auditor concludes from many completions of one request: how many differ, where they split, and
-how their logprobs differ; the JSON report, the text summary and the plot of distinct prefixes per position."""
+how their logprobs differ; the JSON report, the text summary and the plot: distinct prefixes per position, and
+where the samples carry logprobs, per position the distinct logprob values and their spread among samples that
+agree so far (texts that agree can still carry logprobs that do not)."""
 
 from collections import Counter
 from dataclasses import dataclass
@@ -42,6 +44,29 @@ def distinct_prefixes(seqs: list[list[str]]) -> list[int]:
     return out
 
 
+def logprob_spread(samples: list[Sample]) -> tuple[list[int], list[float]]:
+    """Per position ``p``, over the samples that have the same tokens through ``p``: the most distinct logprob
+    values one such group carries at ``p`` and the largest max - min within a group. Samples that chose other
+    tokens are not compared with each other (their logprobs are of different tokens); a bitwise-deterministic
+    endpoint gives 1 and 0.0 at every position whatever its texts do. The classes are ``distinct_prefixes``'."""
+    seqs = [(s.tokens, s.logprobs) for s in samples if s.tokens is not None and s.logprobs is not None]
+    length = max((min(len(t), len(lp)) for t, lp in seqs), default=0)
+    ids = [0] * len(seqs)
+    distinct, spread = [], []
+    for p in range(length):
+        classes: dict[tuple, int] = {}
+        values: dict[int, list[float]] = {}
+        for i, (tokens, lps) in enumerate(seqs):
+            if p >= min(len(tokens), len(lps)):
+                ids[i] = -1  # ended: out of every later group
+                continue
+            ids[i] = classes.setdefault((ids[i], tokens[p]), len(classes))
+            values.setdefault(ids[i], []).append(lps[p])
+        distinct.append(max(len(set(v)) for v in values.values()))
+        spread.append(max(max(v) - min(v) for v in values.values()))
+    return distinct, spread
+
+
 def analyze(samples: list[Sample]) -> dict:
     """Summary of one batch of completions of the same request."""
     ok = [s for s in samples if s.error is None]
@@ -77,6 +102,8 @@ def analyze(samples: list[Sample]) -> dict:
     with_lp = [s for s in ok if s.logprobs is not None]
     if with_lp:
         report["logprobs"] = _logprob_differences(with_lp, split)
+        distinct, spread = logprob_spread(with_lp)
+        report["distinct_logprobs"], report["max_logprob_diff"] = distinct, spread
     return report
 
 
@@ -129,25 +156,51 @@ def summary_lines(label: str, report: dict) -> list[str]:
     return lines
 
 
-def plot(panels: dict[str, dict[str, dict]], path: str) -> None:
-    """One panel per experiment (``panels[title][level] = analysis``): distinct prefixes per position."""
+def figure(panels: dict[str, dict[str, dict]]):
+    """One column per experiment (``panels[title][level] = analysis``), one colour per level. Row 1: distinct
+    prefixes per position. Where any level has logprobs, row 2: the most distinct logprob values at a position
+    among samples with the same tokens so far (1 = bitwise equal), row 3: their max |diff| (symlog, so 0 shows)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
-    for ax, (title, levels) in zip(axes[0], panels.items(), strict=True):
-        for level, rep in levels.items():
+    with_lp = any("distinct_logprobs" in rep for levels in panels.values() for rep in levels.values())
+    rows = 3 if with_lp else 1
+    fig, axes = plt.subplots(rows, len(panels), figsize=(6.5 * len(panels), 3.6 * rows), squeeze=False)
+    for col, (title, levels) in enumerate(panels.items()):
+        for k, (level, rep) in enumerate(levels.items()):
+            colour = f"C{k % 10}"
             ys = rep.get("distinct_prefixes") or [0]
             label = f"concurrency {level}: {rep.get('unique_completions', 0)} unique"
-            ax.step(range(len(ys)), ys, where="post", label=label)
-        ax.set_title(title)
-        ax.set_xlabel("position (tokens, or characters without logprobs)")
-        ax.set_ylabel("distinct prefixes")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            axes[0][col].step(range(len(ys)), ys, where="post", label=label, color=colour)
+            if with_lp and "distinct_logprobs" in rep:
+                lp = rep.get("logprobs") or {}
+                worst = lp.get("max_abs_difference", 0.0)
+                label = f"concurrency {level}: max |diff| {worst:.3g}"
+                ys = rep["distinct_logprobs"] or [0]
+                axes[1][col].step(range(len(ys)), ys, where="post", label=label, color=colour)
+                ys = rep["max_logprob_diff"] or [0.0]
+                axes[2][col].step(range(len(ys)), ys, where="post", label=label, color=colour)
+        axes[0][col].set_title(title)
+        axes[0][col].set_ylabel("distinct prefixes")
+        if with_lp:
+            axes[1][col].set_ylabel("distinct logprob values\n(same tokens so far)")
+            axes[2][col].set_ylabel("max |logprob diff|\n(same tokens so far)")
+            axes[2][col].set_yscale("symlog", linthresh=1e-9)
+        for ax in axes[:, col]:
+            ax.set_xlabel("position (tokens, or characters without logprobs)")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot(panels: dict[str, dict[str, dict]], path: str) -> None:
+    """``figure(panels)``, written to ``path`` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(panels)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -146,6 +146,7 @@ class LLMEngine:
         # Speculative decoding (docs/design.md): the drafter proposes, the verify chunk decides.
         self.drafter: Drafter | None = None
         self.spec_stats = SpecDecodeStats()
+        self.scheduled_tokens = 0  # the last step's new tokens, 0 if it scheduled none (vllm:iteration_tokens_total)
         if self.config.speculative_config is not None:
             self.drafter = make_drafter(self.config.speculative_config, self.config)
         if self.runner.device.type == "cuda":
@@ -421,6 +422,7 @@ class LLMEngine:
 
         With ``config.async_scheduling`` a call launches the next batch and then reports the previous one (the
         first call reports nothing), see ``_step_overlapped``."""
+        self.scheduled_tokens = 0
         if self.config.async_scheduling:
             return self._step_overlapped()
         batch = self.scheduler.schedule(self._propose()) if self.drafter is not None else self.scheduler.schedule()
@@ -546,6 +548,7 @@ class LLMEngine:
 
     def _note_scheduled(self, batch: ScheduledBatch) -> None:
         """A request's first step: when it came (metrics) and how much of its prompt the prefix cache held."""
+        self.scheduled_tokens = batch.num_tokens
         now = time.monotonic()
         for e in batch.entries:
             request = self._live(e.seq)

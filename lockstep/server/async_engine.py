@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lockstep.engine.llm_engine import LLMEngine
-from lockstep.outputs import CompletionOutput, OutputKind, RequestOutput
+from lockstep.outputs import CompletionOutput, OutputKind, RequestOutput, RequestStateStats
 from lockstep.sampling_params import SamplingParams
 from lockstep.server.metrics import Metrics
 
@@ -186,6 +186,7 @@ class _Delta:
     prompt_logprobs: list | None = None  # vLLM's prompt logprob dicts, when asked for (the engine's list, shared)
     num_cached_tokens: int | None = None  # prefix-cache hits at its first step (vLLM's; usage's cached_tokens)
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
+    metrics: RequestStateStats | None = None  # the engine's timings of the request so far (per-request metrics)
 
 
 def weights_hash(folder: str | Path) -> str:
@@ -456,6 +457,8 @@ class AsyncEngine:
         self._failures = 0
         now = time.perf_counter()
         self.metrics.step_seconds.observe(now - start)
+        if self.engine.scheduled_tokens:
+            self.metrics.iteration_tokens.observe(self.engine.scheduled_tokens)
         posts: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             group = self._groups.get(out.request_id)
@@ -501,6 +504,7 @@ class AsyncEngine:
             out.prompt_logprobs,
             out.num_cached_tokens,
             c.stop_reason,
+            out.metrics,
         )
 
     def _fail(self, group: "RequestGroup", error: EngineError) -> None:
@@ -627,6 +631,7 @@ class _Output:
         self.prompt_logprobs: list | None = None
         self.num_cached_tokens: int | None = None
         self.stop_reason: int | str | None = None
+        self.metrics: RequestStateStats | None = None
 
     def add(self, d: _Delta) -> None:
         self.token_ids += d.token_ids
@@ -640,6 +645,7 @@ class _Output:
         if d.num_cached_tokens is not None:
             self.num_cached_tokens = d.num_cached_tokens
         self.stop_reason = d.stop_reason
+        self.metrics = d.metrics
 
     def output(self) -> RequestOutput:
         logprobs = list(self.logprobs) if self.logprobs is not None else None
@@ -655,7 +661,13 @@ class _Output:
             stop_reason=self.stop_reason,
         )
         return RequestOutput(
-            self.request_id, None, self.prompt_token_ids, [c], self.prompt_logprobs, self.num_cached_tokens
+            self.request_id,
+            None,
+            self.prompt_token_ids,
+            [c],
+            self.prompt_logprobs,
+            self.num_cached_tokens,
+            metrics=self.metrics,
         )
 
 

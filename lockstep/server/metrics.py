@@ -5,7 +5,8 @@ lockstep's own names (``lockstep_*``), and beside them the same figures under vL
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (and the older ``vllm:gpu_cache_usage_perc``: the
 fraction of KV blocks held, 0 to 1), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
 ``vllm:request_success_total``, ``vllm:time_to_first_token_seconds``, ``vllm:e2e_request_latency_seconds`` and
-``vllm:inter_token_latency_seconds``.
+``vllm:inter_token_latency_seconds``, and ``vllm:iteration_tokens_total`` (a histogram, despite its name: the
+tokens each engine step ran, vLLM's buckets; lockstep's ``lockstep_iteration_tokens``).
 
 Counters and histograms are updated from the event loop and the engine thread; gauges are set by the engine
 thread after every step. Plain attribute updates are enough here: a scrape may be one step stale.
@@ -14,8 +15,10 @@ thread after every step. Plain attribute updates are enough here: a scrape may b
 import bisect
 from dataclasses import dataclass, field
 
+from lockstep.outputs import RequestStateStats
 from lockstep.spec.stats import SpecDecodeStats
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -67,6 +70,7 @@ class Metrics:
     first_token_seconds: Histogram = field(default_factory=Histogram)
     step_seconds: Histogram = field(default_factory=Histogram)
     inter_token_seconds: Histogram = field(default_factory=Histogram)  # a request's tokens, one from the next
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKEN_BUCKETS))  # per step
     info: dict[str, str] = field(default_factory=dict)  # what is served: kernel set, device, dtype, version
     model_name: str = ""  # the served model's name: the label of vLLM's metric names
     finished: dict[str, int] = field(default_factory=dict)  # requests ended, by finish reason (vLLM's)
@@ -106,6 +110,7 @@ class Metrics:
             ("time_to_first_token_seconds", self.first_token_seconds, "Arrival to first generated token."),
             ("engine_step_seconds", self.step_seconds, "Duration of one engine step."),
             ("inter_token_latency_seconds", self.inter_token_seconds, "A request's time from one token to the next."),
+            ("iteration_tokens", self.iteration_tokens, "Tokens (prompt and generated) one engine step ran."),
         ):
             lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} histogram", *hist.lines(p + name)]
         if self.spec_decode is not None:
@@ -136,6 +141,7 @@ class Metrics:
             ("time_to_first_token_seconds", self.first_token_seconds, "Histogram of time to first token in seconds."),
             ("e2e_request_latency_seconds", self.request_seconds, "Histogram of end to end request latency."),
             ("inter_token_latency_seconds", self.inter_token_seconds, "Histogram of inter-token latency."),
+            ("iteration_tokens_total", self.iteration_tokens, "Histogram of number of tokens per engine_step."),
         ):
             lines += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} histogram", *hist.lines(f"vllm:{name}", label)]
         return lines
@@ -161,3 +167,28 @@ def _spec_decode_lines(p: str, s: SpecDecodeStats) -> list[str]:
     lines += [f"# HELP {p}{name} Accepted over drafted tokens so far.", f"# TYPE {p}{name} gauge"]
     lines += [f"{p}{name} {s.acceptance_rate}"]
     return lines
+
+
+def per_request_metrics(stats: RequestStateStats | None, num_generation_tokens: int) -> dict:
+    """vLLM's per-request timing metrics (``--enable-per-request-metrics``, a reply's ``metrics``), in ms from the
+    engine's monotonic timestamps: time to first token from the first scheduling, the decode time (first to last
+    token), the queue time (queued to scheduled), the mean inter-token latency over the decode time, and the
+    generated tokens per second from the first scheduling to the last token. A figure whose timestamps are missing
+    (0.0) is None, as in vLLM."""
+    out: dict[str, float | None] = dict.fromkeys(
+        ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms", "tokens_per_second")
+    )
+    if stats is None:
+        return out
+    queued, scheduled, first, last = stats.queued_ts, stats.scheduled_ts, stats.first_token_ts, stats.last_token_ts
+    if scheduled > 0 and first > 0:
+        out["time_to_first_token_ms"] = (first - scheduled) * 1000
+    if first > 0 and last > 0:
+        out["generation_time_ms"] = (last - first) * 1000
+        if num_generation_tokens > 1:
+            out["mean_itl_ms"] = (last - first) / (num_generation_tokens - 1) * 1000
+    if queued > 0 and scheduled > 0:
+        out["queue_time_ms"] = (scheduled - queued) * 1000
+    if scheduled > 0 and last > scheduled:
+        out["tokens_per_second"] = num_generation_tokens / (last - scheduled)
+    return out

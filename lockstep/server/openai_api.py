@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one ``AsyncEngine``.
 
-``POST /v1/completions`` and ``/v1/chat/completions`` (SSE streaming or not), ``GET /v1/models``, ``/health``,
-``/metrics``, vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``), ``GET /version``, and the rest of vLLM's
-routes (``vllm_routes``: ``/tokenizer_info``, ``/invocations``, ``/flush_cache``). Every completion carries
+``POST /v1/completions`` and ``/v1/chat/completions`` (SSE streaming or not), vLLM's ``/v1/chat/completions/batch``,
+``GET /v1/models``, ``/health``, ``/metrics``, vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``),
+``GET /version``, and the rest of vLLM's routes (``vllm_routes``: ``/tokenizer_info``, ``/load``, ``/invocations``,
+``/flush_cache``). Every completion carries
 ``system_fingerprint``: a hash of the weights, lockstep's version, the device, the dtype and the kernel set, the key
 under which a request's output is reproducible. Errors are OpenAI-style JSON bodies; nothing a client sends can
 take the server down.
@@ -33,7 +34,7 @@ from lockstep.server.requests import parse_call
 from lockstep.server.responses import DISCONNECT_POLL_SECONDS, respond
 from lockstep.server.state import ServerState
 from lockstep.server.tokenize import detokenize, tokenize
-from lockstep.server.vllm_routes import add_vllm_routes
+from lockstep.server.vllm_routes import add_vllm_routes, load_tracked, merge_batch, split_batch
 
 
 def json_response(body: dict, status: int = 200) -> Response:
@@ -117,10 +118,10 @@ def build_app(state: ServerState) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    async def while_connected(request: Request, handler, *args):
-        """``handler(state, body, *args, cancelled)`` in a worker; None if the client leaves first (the handler is
-        told, through ``cancelled``, to stop rendering its chat template)."""
-        body = await request.body()
+    async def while_connected(request: Request, handler, *args, body: bytes | None = None):
+        """``handler(state, body, *args, cancelled)`` in a worker (``body``: the request's, unless given); None if
+        the client leaves first (the handler is told, through ``cancelled``, to stop rendering its chat template)."""
+        body = await request.body() if body is None else body
         cancelled = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(state.workers, handler, state, body, *args, cancelled)
         job.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned job's error is not news
@@ -134,6 +135,9 @@ def build_app(state: ServerState) -> FastAPI:
                 return job.result()
 
     async def call(request: Request, chat: bool) -> Response:
+        return await load_tracked(state, lambda: answer(request, chat))
+
+    async def answer(request: Request, chat: bool) -> Response:
         parsed = await while_connected(request, parse_call, chat)
         if parsed is None:  # nothing was submitted: a departed client's call costs the engine nothing
             return Response(status_code=499)
@@ -161,6 +165,31 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await call(request, chat=True)
+
+    async def answer_batch(request: Request) -> Response:
+        # Each conversation is answered as its own chat call would be, all at once; the first failure fails the
+        # batch (vLLM's rule) and stops the others' requests.
+        async def one(body: bytes) -> Response:
+            parsed = await while_connected(request, parse_call, True, body=body)
+            if parsed is None:
+                return Response(status_code=499)
+            req, specs = parsed
+            return await respond(state, request, req, specs, chat=True)
+
+        tasks = [asyncio.ensure_future(one(body)) for body in split_batch(await request.body())]
+        try:
+            answers = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        failed = next((a for a in answers if a.status_code != 200), None)
+        if failed is not None:
+            return failed
+        return json_response(merge_batch([json.loads(a.body) for a in answers]))
+
+    @app.post("/v1/chat/completions/batch")
+    async def chat_completions_batch(request: Request) -> Response:
+        return await load_tracked(state, lambda: answer_batch(request))
 
     add_vllm_routes(app, state, call)
     if state.dev_mode:

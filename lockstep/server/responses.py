@@ -20,6 +20,7 @@ from lockstep.engine.detokenizer import IncrementalDetokenizer
 from lockstep.outputs import Logprob, RequestOutput
 from lockstep.server.async_engine import EngineError, RequestGroup
 from lockstep.server.chat_format import ChoiceStream
+from lockstep.server.metrics import per_request_metrics
 from lockstep.server.middleware import ACCESS_KEY, new_error_id, server_error_body
 from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lockstep.server.requests import ChoiceSpec
@@ -311,6 +312,13 @@ class _Response:
             details = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in finals)}
         return usage | {"prompt_tokens_details": details}
 
+    def timings(self, finals: list[RequestOutput]) -> dict | None:
+        """vLLM's per-request ``metrics``: with --enable-per-request-metrics, for a call of one prompt and one
+        choice (else null)."""
+        if not self.state.enable_per_request_metrics or len(finals) != 1:
+            return None
+        return per_request_metrics(finals[0].metrics, len(finals[0].token_ids))
+
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The group's outputs as steps make them, timing the first one and the whole call."""
         metrics, first = self.state.metrics, True
@@ -396,7 +404,7 @@ async def _reply(r: _Response, request: Request) -> Response:
         # The pure-Python encoder (iterencode) yields the GIL as it goes; json.dumps would hold it throughout.
         ordered = [finals[rid] for rid in r.request_ids]
         choices = [r.choice(i, out, out.text) for i, out in enumerate(ordered)]
-        body = r.head(stream=False) | {"choices": choices, "usage": r.usage(ordered)}
+        body = r.head(stream=False) | {"choices": choices, "usage": r.usage(ordered), "metrics": r.timings(ordered)}
         k = r.specs[0].prompt_logprobs
         if r.chat:  # vLLM's: a chat reply's prompt logprobs and ids, once (every choice shares the prompt); or null
             body["prompt_logprobs"] = _vllm_prompt_logprobs(r.state.tokenizer, ordered[0], k) if k is not None else None
@@ -466,7 +474,10 @@ def _stream(r: _Response, include_usage: bool, continuous_usage: bool = False) -
                     stream.ids_sent = len(out.token_ids)
                 yield _sse(chunk(choice, len(out.token_ids)))
             if include_usage:
-                yield _sse(head | {"choices": [], "usage": r.usage(finals)})
+                body = head | {"choices": [], "usage": r.usage(finals)}
+                if (metrics := r.timings(finals)) is not None:  # vLLM's: in the usage chunk only, when there are any
+                    body["metrics"] = metrics
+                yield _sse(body)
             yield _sse("[DONE]")
         except (asyncio.CancelledError, GeneratorExit):
             raise

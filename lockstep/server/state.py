@@ -40,6 +40,11 @@ class ServerState:
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
     enable_tokenizer_info_endpoint: bool = False  # vLLM's: GET /tokenizer_info (it shows the chat template)
+    # vLLM's --enable-server-load-tracking: GET /load says how many generation calls are in flight (else 0)
+    enable_server_load_tracking: bool = False
+    server_load: int = 0
+    # vLLM's --enable-per-request-metrics: a one-choice reply's timings in its ``metrics`` (else null)
+    enable_per_request_metrics: bool = False
     # vLLM's development endpoints (VLLM_SERVER_DEV_MODE): weight transfer, prefix-cache reset, sleep (rl_api)
     dev_mode: bool = False
 

@@ -3,6 +3,7 @@ and bad_words, chat's echo / add_generation_prompt / continue_final_message and 
 --max-logprobs, cached_tokens and per-request metrics, and the extra routes and metric names."""
 
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +21,8 @@ TEMPLATE = (
 )
 VLLM_FLAGS = (
     "--root-path", ROOT_PATH, "--max-logprobs", "-1", "--enable-prompt-tokens-details",
-    "--enable-force-include-usage", "--enable-tokenizer-info-endpoint", "--dev-mode",
+    "--enable-force-include-usage", "--enable-tokenizer-info-endpoint", "--dev-mode", "--enable-server-load-tracking",
+    "--enable-per-request-metrics",
 )  # fmt: skip
 
 
@@ -280,3 +282,144 @@ def test_use_beam_search_gives_the_offline_beams(server: Server, tiny_server_mod
     ):
         err = _assert_error(_post(server, "/v1/completions", comp | extra_field), 400, name)
         assert err["param"] == name
+
+
+def _load(server: Server) -> int:
+    return httpx.get(server.url + "/load", headers=server.headers, timeout=10).json()["server_load"]
+
+
+def _load_settles_at(server: Server, want: int) -> None:
+    """The count is given back once the response is written, which may be just after the client has read it."""
+    for _ in range(200):
+        if _load(server) == want:
+            return
+        time.sleep(0.05)
+    assert _load(server) == want
+
+
+def test_load_counts_generation_calls_in_flight(vllm_server: Server, server: Server) -> None:
+    c = client(vllm_server)
+    kw = dict(model=vllm_server.model, prompt="hi", max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    _load_settles_at(vllm_server, 0)
+    with c.completions.create(**kw) as first:
+        next(iter(first))
+        assert _load(vllm_server) == 1
+        chat = c.chat.completions.create(
+            model=vllm_server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=400, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        with chat:
+            next(iter(chat))
+            assert _load(vllm_server) == 2
+        _load_settles_at(vllm_server, 1)  # the client left: its count is given back
+    _load_settles_at(vllm_server, 0)
+    # A call that fails (a 400 from the parser) or one that is answered in one body leaves nothing counted.
+    _assert_error(_post(vllm_server, "/v1/completions", {"model": vllm_server.model, "prompt": 5}), 400, "prompt")
+    c.completions.create(model=vllm_server.model, prompt="hi", max_tokens=2)
+    _load_settles_at(vllm_server, 0)
+    # Without --enable-server-load-tracking /load is served and says 0, as vLLM's does.
+    with client(server).completions.create(**kw | {"model": server.model}) as stream:
+        next(iter(stream))
+        assert _load(server) == 0
+
+
+def test_iteration_tokens_histogram(vllm_server: Server) -> None:
+    label = f'model_name="{vllm_server.model}"'
+    before = vllm_server.metrics()
+    r = client(vllm_server).completions.create(
+        model=vllm_server.model, prompt="hello", max_tokens=4, extra_body={"ignore_eos": True}
+    )
+    after = vllm_server.metrics()
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    # One prefill step of the prompt, then one decode step per token after the first.
+    assert delta(f"vllm:iteration_tokens_total_count{{{label}}}") == 4 == delta("lockstep_iteration_tokens_count")
+    assert delta(f"vllm:iteration_tokens_total_sum{{{label}}}") == r.usage.prompt_tokens + 3
+    assert delta(f'vllm:iteration_tokens_total_bucket{{{label},le="1"}}') == 3  # the decode steps
+    assert delta(f'vllm:iteration_tokens_total_bucket{{{label},le="8"}}') == 4  # and the prefill of 5 or 6
+    assert (
+        after[f'vllm:iteration_tokens_total_bucket{{{label},le="+Inf"}}']
+        == after[f"vllm:iteration_tokens_total_count{{{label}}}"]
+    )
+
+
+def _check_timings(m: dict, num_tokens: int) -> None:
+    """vLLM's per-request metrics, consistent with each other (their values are timings: no more is checked)."""
+    assert set(m) == {
+        "time_to_first_token_ms",
+        "generation_time_ms",
+        "queue_time_ms",
+        "mean_itl_ms",
+        "tokens_per_second",
+    }
+    assert all(isinstance(v, float) and v >= 0 for v in m.values()), m
+    assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / (num_tokens - 1))
+    inference_s = (m["time_to_first_token_ms"] + m["generation_time_ms"]) / 1000  # first scheduling to last token
+    assert m["tokens_per_second"] == pytest.approx(num_tokens / inference_s)
+
+
+def test_per_request_metrics(vllm_server: Server, server: Server) -> None:
+    c = client(vllm_server)
+    kw = dict(model=vllm_server.model, max_tokens=5, extra_body={"ignore_eos": True})
+    r = c.completions.create(prompt="hello", **kw)
+    _check_timings(r.model_extra["metrics"], 5)
+    chat = c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
+    _check_timings(chat.model_extra["metrics"], 5)
+    # Streamed: in the usage chunk alone.
+    chunks = list(c.completions.create(prompt="hello", stream=True, stream_options={"include_usage": True}, **kw))
+    assert all("metrics" not in (ch.model_extra or {}) for ch in chunks[:-1])
+    _check_timings(chunks[-1].model_extra["metrics"], 5)
+    # More than one choice or prompt: null, as vLLM's (whose figures are one request's).
+    assert c.completions.create(prompt="hello", n=2, **kw).model_extra["metrics"] is None
+    assert c.completions.create(prompt=["a", "b"], **kw).model_extra["metrics"] is None
+    # Without --enable-per-request-metrics: null, and no figures in a stream's usage chunk.
+    other = client(server)
+    assert other.completions.create(model=server.model, prompt="hi", max_tokens=2).model_extra["metrics"] is None
+    *_, last = other.completions.create(
+        model=server.model, prompt="hi", max_tokens=2, stream=True, stream_options={"include_usage": True}
+    )
+    assert last.usage is not None and "metrics" not in (last.model_extra or {})
+
+
+def test_chat_completions_batch(vllm_server: Server) -> None:
+    server = vllm_server
+    conversations = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "a longer question"}],
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}],
+    ]
+    kw = {"max_tokens": 6, "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "ignore_eos": True}
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        body = {"model": server.model, "messages": conversations, **kw, **sampling}
+        # Through the openai client's own request method, as a vLLM user's code calls the route.
+        batch = client(server).post("/chat/completions/batch", cast_to=object, body=body)
+        assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-")
+        assert [ch["index"] for ch in batch["choices"]] == [0, 1, 2]
+        singles = [_post(server, "/v1/chat/completions", body | {"messages": m}).json() for m in conversations]
+        for choice, single in zip(batch["choices"], singles, strict=True):
+            # The same bits as the call alone: text, token ids, logprobs, finish.
+            assert choice == single["choices"][0] | {"index": choice["index"]}
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert batch["usage"][key] == sum(s["usage"][key] for s in singles)
+        assert batch["usage"]["completion_tokens"] == 18
+        assert batch["prompt_logprobs"] is None and batch["prompt_token_ids"] is None and batch["metrics"] is None
+    # The conversations differ, and so do their answers (the comparison above can see a difference).
+    assert len({tuple(ch["token_ids"]) for ch in batch["choices"]}) > 1
+    # Refused as vLLM refuses them; one bad conversation fails the batch.
+    base = {"model": server.model, "messages": conversations, "max_tokens": 2}
+    for extra, param in (
+        ({"stream": True}, "stream"),
+        ({"n": 2}, "n"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"messages": conversations[0]}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [[{"role": "user", "content": "x"}]] * 129}, "messages"),
+    ):
+        err = _assert_error(_post(server, "/v1/chat/completions/batch", base | extra), 400)
+        assert err["param"] == param, err
+    bad = base | {"messages": [conversations[0], [{"role": "", "content": "x"}]]}
+    _assert_error(_post(server, "/v1/chat/completions/batch", bad), 400)
+    _load_settles_at(server, 0)  # nothing left counted (--enable-server-load-tracking)
