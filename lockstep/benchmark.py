@@ -17,6 +17,7 @@ steps them to completion, after ``num_iters_warmup`` untimed runs of the same re
 import dataclasses
 import platform
 import random
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -172,6 +173,8 @@ def run_benchmark(llm: LLM, cfg: BenchConfig, progress: bool = True) -> dict:
     pool = prompt_token_pool(llm)
     prompts = lambda: [rng.choices(pool, k=cfg.input_len) for _ in range(cfg.num_requests)]
     for i in range(cfg.num_iters_warmup):
+        if progress:  # the first runs compile the kernels: minutes on a CPU with nothing else to show
+            print(f"warm-up {i + 1}/{cfg.num_iters_warmup} (untimed: compiles kernels)", file=sys.stderr, flush=True)
         run_batch(llm, prompts(), cfg.params(warmup=True), f"warmup{i}")
     llm.engine.spec_stats = SpecDecodeStats()  # the timed runs' acceptance only
     iters = range(cfg.num_iters)

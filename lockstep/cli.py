@@ -631,13 +631,14 @@ _BENCH_SIZES = {  # option: (least value, help)
 }
 
 
-def add_bench_args(p: argparse.ArgumentParser, sizes: dict[str, int]) -> None:
-    """A benchmark's options: the model, ``sizes`` (options of ``_BENCH_SIZES`` and their defaults), sampling,
-    the report, and the kernel and engine options of generate and serve."""
+def add_bench_args(p: argparse.ArgumentParser, sizes: dict[str, tuple[int, int]]) -> None:
+    """A benchmark's options: the model, ``sizes`` (options of ``_BENCH_SIZES`` and their defaults on CUDA and on
+    the CPU), sampling, the report, and the kernel and engine options of generate and serve."""
     p.add_argument("--model", default=None, help="checkpoint folder (default: embedded SmolLM2-135M)")
-    for option, default in sizes.items():
+    for option, (gpu, cpu) in sizes.items():
         least, text = _BENCH_SIZES[option]
-        p.add_argument(option, type=_int_at_least(least), default=default, help=f"{text} (default {default})")
+        p.add_argument(option, type=_int_at_least(least), default=None, help=f"{text} (default {gpu}; {cpu} on a CPU)")
+    p.set_defaults(bench_sizes=sizes)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="draws the prompts and the requests' sampling seeds (default 0)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="write every figure and the setup here")
@@ -662,7 +663,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "untimed runs; report the time per run (mean, p50, p90, p99), time to first token (TTFT) and inter-token "
         "latency (ITL).",
     )
-    sizes = {"--input-len": 32, "--output-len": 128, "--batch-size": 8, "--num-iters-warmup": 10, "--num-iters": 30}
+    # CUDA defaults are vLLM's; a CPU runs sizes that finish in minutes (1000 x 1024/128 took over an hour on 2 cores).
+    sizes = {"--input-len": (32, 32), "--output-len": (128, 32), "--batch-size": (8, 8), "--num-iters-warmup": (10, 1),
+             "--num-iters": (30, 5)}  # fmt: skip
     add_bench_args(latency, sizes)
     throughput = kinds.add_parser(
         "throughput",
@@ -671,9 +674,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "and output tokens/s, time to first token (TTFT) and inter-token latency (ITL). Warm-up runs send the same "
         "requests cut to 4 output tokens, to compile the kernels.",
     )
-    add_bench_args(
-        throughput, {"--input-len": 1024, "--output-len": 128, "--num-prompts": 1000, "--num-iters-warmup": 1}
-    )
+    sizes = {"--input-len": (1024, 128), "--output-len": (128, 32), "--num-prompts": (1000, 32),
+             "--num-iters-warmup": (1, 1)}  # fmt: skip
+    add_bench_args(throughput, sizes)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -684,6 +687,17 @@ def run_bench(args: argparse.Namespace) -> int:
     from lockstep.llm import LLM
 
     latency = args.bench == "latency"
+    llm = LLM(
+        args.model,
+        seed=args.seed,
+        **kernel_args(args),
+        **engine_args(args),
+    )
+    on_cpu = llm.engine.runner.device.type == "cpu"
+    for option, defaults in args.bench_sizes.items():  # the sizes left unset: the device's defaults
+        name = option.removeprefix("--").replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[on_cpu])
     cfg = BenchConfig(
         kind=args.bench,
         num_requests=args.batch_size if latency else args.num_prompts,
@@ -693,12 +707,6 @@ def run_bench(args: argparse.Namespace) -> int:
         num_iters_warmup=args.num_iters_warmup,
         temperature=args.temperature,
         seed=args.seed,
-    )
-    llm = LLM(
-        args.model,
-        seed=args.seed,
-        **kernel_args(args),
-        **engine_args(args),
     )
     report = run_benchmark(llm, cfg, progress=not args.quiet)
     print("\n".join(summary_lines(report)))

@@ -160,3 +160,14 @@ def test_prompts_come_from_the_seed(tiny_model_dir: Path, monkeypatch: pytest.Mo
     assert len({tuple(p) for p in first}) == 9  # every run gets fresh prompts: no prefix-cache hits
     assert prompts(0) == first
     assert prompts(1) != first
+
+
+def test_sizes_left_unset_take_the_cpu_defaults(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+    # vLLM's throughput default (1000 x 1024/128) took over an hour on 2 cores: a CPU gets 32 x 128/32.
+    report = bench("throughput", tiny_model_dir, tmp_path / "t.json", "--num-prompts", "2", "--num-iters-warmup", "0")
+    cfg = report["config"]
+    assert (cfg["num_requests"], cfg["input_len"], cfg["output_len"], cfg["num_iters_warmup"]) == (2, 128, 32, 0)
+    report = bench("latency", tiny_model_dir, tmp_path / "l.json", "--batch-size", "1", "--input-len", "4")
+    cfg = report["config"]
+    assert (cfg["output_len"], cfg["num_iters"], cfg["num_iters_warmup"]) == (32, 5, 1)
+    assert "warm-up 1/1 (untimed: compiles kernels)" in capsys.readouterr().err
