@@ -142,3 +142,21 @@ def test_fp8_checkpoints_load_from_model_ids(hf_home: Path, tiny_model_dir: Path
     llm = LLM(repo, block_size=4, num_kv_blocks=64, **kwargs)
     assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == fp8.FP8
     assert greedy(llm) == greedy(LLM(str(folder), block_size=4, num_kv_blocks=64, **kwargs))
+
+
+def test_a_vision_language_model_loads_from_its_id(hf_home: Path, tmp_path: Path) -> None:
+    # A Qwen3-VL checkpoint (weights, tokenizer, image processor) from the cache layout: the folder's bits for an
+    # image request.
+    from tiny_vlm import IMAGE_PLACEHOLDER, save_tiny_vlm, tiny_image
+
+    folder = save_tiny_vlm(tmp_path / "tiny-qwen3-vl", "qwen3_vl")
+    add_snapshot(hf_home / "hub", "lockstep-test/tiny-qwen3-vl", MAIN, folder, refs=("main",))
+    prompt = {"prompt": f"Look: {IMAGE_PLACEHOLDER} what?", "multi_modal_data": {"image": tiny_image(64, 48)}}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+
+    def run(model: str):
+        [out] = LLM(model, block_size=4, num_kv_blocks=64).generate([prompt], params)
+        choice = out.outputs[0]
+        return choice.token_ids, [lp[t].logprob for lp, t in zip(choice.logprobs, choice.token_ids, strict=True)]
+
+    assert run("lockstep-test/tiny-qwen3-vl") == run(str(folder))
