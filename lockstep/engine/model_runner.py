@@ -235,12 +235,14 @@ class ModelRunner:
             self._copy_weight(name, dest, tensor.detach().to(self.device, self._wire_dtype(dest, tensor)), shard)
         return [name for name, _, _, _ in todo]
 
-    def _plan_weights(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[tuple]:
+    def _plan_weights(
+        self, items: Iterable[tuple[str, torch.Tensor]], slots: tuple[dict, dict] | None = None
+    ) -> list[tuple]:
         """``(name, destination, tensor, shard)`` for each released checkpoint tensor to copy (tied heads and rotary
         buffers dropped), an FP8 layer's scales before its weight (a full-precision weight into a checkpoint's FP8
         layer quantizes with them); ValueError for an unknown name or a wrong shape. Meta tensors check an announced
-        update."""
-        slots, shards = self._weight_slots()
+        update. ``slots``: ``_weight_slots()``, when the caller plans several batches of one update."""
+        slots, shards = slots or self._weight_slots()
         fp8 = getattr(self.model, "fp8_scheme", None) is not None
         tied = self.model.config.tie_word_embeddings
         todo = []
@@ -351,11 +353,12 @@ class ModelRunner:
         specs, bucket_bytes = parse_update_info(update_info)
         plan = buckets(specs, bucket_bytes)
         buffer = torch.empty(max((b.nbytes for b in plan), default=0), dtype=torch.uint8, device=self.device)
+        slots = self._weight_slots()  # once for the whole update, not per bucket
         for bucket in plan:
             self.weight_group.broadcast(buffer[: bucket.nbytes])
             # An FP8 checkpoint layer's scales come before its weight within a bucket; the trainer keeps a layer's
             # weight and scales in one bucket, or sends the scales first (each bucket is applied as it arrives).
-            for name, dest, tensor, shard in self._plan_weights(unpack(bucket, buffer)):
+            for name, dest, tensor, shard in self._plan_weights(unpack(bucket, buffer), slots):
                 self._copy_weight(name, dest, tensor.to(self._wire_dtype(dest, tensor)), shard, broadcast=False)
         del buffer
 
