@@ -504,21 +504,25 @@ def render_chat(
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
 
 
-def _chat_prompt(
-    state: ServerState, req: ChatCompletionRequest, cancelled: threading.Event | None = None
-) -> tuple[list[int], bool, bool, MultimodalInputs | None]:
-    """The templated conversation's token ids (image placeholders expanded), whether the text ends inside an open
-    ``<think>`` (opened) or right after a ``</think>`` (closed: the reply is not to reason), and its images."""
-    tok = state.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
-    images: list = []
+def chat_text(
+    state: ServerState,
+    req,
+    images: list,
+    instead: str,
+    truncating: bool = False,
+    cancelled: threading.Event | None = None,
+) -> str:
+    """``req.messages`` rendered by the model's chat template with ``req``'s tools and template options, the images
+    collected into ``images`` (chat completions and /tokenize). 400 without a template (``instead`` says what to
+    use), for a message the template cannot take, too many images, or a conversation (before and after rendering)
+    longer than a prompt may be; ``truncating`` skips the length checks (the prompt is cut to fit later)."""
+    if not getattr(state.tokenizer, "chat_template", None):
+        raise APIError(400, f"this model has no chat template: {instead}", param="messages")
     try:
         messages = [template_message(m, images) for m in req.messages]
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     check_image_count(state, len(images))
-    truncating = req.truncate_prompt_tokens is not None
     if not truncating:
         _check_chars(state, sum(text_chars(m["content"]) for m in messages), "messages")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -534,6 +538,18 @@ def _chat_prompt(
     )
     if not truncating:
         _check_chars(state, len(text), "messages")
+    return text
+
+
+def _chat_prompt(
+    state: ServerState, req: ChatCompletionRequest, cancelled: threading.Event | None = None
+) -> tuple[list[int], bool, bool, MultimodalInputs | None]:
+    """The templated conversation's token ids (image placeholders expanded), whether the text ends inside an open
+    ``<think>`` (opened) or right after a ``</think>`` (closed: the reply is not to reason), and its images."""
+    images: list = []
+    text = chat_text(state, req, images, "use /v1/completions", req.truncate_prompt_tokens is not None, cancelled)
     tail = text.rstrip()
-    ids, mm = image_prompt(state, list(tok.encode(text, add_special_tokens=False)), images, req.mm_processor_kwargs)
+    ids, mm = image_prompt(
+        state, list(state.tokenizer.encode(text, add_special_tokens=False)), images, req.mm_processor_kwargs
+    )
     return ids, tail.endswith(ReasoningStream.START), tail.endswith(ReasoningStream.END), mm

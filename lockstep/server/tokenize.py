@@ -16,16 +16,14 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from lockstep.multimodal.chat import text_chars
-from lockstep.server.images import check_image_count, image_prompt
+from lockstep.server.images import image_prompt
 from lockstep.server.protocol import STRICT, APIError, ChatMessage, Tool
 from lockstep.server.requests import (
     _check_chars,
+    chat_text,
     check_template_kwargs,
     check_token_ids,
     parse_body,
-    render_chat,
-    template_message,
 )
 from lockstep.server.state import ServerState
 
@@ -87,25 +85,7 @@ def tokenize(state: ServerState, body: bytes, cancelled: threading.Event | None 
     tok = state.tokenizer
     images: list = []
     if req.messages is not None:
-        if not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model has no chat template: tokenize a prompt instead", param="messages")
-        try:
-            messages = [template_message(m, images) for m in req.messages]
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        check_image_count(state, len(images))
-        _check_chars(state, sum(text_chars(m["content"]) for m in messages), "messages")
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        text = render_chat(
-            state,
-            messages,
-            tools=tools,
-            kwargs=req.chat_template_kwargs,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            cancelled=cancelled,
-        )
-        _check_chars(state, len(text), "messages")
+        text = chat_text(state, req, images, "tokenize a prompt instead", cancelled=cancelled)
         special = bool(req.add_special_tokens)
     else:
         text = req.prompt
