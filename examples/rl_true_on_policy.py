@@ -51,11 +51,7 @@ def build_random_qwen3(folder: Path, layers: int, vocab_size: int, seed: int = 0
     )  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else noise / p.shape[-1] ** 0.5)
+    _randomize(model, seed)
     model.save_pretrained(folder)
     vocab = {c: i for i, c in enumerate(_CHARS)} | {"</s>": eos}
     vocab |= {f"<{i}>": i for i in range(eos + 1, vocab_size)}
@@ -66,6 +62,15 @@ def build_random_qwen3(folder: Path, layers: int, vocab_size: int, seed: int = 0
         folder
     )
     return folder
+
+
+def _randomize(model, seed: int) -> None:
+    """Random weights, the same for a seed: norm weights near 1, every other row scaled by 1 / sqrt(its length)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else noise / p.shape[-1] ** 0.5)
 
 
 # The --vlm model's vocabulary: the printable characters, EOS, then the vision special tokens.
@@ -98,11 +103,7 @@ def build_random_qwen3_vl(folder: Path, seed: int = 0) -> Path:
     )  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else noise / p.shape[-1] ** 0.5)
+    _randomize(model, seed)
     model.save_pretrained(folder)
     special = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
     vocab = {c: i for i, c in enumerate(_CHARS)} | {"</s>": _VLM_EOS}
