@@ -236,7 +236,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--pages", default="16,128", help="page sizes of the decode table")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: pages,decode,prefill,bits")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: pages,decode,prefill,bits,split")
+    ap.add_argument("--splits", default="1024,2048", help="split sizes of the split-contract section")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("fa4_probe: needs a GPU (FlashAttention-4 has no CPU path)")
@@ -254,7 +255,8 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
     pages = [int(p) for p in args.pages.split(",")]
     sections = [("pages", page_sizes), ("bits", lambda: [bits(p) for p in (128, 16)]),
-                ("decode", lambda: decode_speed(pages)), ("prefill", prefill_speed)]  # fmt: skip
+                ("decode", lambda: decode_speed(pages)), ("prefill", prefill_speed),
+                ("split", lambda: [split_contract(int(s)) for s in args.splits.split(",")])]  # fmt: skip
     for name, fn in sections:
         if name in skip:
             continue
@@ -273,3 +275,173 @@ def main():
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---- lockstep's split contract through FA4: each (row, split) partial by FA4, merged in split order ----------------
+
+
+def split_plan(q_lens, ctx_lens, split, page, tables):
+    """The virtual sequences that give every query row its partial over each split of ``split`` positions.
+
+    Sequence b's query rows sit at positions ctx - q_len + i. Against split j = [jS, (j+1)S) a row either lies in it
+    (the diagonal: a causal entry whose keys run from jS to the last such row, bottom-right aligned, so row i sees
+    keys <= its position) or lies past it (a full, non-causal entry over the whole split). Returns per call kind
+    (causal, full): the query rows gathered, cu_seqlens_q, seqused_k, the page table of each entry (the sequence's
+    table from page jS / page), and where (token, split) went: idx [tokens, max splits] -> row, -1 if none."""
+    plans = {}
+    token0 = 0
+    tokens = sum(q_lens)
+    max_splits = max(-(-c // split) for c in ctx_lens)
+    idx = torch.full((tokens, max_splits), -1, dtype=torch.long)
+    pieces = {True: [], False: []}
+    for b, (n, c) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+        pos0 = c - n
+        for j in range(-(-c // split)):
+            lo, hi = j * split, (j + 1) * split
+            diag = (max(pos0, lo), min(c, hi))  # positions of rows inside split j
+            if diag[0] < diag[1]:
+                pieces[True].append((b, token0 + diag[0] - pos0, token0 + diag[1] - pos0, lo, diag[1] - lo, j))
+            full = (max(pos0, hi), c)
+            if full[0] < full[1]:
+                pieces[False].append((b, token0 + full[0] - pos0, token0 + full[1] - pos0, lo, split, j))
+        token0 += n
+    for causal, items in pieces.items():
+        if not items:
+            continue
+        rows = torch.cat([torch.arange(r0, r1) for _, r0, r1, _, _, _ in items])
+        counts = torch.tensor([0] + [r1 - r0 for _, r0, r1, _, _, _ in items])
+        cu = counts.cumsum(0)
+        width = max(-(-k_len // page) for *_, k_len, _ in items)
+        table = torch.zeros(len(items), width, dtype=torch.int32)
+        for i, (b, r0, r1, lo, k_len, j) in enumerate(items):
+            pages = tables[b, lo // page : lo // page + -(-k_len // page)].cpu()
+            table[i, : len(pages)] = pages
+            idx[r0:r1, j] = torch.arange(cu[i], cu[i + 1]) + (0 if causal else 1 << 40)
+        plans[causal] = dict(rows=rows.cuda(), cu=cu.int().cuda(), seqused=torch.tensor([k for *_, k, _ in items],
+                             dtype=torch.int32).cuda(), table=table.cuda(), max_q=int(counts.max()))  # fmt: skip
+    return plans, idx
+
+
+def fa4_calls(q, k, v, plans):
+    """Every (row, split) partial through FA4: one causal call (diagonal entries), one full call. causal -> (o, lse)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    parts = {}
+    for causal, p in plans.items():
+        parts[causal] = _flash_attn_fwd(q[p["rows"]], k, v, cu_seqlens_q=p["cu"], seqused_k=p["seqused"],
+                                        page_table=p["table"], max_seqlen_q=p["max_q"], causal=causal,
+                                        softmax_scale=SCALE, return_lse=True)[:2]  # fmt: skip
+    return parts
+
+
+def split_attend(q, k, v, plans, idx):
+    """The partials, then the fixed-order merge (elementwise, fp32)."""
+    return merge(fa4_calls(q, k, v, plans), idx)
+
+
+def merge(parts, idx):
+    full = idx >= (1 << 40)
+    tokens = idx.shape[0]
+    m = torch.full((tokens, HQ), float("-inf"), device="cuda")
+    w = torch.zeros(tokens, HQ, device="cuda")
+    acc = torch.zeros(tokens, HQ, D, device="cuda")
+    for j in range(idx.shape[1]):
+        col = idx[:, j]
+        o_j = torch.zeros(tokens, HQ, D, device="cuda")
+        l_j = torch.full((tokens, HQ), float("-inf"), device="cuda")
+        for causal, (o, lse) in parts.items():
+            sel = (col >= 0) & (full[:, j] != causal)
+            if sel.any():
+                t = sel.nonzero()[:, 0].cuda()
+                r = (col[sel] - (0 if causal else 1 << 40)).cuda()
+                o_j[t] = o[r].float()
+                l_j[t] = lse[:, r].T
+        m_new = torch.maximum(m, l_j)
+        base = torch.where(m_new == float("-inf"), 0.0, m_new)
+        a = torch.where(m == m_new, 1.0, torch.exp(m - base))
+        b = torch.where(l_j == m_new, 1.0, torch.exp(l_j - base))
+        seen = l_j > float("-inf")
+        acc = torch.where(seen[..., None], acc * a[..., None] + o_j * b[..., None], acc)
+        w = torch.where(seen, w * a + b, w)
+        m = torch.where(seen, m_new, m)
+    return (acc / w[..., None]).to(torch.bfloat16)
+
+
+def split_contract(split):
+    print(f"\nlockstep's split contract through FA4 (split {split}, page 16): bits and speed")
+    page = 16
+    torch.manual_seed(2)
+    target = 5000
+    lens = ([target, 32768, 1000, 4096, 17, 20000, 513, 8192, 3] * 8)[:64]
+    width = -(-max(lens) // page)
+    nblk = sum(-(-n // page) for n in lens) + 8
+    k = torch.randn(nblk, page, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    perm = torch.randperm(nblk).tolist()
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        for j in range(-(-n // page)):
+            tables[i, j] = perm.pop()
+    tables = tables.cuda()
+    q_all = torch.randn(target, HQ, D, device="cuda", dtype=torch.bfloat16)  # the target's query rows
+    q_nb = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+
+    def run(items):
+        """items: (seq, first row, end row) -> the output rows, in order."""
+        qs = torch.cat([q_all[a:e] if s == 0 else q_nb[s : s + 1].expand(e - a, HQ, D) for s, a, e in items])
+        plans, idx = split_plan([e - a for _, a, e in items], [e for _, _, e in items], split, page,
+                                tables[[s for s, _, _ in items]])  # fmt: skip
+        return split_attend(qs, k, v, plans, idx), plans, idx
+
+    one_shot = run([(0, 0, target)])[0]
+    checks = {}
+    for a, e in ((0, 1000), (1000, 1037), (1037, 4096), (4096, target)):
+        checks[f"chunk [{a}, {e}) == one-shot rows"] = (run([(0, a, e)])[0], one_shot[a:e])
+    dec = run([(0, target - 1, target)])[0]
+    checks["decode of the last token == one-shot's last row"] = (dec, one_shot[-1:])
+    batch = [(0, target - 1, target)] + [(s, lens[s] - 1, lens[s]) for s in range(1, 64)]
+    checks["decode in a batch of 64 == decode alone"] = (run(batch)[0][:1], dec)
+    mixed = [(s, lens[s] - 1, lens[s]) for s in range(1, 9)] + [(0, 4096, target)]
+    checks["chunk [4096, 5000) after 8 decode rows == one-shot rows"] = (run(mixed)[0][8:], one_shot[4096:])
+    out = {}
+    for name, (x, y) in checks.items():
+        ok = same(x, y)
+        out[name] = ok
+        print(f"  {'ok  ' if ok else 'DIFF'}  {name}{'' if ok else f' ({n_diff(x, y)} of {x.numel()} values)'}")
+    kc = k[tables[0, : -(-target // page)].long()].reshape(-1, HKV, D)[:target]
+    vc = v[tables[0, : -(-target // page)].long()].reshape(-1, HKV, D)[:target]
+    ref = F.scaled_dot_product_attention(q_all.transpose(0, 1)[None].float(), kc.transpose(0, 1)[None].float(),
+                                         vc.transpose(0, 1)[None].float(), is_causal=True, scale=SCALE,
+                                         enable_gqa=True)[0].transpose(0, 1)  # fmt: skip
+    unsplit = fa4_fwd(q_all[None], kc[None], vc[None], causal=True)[0]
+    out["max err split"] = (one_shot.float() - ref).abs().max().item()
+    out["max err unsplit"] = (unsplit.float() - ref).abs().max().item()
+    print(f"  max |out - fp32 SDPA|: split {out['max err split']:.3e}, FA4 unsplit {out['max err unsplit']:.3e}")
+
+    print("  decode, us: the two FA4 calls (and with the torch merge, not fused) vs FA4 unsplit p16")
+    for ctx in (4096, 32768):
+        for b in (1, 8, 64):
+            kk, vv, table = paged(b, ctx, page)
+            q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+            plans, idx = split_plan([1] * b, [ctx] * b, split, page, table)
+            t_calls, mk = bench_us(lambda: fa4_calls(q, kk, vv, plans))
+            t_all, mk2 = bench_us(lambda: split_attend(q, kk, vv, plans, idx))
+            seqused = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+            t_un, mk3 = bench_us(lambda: fa4_fwd(q[:, None], kk, vv, page_table=table, seqused_k=seqused, causal=True))
+            gbytes = 2 * b * ctx * HKV * D * 2 / 1e9
+            print(f"    {b:3d} x {ctx:6d}: calls {t_calls:8.1f}{mk} ({gbytes / t_calls * 1e3:4.2f} TB/s)  "
+                  f"+ torch merge {t_all:8.1f}{mk2}  unsplit {t_un:8.1f}{mk3}")  # fmt: skip
+            out[f"decode {b}x{ctx}"] = dict(calls=t_calls, with_merge=t_all, unsplit=t_un)
+    print("  causal prefill (one sequence), us (TFLOP/s): the two FA4 calls with the row gather, vs unsplit")
+    for n in (4096, 16384, 32768):
+        kk, vv, table = paged(1, n, page)
+        q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
+        plans, idx = split_plan([n], [n], split, page, table)
+        flops = 4 * n * n * HQ * D / 2
+        t_calls, mk = bench_us(lambda: fa4_calls(q, kk, vv, plans))
+        lens1 = torch.full((1,), n, device="cuda", dtype=torch.int32)
+        t_un, mk3 = bench_us(lambda: fa4_fwd(q[None], kk, vv, page_table=table, seqused_k=lens1, causal=True))
+        print(f"    {n:6d}: calls {t_calls:9.1f}{mk} ({flops / t_calls / 1e6:5.1f})  unsplit {t_un:9.1f}{mk3} "
+              f"({flops / t_un / 1e6:5.1f})")  # fmt: skip
+        out[f"prefill {n}"] = dict(calls=t_calls, unsplit=t_un)
+    RESULTS[f"split_{split}"] = out
