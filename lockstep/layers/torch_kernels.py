@@ -228,12 +228,13 @@ MAX_FAST_SPLIT = 8 * SPLIT
 
 
 def split_for_batch(seq_lens: list[int] | None, num_kv_heads: int, num_sms: int) -> int:
-    """The KV split size of the fast mode's decode step: SPLIT (the invariant set's, measured the best launch of
-    this kernel in decode on the H200, docs/perf.md sessions 8-10) times the largest power of two up to
-    ``MAX_FAST_SPLIT // SPLIT`` whose splits still give every resident program (``RESIDENT_PER_SM`` per SM)
-    ``FILL_WAVES`` of them: ``num_kv_heads * sum(seq_lens) / S >= FILL_WAVES * RESIDENT_PER_SM * num_sms``. Larger
-    splits only cut the partials and the merge; they never leave the GPU short of programs, nor one long row's few
-    long splits running after the rest (the bound uses the whole batch's positions, not its longest row's).
+    """The KV split size of the fast mode's decode step: SPLIT (the invariant set's; on the H200 splits of 256 and
+    128 were no faster at batch 1, 4k context and slower everywhere else, 1.05-1.9x at batch 1-64 and 4k-32k,
+    docs/perf.md 2026-11-29) times the largest power of two up to ``MAX_FAST_SPLIT // SPLIT`` whose splits still
+    give every resident program (``RESIDENT_PER_SM`` per SM) ``FILL_WAVES`` of them:
+    ``num_kv_heads * sum(seq_lens) / S >= FILL_WAVES * RESIDENT_PER_SM * num_sms``. Larger splits only cut the
+    partials and the merge; they never leave the GPU short of programs, nor one long row's few long splits running
+    after the rest (the bound uses the whole batch's positions, not its longest row's).
 
     ``seq_lens``: the step's context lengths as the host knows them (an eager step), or None (a CUDA graph: captured
     once for every context up to max_model_len, it takes SPLIT). The old rule divided the block table's width into
