@@ -229,3 +229,24 @@ def test_batch_split_attention_bits_follow_the_batch(monkeypatch):
     alone = batch_split_attention(q[:1], k_cache, v_cache, alone_attn, SCALE, num_sms=4)[0]
     torch.testing.assert_close(alone, batched, atol=1e-5, rtol=0)
     assert not torch.equal(alone, batched)
+
+
+def test_host_lengths_reach_eager_steps_only():
+    # The rule reads the lengths an eager step's metadata carries; a CUDA graph's (one graph for every context up
+    # to max_model_len) has none, so its decode takes the invariant split whatever it was captured with.
+    from lockstep.engine.cuda_graph import DecodeGraphs
+    from lockstep.layers.batch import flatten_batch
+
+    flat = flatten_batch([([5], 40, list(range(11))), ([7], 3, [11])], block_size=4)
+    _, _, attn = flat.to("cpu", [])
+    assert attn.scratch[HOST_SEQ_LENS] == flat.seq_lens == [41, 4]
+
+    class Model:  # what DecodeGraphs needs of a model: a device, and a forward that shows its metadata
+        device = torch.device("cpu")
+
+        def __call__(self, input_ids, positions, attn):
+            return attn
+
+    graph_attn = DecodeGraphs(Model(), [], max_num_seqs=4, max_blocks=16)._forward(4)
+    assert HOST_SEQ_LENS not in graph_attn.scratch
+    assert split_for_batch(graph_attn.scratch.get(HOST_SEQ_LENS), 8, 132) == SPLIT
