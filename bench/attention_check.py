@@ -19,7 +19,13 @@ here), a register cap of 168 (``maxnreg``: three programs per SM instead of two)
 (``ids_ahead``) and split programs with nothing to do leaving early or not (``skip_empty``). Decode is also timed
 by page size, 16 to 128 positions (the engine's ``block_size``; a K/V tile gathers 4 pages at 16), with the cache
 stored heads-outer (HND), and with blocks placed as the engine's allocator places them, with the same bits required
-everywhere. ``--only wide|pages`` runs one table.
+everywhere. ``--only wide|pages|fastmode`` runs one table.
+
+``--only fastmode`` times the fast (``default``) kernel set's decode attention against the invariant launch at batch
+1/16/64 x context 1k/8k/32k: as a CUDA graph step sees it (a 40,960-position table, no host lengths) and as an eager
+step does (the batch's own table width, the lengths on the host), beside the rule it replaced and fixed split sizes
+256-4096 (to fit ``layers.torch_kernels.split_for_batch``'s constants). Its values must match the invariant launch's
+to bf16 rounding and a graph step's must be the invariant bits.
 """
 
 import argparse
@@ -33,6 +39,9 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
+from lockstep.layers.batch import HOST_SEQ_LENS, AttentionMetadata  # noqa: E402
+from lockstep.layers.torch_kernels import batch_split_attention, split_for_batch  # noqa: E402
+from lockstep.ops._common import num_sms  # noqa: E402
 from lockstep.ops.attention import SPLIT, TILE, write_kv  # noqa: E402
 from lockstep.ops.attention.launch import _paged_attention_triton  # noqa: E402
 
@@ -385,6 +394,83 @@ def bench_pages(cfg, device):
         del k_seq, v_seq
 
 
+def old_split_for_batch(num_seqs: int, num_kv_heads: int, max_positions: int, sms: int) -> int:
+    """The fast mode's decode split before issue 27: ~2 programs per SM over the block table's width."""
+    wanted = max(1, -(-2 * sms // max(1, num_seqs * num_kv_heads)))
+    tiles = max(1, -(-max_positions // wanted // TILE))
+    return TILE * (1 << (tiles - 1).bit_length())
+
+
+def fastmode_calls(cfg, device, b, ctx, sms):
+    """The launches ``bench_fastmode`` times at batch ``b`` of ``ctx``-position rows, by column name."""
+    hq, hkv, d, dtype, page, scale = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"], cfg["scale"]
+    wide = cfg["wide"]
+    per_seq = -(-ctx // page)
+    k_cache = torch.randn(b * per_seq, page, hkv, d, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    blocks = torch.randperm(b * per_seq, device=device).view(b, per_seq).int()
+    tables = {"graph": torch.zeros(b, -(-wide // page), device=device, dtype=torch.int32), "eager": blocks}
+    tables["graph"][:, :per_seq] = blocks
+    q = torch.randn(b, hq, d, device=device, dtype=dtype)
+    seq_lens = torch.full((b,), ctx, device=device, dtype=torch.int32)
+    starts = torch.arange(b + 1, device=device, dtype=torch.int32)
+    metas = {
+        kind: AttentionMetadata(torch.zeros(0, dtype=torch.int64, device=device), tables[kind], seq_lens, starts, [],
+                                scratch={HOST_SEQ_LENS: [ctx] * b} if kind == "eager" else {})
+        for kind in tables
+    }  # fmt: skip
+
+    def kernel(kind, split=SPLIT):
+        return lambda: _paged_attention_triton(q, k_cache, v_cache, tables[kind], seq_lens, starts, scale, split=split)
+
+    def fast(kind):
+        return lambda: batch_split_attention(q, k_cache, v_cache, metas[kind], scale, sms)
+
+    calls = {
+        "invariant": kernel("graph"),
+        "fast graph": fast("graph"),
+        "fast eager": fast("eager"),
+        "old graph": kernel("graph", old_split_for_batch(b, hkv, wide, sms)),
+        "old eager": kernel("eager", old_split_for_batch(b, hkv, per_seq * page, sms)),
+    }
+    return calls | {f"split {s}": kernel("eager", s) for s in cfg["fast_fixed_splits"]}
+
+
+def bench_fastmode(cfg, device):
+    hkv, d, wide, sms = cfg["hkv"], cfg["d"], cfg["wide"], num_sms(torch.device(device))
+    fixed = cfg["fast_fixed_splits"]
+    print(f"\nfast (default) vs invariant decode attention, {sms} SMs: us per call (TB/s reading K+V); graph = a "
+          f"{wide:,}-position table and no host lengths, eager = the batch's own width and lengths")  # fmt: skip
+    heads = ["invariant", "fast graph", "fast eager", "old graph", "old eager"] + [f"split {s}" for s in fixed]
+    print(f"  {'B':>3} {'ctx':>6} {'split':>12} | " + " ".join(f"{h:>16}" for h in heads) + " | fast/inv")
+    rows = []
+    for ctx in cfg["fast_ctx"]:
+        for b in cfg["fast_batches"]:
+            calls = fastmode_calls(cfg, device, b, ctx, sms)
+            outs = {name: fn() for name, fn in calls.items()}
+            inv = outs["invariant"]
+            if not torch.equal(outs["fast graph"], inv):
+                FAILURES.append(f"fast mode's graph step at batch {b}, ctx {ctx} is not the invariant launch")
+            for name, out in outs.items():
+                err = (out.float() - inv.float()).abs().max().item()
+                if err > cfg["atol"]:
+                    FAILURES.append(f"{name} at batch {b}, ctx {ctx} is {err:.3g} from the invariant output")
+            times = {name: us(fn) if device == "cuda" else float("nan") for name, fn in calls.items()}
+            gbytes = 2 * b * ctx * hkv * d * inv.element_size() / 1e9
+            chosen = split_for_batch([ctx] * b, hkv, sms)
+            best = min([SPLIT] + fixed, key=lambda s: times.get(f"split {s}", times["invariant"]))
+            ratio = min(times["fast graph"], times["fast eager"]) / times["invariant"]
+            cells = [f"{times[h]:8.1f} ({gbytes / times[h] * 1e3:4.2f})" for h in heads]
+            label = f"{chosen}/{old_split_for_batch(b, hkv, wide, sms)}"
+            print(f"  {b:3d} {ctx:6d} {label:>12} | " + " ".join(f"{c:>16}" for c in cells) + f" | {ratio:5.2f}")
+            rows.append({"batch": b, "ctx": ctx, "split": chosen, "best_fixed_split": best, "us": times})
+            del calls, outs, inv
+    print("  split: the fast rule's eager choice / the old rule's over the graph's table; fast/inv: the fast mode's "
+          "better path over the invariant launch (the goal: <= 1.00); best fixed split per row: "
+          + ", ".join(f"{r['batch']}x{r['ctx']}: {r['best_fixed_split']}" for r in rows))  # fmt: skip
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU via the interpreter)")
@@ -392,8 +478,9 @@ def main():
     parser.add_argument("--speed-only", action="store_true", help="skip the value and invariance checks")
     parser.add_argument(
         "--only",
-        choices=["wide", "pages"],
-        help="only this decode speed table (wide: a max_model_len-wide block table; pages: by page size and layout)",
+        choices=["wide", "pages", "fastmode"],
+        help="only this decode speed table (wide: a max_model_len-wide block table; pages: by page size and layout; "
+        "fastmode: the default kernel set's decode against the invariant launch)",
     )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -408,7 +495,8 @@ def main():
         cfg = dict(hq=4, hkv=2, d=32, dtype=torch.bfloat16, page=16, scale=32**-0.5, split=128,
                    value_lengths=[1, 17, 150], value_qlens=[1, 5, 150], atol=3e-2,
                    launches=[launches[0], launches[5]], target=200, neighbours=[300, 40, 130], chunks=[64],
-                   decode_batches=[1, 3], decode_launches=[dict(split_programs=True)], decode_samples=2)  # fmt: skip
+                   decode_batches=[1, 3], decode_launches=[dict(split_programs=True)], decode_samples=2,
+                   wide=1024, fast_ctx=[100, 600], fast_batches=[1, 3], fast_fixed_splits=[256, 1024])  # fmt: skip
     else:
         cfg = dict(hq=32, hkv=8, d=128, dtype=torch.bfloat16, page=16, scale=128**-0.5, split=SPLIT,
                    value_lengths=[1, 17, 1000, 4097, 32768], value_qlens=[1, 17, 1000, 300, 1], atol=2e-2,
@@ -418,13 +506,14 @@ def main():
                                     dict(split_programs=True, num_stages=2), dict(split_programs=True, num_stages=4),
                                     dict(split_programs=False, num_stages=2)],
                    decode_samples=40, wide=40960, speed_ctx=[4096, 32768], speed_batches=[1, 8, 64],
-                   speed_prefill=[(1, 4096), (1, 16384), (8, 1024)])  # fmt: skip
+                   speed_prefill=[(1, 4096), (1, 16384), (8, 1024)], fast_ctx=[1024, 8192, 32768],
+                   fast_batches=[1, 16, 64], fast_fixed_splits=[256, 512, 1024, 2048, 4096])  # fmt: skip
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)'}, "
           f"torch {torch.__version__}, heads {cfg['hq']}/{cfg['hkv']}, head_dim {cfg['d']}, {cfg['dtype']}, "
           f"TILE {TILE}, split {cfg['split']}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     if args.only:
-        {"wide": bench_wide, "pages": bench_pages}[args.only](cfg, device)
+        {"wide": bench_wide, "pages": bench_pages, "fastmode": bench_fastmode}[args.only](cfg, device)
     elif not args.speed_only:
         check_values(cfg, device, gen)
         check_invariance(cfg, device, gen)

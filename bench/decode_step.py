@@ -1,18 +1,23 @@
 """Decode-step time at several batch sizes, per kernel set, CUDA graphs on and off, with start-up time.
 
     python bench/decode_step.py --layers 36 --batches 1,16,128,256 --modes invariant,torch-linear,default
+    python bench/decode_step.py --layers 36 --batches 1,16 --modes invariant,default --input-len 8192 \
+        --max-model-len 40960     # long context, graphs captured for Qwen3's whole context
 
 Builds a random-weight Qwen3-8B-shaped checkpoint (bench/engine.py's ``build_checkpoint``), loads one ``LLM`` per
 kernel set (the load, graph capture included, is the start-up time), and for each batch size: prefills
 ``--batch`` requests of ``--input-len`` random tokens, runs ``--warm-steps`` decode steps, then times
 ``--steps`` decode steps of the whole engine (schedule, forward, sample, outputs), with graphs and, for sets
 that have them, again eagerly (``runner.use_graphs = False``). Also checks that the graph and eager steps give
-the same tokens and logprob bits. ``--async-scheduling on`` runs every step with async scheduling; ``both`` times
+the same tokens and logprob bits. ``--max-model-len`` (default 4096, raised to fit ``--input-len`` and the steps)
+sizes the CUDA graphs' block tables, as a server's would be sized for the model's context (the fast mode's decode
+split once followed it: issue 27). ``--async-scheduling on`` runs every step with async scheduling; ``both`` times
 the graph steps again with it (``async_ms``) and checks those bits too (profiles then run with it). A mode
 ``NAME+nopdl`` runs kernel set NAME without programmatic dependent launch (``LOCKSTEP_PDL=0``, graphs captured
 so; on by default on Hopper) and checks its tokens and logprob bits against NAME's, when NAME ran first. The
-batch-1 line gives the ratio to the weight-read floor (weights bytes over the measured copy bandwidth). Prints a
-table last; JSON to ``--out``.
+"x floor" column is the ratio to the read floor: the weights' bytes plus the K/V bytes of every row at its mean
+timed context, over the measured copy bandwidth (``floor_ms``; ``weight_floor_ms`` without the K/V). Prints a table
+last; JSON to ``--out``.
 """
 
 import argparse
@@ -127,6 +132,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,128,256")
     ap.add_argument("--modes", default="invariant,torch-linear,default")
     ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=4096, help="raised to fit --input-len and the steps")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warm-steps", type=int, default=4)
     ap.add_argument("--profile", default="", help="batch sizes to profile with torch.profiler (graphs on)")
@@ -140,6 +146,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda")
     batches = [int(b) for b in args.batches.split(",")]
+    max_model_len = max(args.max_model_len, args.input_len + args.warm_steps + args.steps + 2 + PROFILE_STEPS)
     workdir = Path(tempfile.mkdtemp(prefix="lockstep-decode-"))
     build_checkpoint(workdir, QWEN3_8B, args.layers, device, weights=False)  # load_format="dummy"
     bandwidth = copy_bandwidth(device)
@@ -155,16 +162,20 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(
             str(workdir), kernels=kernels, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
-            max_model_len=4096, enable_prefix_caching=False, gpu_memory_utilization=0.85, load_format="dummy",
-            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=max_model_len, enable_prefix_caching=False, gpu_memory_utilization=0.85,
+            load_format="dummy", quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         )  # fmt: skip
         startup = time.perf_counter() - t0
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-        floor = weight_bytes / bandwidth
+        # K/V bytes a token keeps over all layers (k and v); a timed step reads them for its rows' mean context.
+        kv_token_bytes = sum(2 * c[0, 0].numel() * c.element_size() for c, _ in llm.engine.runner.kv_caches)
+        context = args.input_len + args.warm_steps + args.steps / 2
         has_graphs = llm.engine.runner.graphs is not None
         on = args.async_scheduling == "on"
         for batch in batches:
+            floor = (weight_bytes + batch * context * kv_token_bytes) / bandwidth
             r = {"mode": mode, "batch": batch, "startup_s": startup, "floor_ms": floor * 1e3, "async": on}
+            r["weight_floor_ms"] = weight_bytes / bandwidth * 1e3
             r["graph_ms"] = r["eager_ms"] = r["async_ms"] = r["async_equals_sync"] = None
             rng_seed = 7 * batch
             if has_graphs:
@@ -202,6 +213,7 @@ def main() -> None:
     out = Path(args.out)
     (out if out.suffix == ".json" else out / "decode_step.json").write_text(json.dumps(report, indent=2))
     print(f"\ndecode step, Qwen3-8B shape {args.layers} layers, {args.input_len}-token prompts, "
+          f"max_model_len {max_model_len}, "
           f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
     print(f"{'mode':14s}{'batch':>6s}{'graph ms':>10s}{'eager ms':>10s}{'async ms':>10s}{'x floor':>9s}"
           f"{'same bits':>10s}{'start s':>9s}{'peak GiB':>9s}{'compiles':>9s}")  # fmt: skip

@@ -14,6 +14,11 @@ import torch
 
 from lockstep.ops.attention import CpuAttentionPlan, cpu_attention_plan
 
+# ``AttentionMetadata.scratch`` key: the step's ``seq_lens`` as a host list, where the step was laid out on the host
+# (``FlatBatch.to``). A CUDA graph's metadata has none (one graph serves every step of its bucket); the fast kernel
+# set's decode split reads it (``layers.torch_kernels.split_for_batch``), no kernel of the invariant set does.
+HOST_SEQ_LENS = "host_seq_lens"
+
 
 @dataclass
 class AttentionMetadata:
@@ -102,6 +107,7 @@ class FlatBatch:
             seq_lens=tensor(self.seq_lens),
             query_start_loc=tensor(self.query_start_loc),
             kv_caches=kv_caches,
+            scratch={HOST_SEQ_LENS: list(self.seq_lens)},
         )
         return tensor(self.input_ids, torch.int64), tensor(self.positions, torch.int64), attn
 

@@ -6,7 +6,7 @@ the invariance contract. Only the kernel-set registry and the RL trainer import 
 ``torch_paged_attention`` gathers K/V out of the paged cache into dense padded tensors and calls
 ``F.scaled_dot_product_attention`` once for all the step's decodes and once per group of same-shape chunks.
 ``fast_paged_attention`` is what a non-deterministic engine runs on CUDA: a paged kernel (lockstep's own, with no
-gather) whose number of KV splits follows the batch.
+gather) whose KV split size follows the batch's real work in eager decode steps (``split_for_batch``).
 
 Mixture of experts: ``torch_moe_route`` is Hugging Face's routing (``torch.topk``, whose tie order is not
 documented); ``torch_moe_experts`` loops over the experts with ``F.linear``; ``fast_moe_experts`` is what a fused-MoE
@@ -15,18 +15,17 @@ sorted order (atomics on CUDA: the order follows the batch and the run). It need
 on it can be captured in a CUDA graph.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from lockstep.layers.batch import AttentionMetadata
+from lockstep.layers.batch import HOST_SEQ_LENS, AttentionMetadata
 from lockstep.ops import gated, moe
 from lockstep.ops._common import num_sms
 from lockstep.ops.attention.kv_cache import FP8_KV, _bytes, cache_values
 from lockstep.ops.attention.launch import _paged_attention_triton
-from lockstep.ops.attention.tiling import TILE
+from lockstep.ops.attention.tiling import SPLIT
 from lockstep.ops.moe.grouped_mm import _grouped_mm
 
 
@@ -220,20 +219,44 @@ def _attend(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, g: Sd
     return out.reshape(-1, num_heads, head_dim)
 
 
-def split_for_batch(num_seqs: int, num_kv_heads: int, max_positions: int, num_sms: int) -> int:
-    """The KV split size a throughput-minded engine picks: enough splits that ``num_seqs * num_kv_heads * splits``
-    programs fill the GPU twice over, as few as that allows. Follows the batch, so the bits do too."""
-    wanted = max(1, math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads)))
-    tiles_per_split = max(1, math.ceil(max_positions / wanted / TILE))
-    return TILE * (1 << (tiles_per_split - 1).bit_length())  # TILE times a power of two, as the kernel needs
+# The fast mode's decode split (``split_for_batch``): splits of SPLIT (the invariant set's) or of 2x, 4x, 8x that,
+# only where every resident program still walks at least FILL_WAVES splits of the step's real work. Decode keeps
+# at most 2 programs per SM (registers: launch.py), hence RESIDENT_PER_SM.
+RESIDENT_PER_SM = 2
+FILL_WAVES = 8
+MAX_FAST_SPLIT = 8 * SPLIT
+
+
+def split_for_batch(seq_lens: list[int] | None, num_kv_heads: int, num_sms: int) -> int:
+    """The KV split size of the fast mode's decode step: SPLIT (the invariant set's; on the H200 splits of 256 and
+    128 were no faster at batch 1, 4k context and slower everywhere else, 1.05-1.9x at batch 1-64 and 4k-32k,
+    docs/perf.md 2026-11-29) times the largest power of two up to ``MAX_FAST_SPLIT // SPLIT`` whose splits still
+    give every resident program (``RESIDENT_PER_SM`` per SM) ``FILL_WAVES`` of them:
+    ``num_kv_heads * sum(seq_lens) / S >= FILL_WAVES * RESIDENT_PER_SM * num_sms``. Larger splits only cut the
+    partials and the merge; they never leave the GPU short of programs, nor one long row's few long splits running
+    after the rest (the bound uses the whole batch's positions, not its longest row's).
+
+    ``seq_lens``: the step's context lengths as the host knows them (an eager step), or None (a CUDA graph: captured
+    once for every context up to max_model_len, it takes SPLIT). The old rule divided the block table's width into
+    ``2 * num_sms / (num_seqs * num_kv_heads)`` splits: a graph's table is max_model_len wide, so batch 16 under
+    Qwen3's 40,960 positions took splits of 16,384, one program per (row, KV head) walking all of an 8k row, 128
+    programs on 132 SMs (47.1 ms a step against the invariant set's 11.66, issue 27)."""
+    if not seq_lens:
+        return SPLIT
+    work = num_kv_heads * sum(seq_lens)  # positions x KV heads: what the step's programs read between them
+    wanted = FILL_WAVES * RESIDENT_PER_SM * num_sms
+    split = SPLIT
+    while 2 * split <= MAX_FAST_SPLIT and work >= wanted * 2 * split:
+        split *= 2
+    return split
 
 
 def fast_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """The ``default`` set's attention: on CUDA lockstep's paged kernel straight over the cache, a decode step's
-    split size chosen from the batch (``split_for_batch``; decided from shapes alone, so CUDA graphs can capture it);
-    on the CPU ``torch_paged_attention``."""
+    split size chosen from the batch (``split_for_batch``; from host-side lengths and shapes only, with no host sync,
+    so CUDA graphs can capture it); on the CPU ``torch_paged_attention``."""
     if not q.is_cuda:
         return torch_paged_attention(q, k_cache, v_cache, attn, scale)
     return batch_split_attention(q, k_cache, v_cache, attn, scale, num_sms(q.device))
@@ -250,8 +273,7 @@ def batch_split_attention(
         return _paged_attention_triton(
             q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale
         )
-    max_positions = attn.block_tables.shape[1] * k_cache.shape[1]
-    split = split_for_batch(attn.num_seqs, k_cache.shape[2], max_positions, num_sms)
+    split = split_for_batch(attn.scratch.get(HOST_SEQ_LENS), k_cache.shape[2], num_sms)
     return _paged_attention_triton(
         q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale, split=split
     )

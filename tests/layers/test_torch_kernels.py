@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lockstep.layers import torch_kernels
-from lockstep.layers.batch import AttentionMetadata
+from lockstep.layers.batch import HOST_SEQ_LENS, AttentionMetadata
 from lockstep.layers.torch_kernels import batch_split_attention, sdpa_groups, split_for_batch, torch_paged_attention
-from lockstep.ops.attention import TILE
+from lockstep.ops.attention import SPLIT
 from lockstep.ops.attention.launch import _paged_attention_triton
 
 SCALE = 0.17
@@ -46,6 +46,7 @@ def make_batch(items, hq, hkv, d, page, dtype, seed=0):
         seq_lens=torch.tensor([n for n, _ in items], dtype=torch.int32),
         query_start_loc=starts,
         kv_caches=[(k_cache, v_cache)],
+        scratch={HOST_SEQ_LENS: [n for n, _ in items]},  # as an eager step's metadata has them (FlatBatch.to)
     )
     return torch.cat(qs), k_cache, v_cache, attn, seqs
 
@@ -159,24 +160,93 @@ def test_batch_split_attention_leaves_prefill_steps_the_default_split():
     assert torch.equal(batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms=132), default)
 
 
-def test_split_size_follows_the_batch():
-    for max_positions in (1, 64, 600, 40960):
-        sizes = [split_for_batch(n, 8, max_positions, 132) for n in (1, 2, 16, 128, 256)]
-        assert all(s % TILE == 0 and (s // TILE) & (s // TILE - 1) == 0 for s in sizes)
-        assert sizes == sorted(sizes)  # more sequences, fewer (larger) splits
-    assert split_for_batch(1, 8, 40960, 132) < split_for_batch(256, 8, 40960, 132)
+def test_split_size_follows_the_work_from_the_invariant_split_up():
+    slots = torch_kernels.FILL_WAVES * torch_kernels.RESIDENT_PER_SM * 132
+    for lens in ([1], [8192] * 16, [1024] * 256, [4096] * 256, [32768] + [1024] * 255, [32768] * 64, [40960] * 256):
+        split = split_for_batch(lens, 8, 132)
+        assert split >= SPLIT and split % SPLIT == 0 and (split // SPLIT) & (split // SPLIT - 1) == 0
+        assert split <= torch_kernels.MAX_FAST_SPLIT
+        if split > SPLIT:  # a larger split only where every resident program still walks FILL_WAVES splits
+            assert 8 * sum(lens) >= slots * split
+        if split < torch_kernels.MAX_FAST_SPLIT:  # ... and the largest such
+            assert 8 * sum(lens) < slots * 2 * split
+    sizes = [split_for_batch([4096] * n, 8, 132) for n in (1, 2, 16, 64, 128, 256)]
+    assert sizes == sorted(sizes) and sizes[0] == SPLIT < sizes[-1]  # more work, larger splits
+    # Issue 27's case: 16 rows of 8k on an H200 (132 SMs). The old rule took splits of 16,384 from a CUDA graph's
+    # 40,960-position table (128 programs); a graph now takes SPLIT, an eager step the same from its lengths.
+    assert split_for_batch(None, 8, 132) == split_for_batch([8192] * 16, 8, 132) == SPLIT
+    # One long row among short ones: the bound counts the whole batch's positions, not the longest row times the
+    # batch (that would give the long row four splits of 8,192, each walked by one program after the rest).
+    assert split_for_batch([32768] + [1024] * 255, 8, 132) == 2 * SPLIT
 
 
-def test_batch_split_attention_bits_follow_the_batch():
-    # Negative control for this set: a long decode alone (many splits) and the same decode among 39 others (fewer,
-    # larger splits) merge its softmax partials differently.
-    items = [(600, 1)] + [(30, 1)] * 39
+# Decode batches of odd lengths (contexts 1 .. 4,500, each batch with a row of several splits) on which the rule, at
+# FILL_WAVES 1 and the given SM count, picks each of its split sizes: 512 (the invariant split), 1024, 2048, 4096.
+# The kernel runs through the interpreter.
+RULE_CASES = [
+    (64, [1, 17, 127, 1000, 1100], SPLIT),
+    (2, [1, 17, 127, 1000, 1100], 2 * SPLIT),
+    (1, [1, 17, 127, 1000, 2100], 4 * SPLIT),
+    (1, [4500, 1, 17, 127], 8 * SPLIT),
+]
+
+
+@pytest.mark.parametrize("num_sms, lens, split", RULE_CASES)
+def test_batch_split_attention_matches_fp64_reference_at_the_rules_splits(monkeypatch, num_sms, lens, split):
+    monkeypatch.setattr(torch_kernels, "FILL_WAVES", 1)
+    assert split_for_batch(lens, 2, num_sms) == split
+    q, k_cache, v_cache, attn, seqs = make_batch([(n, 1) for n in lens], 4, 2, 32, 16, torch.float32)
+    out = batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms)
+    for got, (qi, ki, vi) in zip(out.split(1), seqs, strict=True):
+        torch.testing.assert_close(got.double(), reference(qi, ki, vi), atol=2e-6, rtol=0)
+    # The launch the rule chose, and a CUDA graph's (no host lengths: the invariant split).
+    chosen = _paged_attention_triton(
+        q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, SCALE, split=split
+    )
+    assert torch.equal(out, chosen)
+    attn.scratch.clear()
+    graph = batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms)
+    invariant = _paged_attention_triton(
+        q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, SCALE
+    )
+    assert torch.equal(graph, invariant)
+    if max(lens) > split:  # a row with several splits merges them differently at another split size
+        assert not torch.equal(out, invariant) or split == SPLIT
+
+
+def test_batch_split_attention_bits_follow_the_batch(monkeypatch):
+    # Negative control for this set: a long decode alone (splits of 512) and the same decode among 7 others (more
+    # work: splits of 1,024) merge its softmax partials differently.
+    monkeypatch.setattr(torch_kernels, "FILL_WAVES", 1)
+    items = [(1100, 1)] + [(1000, 1)] * 7
     q, k_cache, v_cache, attn, _ = make_batch(items, 4, 2, 32, 16, torch.float32)
-    batched = batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms=132)[0]
+    assert split_for_batch([1100], 2, 4) == SPLIT and split_for_batch([n for n, _ in items], 2, 4) == 2 * SPLIT
+    batched = batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms=4)[0]
     alone_attn = AttentionMetadata(
         slot_mapping=attn.slot_mapping, block_tables=attn.block_tables[:1], seq_lens=attn.seq_lens[:1],
-        query_start_loc=attn.query_start_loc[:2], kv_caches=attn.kv_caches,
+        query_start_loc=attn.query_start_loc[:2], kv_caches=attn.kv_caches, scratch={HOST_SEQ_LENS: [1100]},
     )  # fmt: skip
-    alone = batch_split_attention(q[:1], k_cache, v_cache, alone_attn, SCALE, num_sms=132)[0]
+    alone = batch_split_attention(q[:1], k_cache, v_cache, alone_attn, SCALE, num_sms=4)[0]
     torch.testing.assert_close(alone, batched, atol=1e-5, rtol=0)
     assert not torch.equal(alone, batched)
+
+
+def test_host_lengths_reach_eager_steps_only():
+    # The rule reads the lengths an eager step's metadata carries; a CUDA graph's (one graph for every context up
+    # to max_model_len) has none, so its decode takes the invariant split whatever it was captured with.
+    from lockstep.engine.cuda_graph import DecodeGraphs
+    from lockstep.layers.batch import flatten_batch
+
+    flat = flatten_batch([([5], 40, list(range(11))), ([7], 3, [11])], block_size=4)
+    _, _, attn = flat.to("cpu", [])
+    assert attn.scratch[HOST_SEQ_LENS] == flat.seq_lens == [41, 4]
+
+    class Model:  # what DecodeGraphs needs of a model: a device, and a forward that shows its metadata
+        device = torch.device("cpu")
+
+        def __call__(self, input_ids, positions, attn):
+            return attn
+
+    graph_attn = DecodeGraphs(Model(), [], max_num_seqs=4, max_blocks=16)._forward(4)
+    assert HOST_SEQ_LENS not in graph_attn.scratch
+    assert split_for_batch(graph_attn.scratch.get(HOST_SEQ_LENS), 8, 132) == SPLIT
