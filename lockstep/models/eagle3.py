@@ -272,4 +272,3 @@ def _target_embedding(target_path: str | Path) -> torch.Tensor:
             if "model.embed_tokens.weight" in f.keys():
                 return f.get_tensor("model.embed_tokens.weight")
     raise ValueError(f"{target_path}: no model.embed_tokens.weight to give the EAGLE-3 head")
-

@@ -290,10 +290,22 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=
 SEEDED = SamplingParams(temperature=0.8, seed=3, top_k=40, top_p=0.95, max_tokens=24, ignore_eos=True, logprobs=2)
 
 
+@pytest.fixture(scope="module")
+def qwen3_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import TINY_EOS, save_char_tokenizer, save_tiny_hf
+
+    folder = tmp_path_factory.mktemp("eagle3-qwen3")
+    save_tiny_hf(folder, "qwen3", seed=2, scale=2.0, num_hidden_layers=4, bos_token_id=None, eos_token_id=TINY_EOS)
+    save_char_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_random_head_gives_plain_decodings_bits(target_dir: Path, head_dir: Path, params: SamplingParams) -> None:
-    plain = _bits(_llm(target_dir, None).generate(PROMPTS, params, use_tqdm=False))
-    llm = _llm(target_dir, head_dir, k=3)
+def test_random_head_gives_plain_decodings_bits(request, arch: str, head_dir: Path, params: SamplingParams) -> None:
+    target = request.getfixturevalue("target_dir" if arch == "llama" else "qwen3_target_dir")
+    plain = _bits(_llm(target, None).generate(PROMPTS, params, use_tqdm=False))
+    llm = _llm(target, head_dir, k=3)
     assert _bits(llm.generate(PROMPTS, params, use_tqdm=False)) == plain
     assert llm.engine.spec_stats.num_drafts > 0
 
@@ -306,7 +318,9 @@ def test_agreeing_head_is_accepted_and_changes_nothing(bigram: tuple[Path, Path]
     llm = _llm(target, head, k=k)
     assert _bits(llm.generate(PROMPTS, params, use_tqdm=False)) == plain
     stats = llm.engine.spec_stats
-    assert stats.num_drafts > 0 and stats.acceptance_rate > 0.4, stats
+    # The first draft of a chunk is the target's next greedy token (the seeded row's less often); later ones
+    # repeat it, as the fixture says.
+    assert stats.num_drafts > 0 and stats.accepted_per_position[0] > 0.5 * stats.num_drafts, stats
     if k > 1:  # rows accept different lengths (none, one, all), in the same batch
         assert sum(1 for c in stats.chunks_by_accepted if c) >= 2, stats
     assert stats.mean_accepted_length > 1.3
@@ -318,3 +332,47 @@ def test_bigram_target_is_predictable(bigram: tuple[Path, Path]) -> None:
     out = _llm(target, None).generate([[5, 6]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     g = load_file(head / "model.safetensors")["d2t"] + torch.arange(read_config(target).vocab_size)
     assert all(int(g[out[i]]) == out[i + 1] for i in range(len(out) - 1))  # greedy decoding follows g
+
+
+def test_prefix_cache_hits_and_preemption_change_nothing(bigram: tuple[Path, Path]) -> None:
+    """A prefix-cache hit leaves the head without the cached positions' features (its cache starts after them); a
+    cache of 20 blocks preempts sequences mid-speculation (their head state released, rebuilt on recompute)."""
+    target, head = bigram
+    params = [GREEDY, SEEDED] * 2
+    plain = _bits(_llm(target, None).generate(PROMPTS, params, use_tqdm=False))
+    llm = _llm(target, head, k=3)
+    first = _bits(llm.generate(PROMPTS, params, use_tqdm=False))
+    offsets = _offsets(llm)
+    again = _bits(llm.generate(PROMPTS, params, use_tqdm=False))  # the prompts' full blocks now hit the cache
+    assert first == plain and again == plain
+    assert max(offsets) > 0  # some head caches started after a prefix-cache hit
+    small = LLM(str(target), block_size=BLOCK, num_kv_blocks=20, seed=0,
+                speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})  # fmt: skip
+    preempted = []
+    preempt = small.engine.scheduler._preempt
+    small.engine.scheduler._preempt = lambda seq: (preempted.append(seq.arrival), preempt(seq))
+    assert _bits(small.generate(PROMPTS, params, use_tqdm=False)) == plain
+    assert preempted and small.engine.spec_stats.num_accepted_tokens > 0
+    assert small.engine.drafter.num_free_blocks == small.engine.drafter.num_kv_blocks  # every state released
+
+
+def _offsets(llm: LLM) -> list[int]:
+    """Wrap the drafter's observe: the returned list gets each sequence state's ``offset`` after every step."""
+    offsets: list[int] = []
+    drafter = llm.engine.drafter
+    observe = drafter.observe
+
+    def recorded(batch, aux):
+        observe(batch, aux)
+        offsets.extend(s.offset for s in drafter._states.values())
+
+    llm.engine._observe = recorded
+    return offsets
+
+
+def test_without_eagle3_the_target_keeps_no_aux_states(target_dir: Path, tmp_path: Path) -> None:
+    plain = _llm(target_dir, None)
+    plain.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert plain.engine.runner.aux_hidden is None and plain.engine.runner.model.language_model.aux_hidden is None
+    ngram = LLM(str(target_dir), block_size=BLOCK, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert ngram.engine.runner.model.language_model.aux_layers == () and ngram.engine._observe is None
