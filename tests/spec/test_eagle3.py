@@ -230,7 +230,8 @@ def _reference_drafts(target_hf, w: dict[str, torch.Tensor], tokens: list[int], 
 
 def _reference_head(w, embeds, hidden, positions) -> tuple[torch.Tensor, torch.Tensor]:
     eps, n = 1e-6, embeds.shape[0]
-    x = torch.cat([_rms(embeds, w["midlayer.input_layernorm.weight"], eps), _rms(hidden, w["midlayer.hidden_norm.weight"], eps)], -1)  # fmt: skip
+    e, h = _rms(embeds, w["midlayer.input_layernorm.weight"], eps), _rms(hidden, w["midlayer.hidden_norm.weight"], eps)
+    x = torch.cat([e, h], -1)  # [n, 2H]: the token's embedding, then the hidden state
     q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM)
     k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM)
     v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM)
@@ -376,3 +377,25 @@ def test_without_eagle3_the_target_keeps_no_aux_states(target_dir: Path, tmp_pat
     assert plain.engine.runner.aux_hidden is None and plain.engine.runner.model.language_model.aux_hidden is None
     ngram = LLM(str(target_dir), block_size=BLOCK, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert ngram.engine.runner.model.language_model.aux_layers == () and ngram.engine._observe is None
+
+
+def test_generate_and_bench_take_it_on_the_command_line(
+    bigram: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from lockstep.cli import main
+
+    target, head = bigram
+    spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    args = ["generate", "abc", "--model", str(target), "--raw", "--max-tokens", "10", "--logprobs"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--speculative-config", spec]) == 0
+    assert capsys.readouterr().out == plain
+    out = tmp_path / "bench.json"
+    argv = ["bench", "throughput", "--model", str(target), "--num-prompts", "3", "--input-len", "8", "--quiet"]
+    argv += ["--output-len", "12", "--num-iters-warmup", "0", "--output-json", str(out), "--device", "cpu"]
+    assert main([*argv, "--speculative-config", spec]) == 0
+    report = json.loads(out.read_text())
+    assert report["engine"]["speculative_config"]["method"] == "eagle3"
+    s = report["results"]["speculative"]
+    assert s["num_accepted_tokens"] > 0 and s["mean_request_accepted_length"] > 1.0
