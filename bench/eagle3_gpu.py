@@ -184,7 +184,7 @@ def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (fp32): a smoke test")
     ap.add_argument("--shape", choices=["qwen3", "llama"], default="qwen3", help="Qwen3-8B or Llama-3.1-8B")
@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warm-steps", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cuda = not args.tiny
     if cuda and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --tiny for the CPU smoke test")
@@ -245,6 +245,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {out}")
+    return report
 
 
 if __name__ == "__main__":
