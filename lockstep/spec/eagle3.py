@@ -97,7 +97,7 @@ class Eagle3Drafter:
         from lockstep.models.hub import resolve_model
         from lockstep.spec.draft_model import _target_path
 
-        if runner.aux_hidden is None and not runner.model.language_model.aux_layers:
+        if not runner.model.language_model.aux_layers:  # set by the runner for an "eagle3" speculative_config
             raise ValueError("speculative_config: the target's runner keeps no aux hidden states for EAGLE-3")
         self.config = config
         self.block_size = engine_config.block_size
