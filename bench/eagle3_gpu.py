@@ -13,8 +13,9 @@ step is split, each part synced: the head's ``propose`` call (the draft step: on
 rows and k - 1 one-row forwards), ``observe`` (``fc`` over the step's aux hidden states) and the rest (the verify
 forward, sampling, acceptance: "verify"). The plain decode step is the same engine with the drafter off (CUDA
 graphs; the target still keeps its three aux streams, three adds a step). Also printed: tok/s one sequence would
-get if each draft were accepted with probability a, E(a) = (1 - a^(k+1)) / (1 - a) tokens per measured step.
-JSON to ``--out``.
+get if each draft were accepted with probability a, E(a) = (1 - a^(k+1)) / (1 - a) tokens per measured step,
+and whether one greedy request's proposals and output are the same with the target's CUDA graphs on and off (the
+graphs hand the head their own aux buffers). JSON to ``--out``.
 """
 
 import argparse
@@ -180,6 +181,34 @@ def time_steps(llm: LLM, timed: Timed | None, args, tag: str) -> dict:
     return row
 
 
+def graphs_equal_eager(llm: LLM, timed: Timed, args) -> bool:
+    """The head's proposals and the output of one greedy request with the target's CUDA graphs on and off: the same
+    (the graphs' aux buffers hold the eager forward's bits; trivially so on the CPU, which has no graphs)."""
+    engine = llm.engine
+    timed.install()
+    drafter = timed.drafter
+    propose = drafter.propose
+    rng = random.Random(2)
+    prompt = [rng.randrange(10, args.vocab - 10) for _ in range(args.input_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = []
+    for graphs in (True, False):
+        engine.runner.use_graphs = graphs and engine.runner.graphs is not None
+        calls = []
+
+        def recorded(requests, calls=calls):
+            out = propose(requests)
+            calls.extend(out)
+            return out
+
+        drafter.propose = recorded
+        [out] = llm.generate([prompt], params, use_tqdm=False)
+        runs.append((list(out.outputs[0].token_ids), calls))
+    drafter.propose = propose
+    engine.runner.use_graphs = engine.runner.graphs is not None
+    return runs[0] == runs[1] and len(runs[0][1]) > 0
+
+
 def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
@@ -240,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
         row["tok_s_by_acceptance"] = {str(a): expected_tokens(a, k) / row["step_ms"] * 1e3 for a in ALPHAS}
         cells = " | ".join(f"{row['tok_s_by_acceptance'][str(a)]:.1f}" for a in ALPHAS)
         print(f"| {k} | {1e3 / plain['step_ms']:.1f} | {cells} |")
+    report["graphs_equal_eager"] = graphs_equal_eager(llm, timed, args)
+    print(f"\nproposals and output with the target's CUDA graphs == without: {report['graphs_equal_eager']}")
     report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     out = Path(args.out) / "eagle3_gpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)

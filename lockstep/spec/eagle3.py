@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lockstep.config import EngineConfig
+from lockstep.engine.model_runner import _table_width
 from lockstep.engine.scheduler import ScheduledBatch
 from lockstep.layers.batch import flatten_batch
 from lockstep.layers.sampler import device_tensor
@@ -218,6 +219,8 @@ class Eagle3Drafter:
                 positions = [w.last + j for w in active]
             flat = flatten_batch(chunks, self.block_size)
             flat.positions = positions
+            width = _table_width(len(flat.block_tables[0]))  # as the target's runner: no compile per new width
+            flat.block_tables = [t + [0] * (width - len(t)) for t in flat.block_tables]
             fed_ids, pos, attn = flat.to(self.device, self.kv_caches)
             normed, prenorm = head(fed_ids if input_ids is None else input_ids, pos, hidden, attn)
             if j == 0:  # the last fed row of each sequence
