@@ -60,7 +60,8 @@ class LLM:
     "max_pixels": ...}``, ``max_num_encoder_tokens_per_step`` and ``max_image_pixels`` are engine arguments too.
 
     ``speculative_config`` is vLLM's dict (``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max":
-    ..., "prompt_lookup_min": ...}``, or ``{"model": path, "num_speculative_tokens": k}`` for a draft model): each
+    ..., "prompt_lookup_min": ...}``, ``{"model": path, "num_speculative_tokens": k}`` for a draft model, or
+    ``{"method": "eagle3", "model": path, "num_speculative_tokens": k}`` for an EAGLE-3 head): each
     step checks drafted tokens against what plain decoding samples, so the outputs are plain decoding's, bit for
     bit; only the time changes (README, "Speculative decoding").
 

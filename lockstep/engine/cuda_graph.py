@@ -62,6 +62,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.aux_outputs: dict[int, torch.Tensor] = {}  # EAGLE-3: each bucket's aux hidden states (model.aux_layers)
 
     def _forward(self, size: int) -> torch.Tensor:
         attn = AttentionMetadata(
@@ -86,6 +87,8 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[size] = self._forward(size)
+                if self.model.language_model.aux_layers:
+                    self.aux_outputs[size] = self.model.language_model.aux_hidden
                 pool = graph.pool()
                 self.graphs[size] = graph
         torch.cuda.current_stream().wait_stream(stream)
@@ -99,6 +102,7 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
+        self.aux_outputs.clear()
 
     def can_run(self, flat: FlatBatch) -> bool:
         """Whether ``flat`` fits a bucket as one-token rows: a decode step (one token per sequence), or a step whose
@@ -142,4 +146,6 @@ class DecodeGraphs:
         if fed is not None:
             fed.write(self.input_ids)
         self.graphs[size].replay()
+        if size in self.aux_outputs:  # the replay's aux rows, as an eager forward would have left them
+            self.model.language_model.aux_hidden = self.aux_outputs[size][: flat.num_tokens]
         return self.outputs[size][: flat.num_tokens]

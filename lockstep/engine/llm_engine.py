@@ -147,8 +147,10 @@ class LLMEngine:
         self.drafter: Drafter | None = None
         self.spec_stats = SpecDecodeStats()
         self.scheduled_tokens = 0  # the last step's new tokens, 0 if it scheduled none (vllm:iteration_tokens_total)
+        self._observe = None  # a drafter's view of every target step (EAGLE-3: the aux hidden states)
         if self.config.speculative_config is not None:
-            self.drafter = make_drafter(self.config.speculative_config, self.config)
+            self.drafter = make_drafter(self.config.speculative_config, self.config, self.runner)
+            self._observe = getattr(self.drafter, "observe", None)
         if self.runner.device.type == "cuda":
             warm_up(self)  # prefill shapes compile now, not while serving (engine/warmup.py)
         self._compiles_at_start = len(compiled_kernels())
@@ -433,6 +435,8 @@ class LLMEngine:
             return self._idle(batch)
         self._note_scheduled(batch)
         sampled = self._on_every_rank(self.runner.run, batch)
+        if self._observe is not None:
+            self._observe(batch, self.runner.aux_hidden)
         self.scheduler.advance(batch, pending=False)
         if batch.has_drafts:
             return self._report_verified(batch, sampled)

@@ -186,6 +186,7 @@ class ModelRunner:
         max_blocks = _table_width(-(-self.config.max_model_len // config.block_size))
         # Twice the rows a step can use, so a row is taken back only every max_num_seqs new sequences or so.
         self.block_tables = DeviceBlockTables(2 * config.max_num_seqs, max_blocks, self.device)
+        self._keep_aux_hidden()  # before the graphs capture the forward
         self.graphs: DecodeGraphs | None = None
         self._capture_graphs()
         self.use_graphs = self.graphs is not None  # bench/engine.py turns them off to compare
@@ -205,6 +206,26 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
+
+    def _keep_aux_hidden(self) -> None:
+        """With an EAGLE-3 drafter, rank 0's model keeps the streams its head reads (``LlamaModel.aux_layers``)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "eagle3" or self.tp.rank != 0:
+            return
+        if self.is_multimodal:
+            raise ValueError("speculative_config: EAGLE-3 drafting for a vision-language target is not supported")
+        from lockstep.models.eagle3 import read_eagle3_config
+        from lockstep.models.hub import resolve_model
+
+        aux = read_eagle3_config(resolve_model(spec.model), self.model.config).aux_layers
+        self.model.language_model.aux_layers = aux
+
+    @property
+    def aux_hidden(self) -> torch.Tensor | None:
+        """EAGLE-3: the last forward's aux hidden states ``[num_tokens, 3 * hidden]``, in the step's token order
+        (valid until the next forward); None when no drafter asked for them."""
+        lm = self.model.language_model
+        return lm.aux_hidden if lm.aux_layers else None
 
     def _default_num_kv_blocks(self, config: EngineConfig) -> int:
         per_block = self.model.kv_cache_bytes_per_block(config.block_size)

@@ -379,13 +379,23 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, kernels, dtype, device, tp, tree) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype, device)
+        # EAGLE-3 drafting (spec/eagle3.py): the layers whose input residual streams a forward keeps, concatenated
+        # in this order into ``aux_hidden`` [num_tokens, len * hidden_size]; () keeps none and costs nothing.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         rope = self.rotary_emb(positions)
         residual = None
-        for layer in self.layers:
+        streams: dict[int, torch.Tensor] | None = {} if self.aux_layers else None
+        for i, layer in enumerate(self.layers):
+            if streams is not None and i in self.aux_layers:
+                # The stream entering layer i, summed as the norm's fused add sums it; the target's bits are untouched.
+                streams[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(hidden, residual, rope, attn)
+        if streams is not None:
+            self.aux_hidden = torch.cat([streams[i] for i in self.aux_layers], dim=-1)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

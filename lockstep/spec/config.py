@@ -23,8 +23,8 @@ class SpeculativeConfig:
 
     ``method`` "ngram" looks the tokens up in the sequence itself (``prompt_lookup_min`` to ``prompt_lookup_max``
     long suffix n-grams); "draft_model" runs ``model`` (a smaller checkpoint with the target's tokenizer);
-    "eagle3" is refused for now. Left out, ``method`` is "draft_model" when ``model`` is given (and "ngram" when
-    ``model`` is vLLM's "ngram"/"[ngram]" spelling).
+    "eagle3" runs the EAGLE-3 head at ``model`` on the target's hidden states. Left out, ``method`` is
+    "draft_model" when ``model`` is given (and "ngram" when ``model`` is vLLM's "ngram"/"[ngram]" spelling).
     """
 
     num_speculative_tokens: int
@@ -50,10 +50,9 @@ class SpeculativeConfig:
             self.method = "ngram"
         if self.method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {METHODS}, got {self.method!r}")
-        if self.method == "eagle3":
-            raise NotImplementedMethod("speculative_config: method 'eagle3' (EAGLE-3 heads) is not implemented yet")
-        if self.method == "draft_model" and self.model is None:
-            raise ValueError('speculative_config: method "draft_model" needs "model", the draft checkpoint')
+        if self.method in ("draft_model", "eagle3") and self.model is None:
+            what = "the draft checkpoint" if self.method == "draft_model" else "the EAGLE-3 head's checkpoint"
+            raise ValueError(f'speculative_config: method "{self.method}" needs "model", {what}')
         if self.method == "ngram":
             self._resolve_lookup()
         elif self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:

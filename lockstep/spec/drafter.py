@@ -5,6 +5,10 @@ checked token by token against what plain decoding samples, so a drafter may be 
 changes only how many tokens a step adds. ``release`` is called when a sequence finishes, is aborted or is
 preempted, so a drafter that keeps per-sequence state (a draft model's KV cache) can free it; after a preemption
 the sequence may come back under the same ``seq_id`` with the same tokens.
+
+A drafter may also define ``observe(batch, aux)``, which the engine then calls after every target forward with the
+step's ``ScheduledBatch`` and the target runner's ``aux_hidden`` (the EAGLE-3 drafter reads the target's hidden
+states that way, ``spec/eagle3.py``).
 """
 
 from dataclasses import dataclass

@@ -40,9 +40,11 @@ def test_refused(config: dict, match: str) -> None:
         SpeculativeConfig.from_dict(config)
 
 
-def test_eagle3_is_named_as_not_implemented() -> None:
-    with pytest.raises(NotImplementedError, match="eagle3"):
-        SpeculativeConfig.from_dict({"method": "eagle3", "model": "/m", "num_speculative_tokens": 3})
+def test_eagle3_parses_and_needs_its_head() -> None:
+    c = SpeculativeConfig.from_dict({"method": "eagle3", "model": "/m", "num_speculative_tokens": 3})
+    assert (c.method, c.model, c.num_speculative_tokens) == ("eagle3", "/m", 3)
+    with pytest.raises(ValueError, match="EAGLE-3 head"):
+        SpeculativeConfig.from_dict({"method": "eagle3", "num_speculative_tokens": 3})
 
 
 def test_engine_config_parses_it_and_runs_synchronous_steps() -> None:

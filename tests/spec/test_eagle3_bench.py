@@ -1,0 +1,23 @@
+"""bench/eagle3_gpu.py --tiny: the EAGLE-3 bench runs end to end on the CPU (a random head of the published layout
+for a tiny Qwen3 target): every step verifies exactly k drafts, and the step splits into draft, observe and
+verify times."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "eagle3_gpu.py"
+
+
+def test_tiny_run(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("eagle3_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.main(["--tiny", "--steps", "2", "--warm-steps", "1", "--ks", "1,3", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "eagle3_gpu.json").read_text())["rows"] == report["rows"]
+    assert report["graphs_equal_eager"] is True
+    assert report["plain"]["drafts_per_step"] == 0 and report["plain"]["step_ms"] > 0
+    for row, k in zip(report["rows"], (1, 3), strict=True):
+        assert row["k"] == k and row["drafts_per_step"] == k
+        assert row["draft_ms"] > 0 and row["observe_ms"] > 0 and row["verify_ms"] > 0
+        assert row["tok_s_by_acceptance"]["1.0"] > row["tok_s_by_acceptance"]["0.0"]
