@@ -121,3 +121,18 @@ def test_the_straight_through_backward_of_fp8_experts(tree):
     (moe.experts_reference(xr, deq13, deq2, wr, ids) * g).sum().backward()
     for got, want in ((x.grad, xr.grad), (w13.grad, deq13.grad), (w2.grad, deq2.grad), (weights.grad, wr.grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bench_fp8_moe_rl_runs_on_the_cpu(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "fp8_moe_rl.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "fp8_moe_rl.json").read_text())
+    assert [r["case"] for r in report["cases"]] == ["online", "online-tree", "fp8-block"]
+    assert all(r["bitwise_equal"] == r["sequences"] and r["grads_ok"] for r in report["cases"])
+    assert report["negative_control"]["max_abs_diff"] > 0 and report["failures"] == []
