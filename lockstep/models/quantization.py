@@ -44,7 +44,7 @@ from torch import nn
 from lockstep.distributed import Shard, TPGroup
 from lockstep.layers.linear import Linear, RowParallelLinear
 from lockstep.layers.moe import SparseMoeBlock
-from lockstep.ops import fp8, fp8_tree
+from lockstep.ops import fp8, fp8_tree, tp_linear
 
 QUANTIZATIONS = (None, "fp8")
 
@@ -165,11 +165,16 @@ def _make_fp8(module: nn.Module, scheme: Fp8Scheme, name: str = "", tp: TPGroup 
 
 
 def _check_experts(name: str, block: SparseMoeBlock, scheme: Fp8Scheme) -> None:
-    # What tensor parallelism and the tree ask of FP8 experts: the down projection is row-parallel over I.
+    # What tensor parallelism and the tree ask of FP8 experts: the down projection is row-parallel over I, so block
+    # scales (or per-128 activations) need each rank's I' to be whole blocks; the tree's 8 chunks of I may cut a
+    # block (ops.fp8_tree.chunk_pieces), but need 8 | I.
     blocked = scheme.weight == "block" or scheme.act_group is not None
-    if block.tree:
-        fp8_tree.check_tree(f"{name}.experts", block.intermediate_size, blocked)
-    elif block.tp.size > 1 and blocked and block.w2.shape[2] % fp8.GROUP_K:
+    if block.tree and block.intermediate_size % tp_linear.CHUNKS:
+        raise ValueError(
+            f"{name}.experts: the FP8 chunk tree needs the experts' intermediate size to be a multiple of "
+            f"{tp_linear.CHUNKS}, got {block.intermediate_size}"
+        )
+    if block.tp.size > 1 and blocked and block.w2.shape[2] % fp8.GROUP_K:
         raise ValueError(
             f"{name}.experts: I={block.intermediate_size} over {block.tp.size} ranks leaves {block.w2.shape[2]} "
             f"columns a rank, not whole {fp8.GROUP_K}-column FP8 scale blocks"

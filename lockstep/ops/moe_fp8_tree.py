@@ -9,7 +9,9 @@ do not depend on how many columns a rank holds). The activations between the two
 whole row's scales: per 128-column group they are a rank's own (whole groups: ``ops.fp8_tree.check_tree``); per
 token the ranks all-gather their row maxima (``amax_gather``). The down projection's I' is cut into the rank's
 ``8 / N`` chunks of the whole I's 8 (the same chunk width at every N); each chunk's partial is the FP8 block
-order over its columns, in fp32, and the chunks meet in ``tp_linear``'s pairwise tree.
+order over its columns, in fp32 (a chunk that cuts a 128-column scale block, as Qwen3-30B-A3B's I = 768 in
+chunks of 96 does, sums its pieces of one block each in column order: ``fp8_tree.chunk_pieces``), and the chunks
+meet in ``tp_linear``'s pairwise tree. Block scales need each rank's I' to be whole blocks (TP 2 of I = 768).
 """
 
 import torch
@@ -22,29 +24,27 @@ from lockstep.ops.moe_fp8 import _configs, _grouped_fp8_mm, gate_up, quantize_ac
 
 def _down_partials(h8, hs, w2, s2, plan, cfg, num_chunks: int, triton: bool) -> torch.Tensor:
     # h8: [P, I'] e4m3 (sorted rows) with hs [P, KBa]; w2: [E, H, I'] e4m3 with s2 [E, H, KBw] -> [C, P, H] fp32
-    num_pairs, width = h8.shape[0], h8.shape[1] // num_chunks
-    hidden = w2.shape[1]
-    per = width // GROUP_K  # scale blocks per chunk, where blocked (whole blocks: check_tree)
-
-    def cols(scale: torch.Tensor, c: int) -> torch.Tensor:
-        return scale[..., c * per : (c + 1) * per] if scale.shape[-1] > 1 else scale
-
-    if triton:
-        partials = torch.empty((num_chunks, num_pairs, hidden), dtype=torch.float32, device=h8.device)
-        for c in range(num_chunks):
-            k = slice(c * width, (c + 1) * width)
-            partials[c] = _grouped_fp8_mm(
-                h8[:, k], cols(hs, c), None, w2[:, :, k], cols(s2, c), plan, cfg, False, torch.float32
-            )
+    num_pairs, hidden = h8.shape[0], w2.shape[1]
+    if not triton:
+        partials = torch.zeros((num_chunks, num_pairs, hidden), dtype=torch.float32)
+        bounds = plan.bounds.tolist()
+        for e in range(w2.shape[0]):
+            start, end = bounds[e], bounds[e + 1]
+            if end > start:
+                partials[:, start:end] = fp8_tree.chunk_partials(
+                    h8[start:end], hs[start:end], expert_weight(w2, e), s2[e], num_chunks
+                )
         return partials
-    partials = torch.zeros((num_chunks, num_pairs, hidden), dtype=torch.float32)
-    bounds = plan.bounds.tolist()
-    for e in range(w2.shape[0]):
-        start, end = bounds[e], bounds[e + 1]
-        if end > start:
-            partials[:, start:end] = fp8_tree.chunk_partials(
-                h8[start:end], hs[start:end], expert_weight(w2, e), s2[e], num_chunks
-            )
+    # The grouped kernel over each chunk's columns (its pieces, where the chunk cuts scale blocks: chunk_pieces).
+    partials = torch.empty((num_chunks, num_pairs, hidden), dtype=torch.float32, device=h8.device)
+    blocked = hs.shape[1] > 1 or s2.shape[2] > 1
+    for c, chunk in enumerate(fp8_tree.chunk_pieces(h8.shape[1], num_chunks, blocked)):
+        for i, (a, b) in enumerate(chunk):
+            blocks = slice(a // GROUP_K, -(-b // GROUP_K))
+            sa = hs[:, blocks] if hs.shape[1] > 1 else hs
+            sw = s2[:, :, blocks] if s2.shape[2] > 1 else s2
+            part = _grouped_fp8_mm(h8[:, a:b], sa, None, w2[:, :, a:b], sw, plan, cfg, False, torch.float32)
+            partials[c] = part if i == 0 else partials[c] + part
     return partials
 
 

@@ -2,7 +2,8 @@
 its slice of the scales (the gate and up projections' rows, block scales cut at the rank's first row; the down
 projection's K blocks), and with the chunk tree the logits are bitwise those of one process with the tree, alone
 and in a mixed prefill + chunk + decode batch, for a Qwen3-MoE FP8 block checkpoint (128 x 128 blocks, per-128
-activations), a compressed-tensors per-channel one (per-token activations between the expert matmuls, whose
+activations; experts of 1024, and Qwen3-30B-A3B's 768 at TP 2, whose tree chunks cut the blocks), a
+compressed-tensors per-channel one (per-token activations between the expert matmuls, whose
 scales span the ranks' columns) and online FP8. Negative controls: the sharded FP8 experts with a plain all-reduce
 depend on the TP size, and one process without the tree differs from the tree."""
 
@@ -25,8 +26,11 @@ SHAPE = dict(
     hidden_size=64, intermediate_size=1024, moe_intermediate_size=1024, num_attention_heads=16,
     num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
 )  # fmt: skip
-LAYOUTS = ("fp8-block", "ct-channel", "online")
+LAYOUTS = ("fp8-block", "ct-channel", "online", "fp8-block-768")
 TP_SIZES = [2, 4]
+# Qwen3-30B-A3B's experts are 768 wide: the tree's chunks of 96 cut the 128-column blocks (computed in pieces),
+# and a rank's I' is whole blocks at TP 2 only (384), so this layout runs at TP 2.
+AT_TP2_ONLY = ("fp8-block-768",)
 
 
 def _sequences() -> tuple[list[int], list[int]]:
@@ -50,7 +54,11 @@ def run_model(tp: TPGroup, folder: str, quantization: str | None, tp_invariant: 
 
 
 def run_layouts(tp: TPGroup, folders: dict[str, tuple[str, str | None]]) -> dict:
-    out = {name: run_model(tp, folder, q, True) for name, (folder, q) in folders.items()}
+    out = {
+        name: run_model(tp, folder, q, True)
+        for name, (folder, q) in folders.items()
+        if tp.size <= 2 or name not in AT_TP2_ONLY
+    }
     out["all-reduce"] = run_model(tp, *folders["ct-channel"], False)
     return out
 
@@ -61,6 +69,8 @@ def folders(tmp_path_factory) -> dict[str, tuple[str, str | None]]:
     out = {"online": (str(full), "fp8")}
     for layout in ("fp8-block", "ct-channel"):
         out[layout] = (str(save_fp8(full, tmp_path_factory.mktemp(layout), layout)), None)
+    narrow = save_tiny_moe(tmp_path_factory.mktemp("moe-768"), "qwen3_moe", **(SHAPE | {"moe_intermediate_size": 768}))
+    out["fp8-block-768"] = (str(save_fp8(narrow, tmp_path_factory.mktemp("fp8-block-768"), "fp8-block")), None)
     return out
 
 
@@ -77,6 +87,8 @@ def ranks(request, folders) -> tuple[int, list[dict]]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp8_expert_logits_do_not_depend_on_the_tp_size(ranks, one_process, layout):
     size, results = ranks
+    if size > 2 and layout in AT_TP2_ONLY:
+        pytest.skip(f"{layout}: a rank's columns are whole 128-column blocks at TP 2 only")
     expected = one_process[layout]
     a = len(_sequences()[0])
     assert torch.equal(expected["batch"][:a], expected["alone"])  # batched and chunked = alone, in one process
@@ -98,7 +110,10 @@ def test_negative_control_one_process_without_the_tree_differs(one_process, fold
     ordinary = run_model(TPGroup(), *folders[layout], False)["batch"]
     tree = one_process[layout]["batch"]
     assert not torch.equal(ordinary, tree)
-    assert max_rel_err(ordinary, tree) <= 2e-2
+    # Other numerics of the same model: a sum that rounds otherwise can flip an activation's e4m3 rounding, which
+    # the tiny peaked model carries to its logits (4e-7 to 5.2e-2 seen across these layouts; the experts alone
+    # differ by ~1e-7, tests/ops/test_moe_fp8_tree.py).
+    assert max_rel_err(ordinary, tree) <= 1e-1
 
 
 def test_a_rank_loads_its_slice_of_the_expert_scales(folders):
@@ -122,14 +137,18 @@ def test_a_rank_loads_its_slice_of_the_expert_scales(folders):
         assert torch.equal(block.w2[e].view(torch.uint8), w8.view(torch.uint8))
 
 
-def test_expert_sizes_the_tree_or_the_shards_cut_are_refused(tmp_path):
-    # I = 24: the tree's chunks of 3 columns are not 128-column blocks; at TP 2 a rank's 12 columns neither.
+def test_expert_sizes_the_tree_or_the_shards_cut_are_refused(tmp_path, folders):
+    # I = 20: not 8 chunks; I = 24 at TP 2: a rank's 12 columns are not whole 128-column blocks (nor is 768 at TP 4).
+    odd = save_tiny_moe(tmp_path / "odd", "qwen3_moe", **(SHAPE | dict(moe_intermediate_size=20)))
+    with pytest.raises(ValueError, match=r"mlp.experts: the FP8 chunk tree needs .* a multiple of 8, got 20"):
+        load_model(save_fp8(odd, tmp_path / "odd-block", "fp8-block"), tp_invariant=True)
     narrow = save_tiny_moe(tmp_path / "small", "qwen3_moe", **(SHAPE | dict(moe_intermediate_size=24)))
     small = save_fp8(narrow, tmp_path / "small-block", "fp8-block")
-    with pytest.raises(ValueError, match=r"mlp.experts: the FP8 chunk tree cuts K=24 into 8 chunks of 3 columns"):
-        load_model(small, tp_invariant=True)
     with pytest.raises(ValueError, match=r"mlp.experts: I=24 over 2 ranks leaves 12 columns a rank"):
         load_model(small, tp=TPGroup(rank=0, size=2), tp_invariant=False)
-    # Per-channel scales with per-token activations have no block to cut: the same experts run the tree.
+    assert load_model(small, tp_invariant=True).model.layers[0].mlp.tree  # one process: chunks of 3 in one block
+    with pytest.raises(ValueError, match=r"mlp.experts: I=768 over 4 ranks leaves 192 columns a rank"):
+        load_model(folders["fp8-block-768"][0], tp=TPGroup(rank=1, size=4))
+    # Per-channel scales with per-token activations have no block to cut: any I' runs.
     channel = save_fp8(narrow, tmp_path / "small-channel", "ct-channel")
-    assert load_model(channel, tp_invariant=True).model.layers[0].mlp.tree
+    assert load_model(channel, tp=TPGroup(rank=1, size=2), tp_invariant=True).model.layers[0].mlp.tree

@@ -14,7 +14,10 @@ from lockstep.ops.moe_fp8 import experts_fp8
 from lockstep.ops.moe_fp8_tree import down_roots_fp8, experts_fp8_tree
 
 E, H, K = 4, 160, 2
-CASES = {"block": (1024, 128), "channel": (48, None)}  # I; the activations' group
+# I; the activations' group. Block scales: chunks of 128 columns, and Qwen3-30B-A3B's I = 768, whose chunks of 96
+# cut the 128-column blocks (each rank's 384 columns at TP 2 are whole blocks).
+CASES = {"block": (1024, 128), "block-768": (768, 128), "channel": (48, None)}
+TP_SIZES = {"block": (2, 4), "block-768": (2,), "channel": (2, 4, 8)}
 
 
 def fp8_experts(kind: str, inter: int):
@@ -70,7 +73,7 @@ def test_fp8_expert_tree_does_not_depend_on_the_tp_size(kind, triton):
     one = moe.combine(roots.to(x.dtype), weights.float(), rows)
     if not triton:
         assert same_bits(experts_fp8_tree(x, *experts[:2], *experts[2:], weights, ids, group), one)
-    for size in (2, 4, 8) if kind == "channel" else (2, 4):
+    for size in TP_SIZES[kind]:
         assert same_bits(simulated_ranks(x, weights, ids, experts, group, size, triton), one), size
     r3, rows3 = down_roots_fp8(x[3:4], *experts, ids[3:4], group, 8, triton=triton)  # a token alone
     assert same_bits(moe.combine(r3.to(x.dtype), weights[3:4].float(), rows3), one[3:4])
@@ -88,6 +91,14 @@ def test_negative_control_fp8_experts_without_the_tree_differ(kind):
     assert ((tree.double() - plain.double()).norm() / plain.double().norm()).item() < 2e-2
 
 
-def test_fp8_expert_tree_refuses_chunks_that_cut_blocks():
-    with pytest.raises(ValueError, match="FP8 chunk tree cuts K=768"):
-        fp8_tree.check_tree("model.layers.0.mlp.experts", 768, True)
+def test_chunks_that_cut_scale_blocks_are_computed_in_pieces_of_one_block():
+    assert fp8_tree.chunk_pieces(768, 8, True)[:3] == [[(0, 96)], [(96, 128), (128, 192)], [(192, 256), (256, 288)]]
+    assert fp8_tree.chunk_pieces(768, 8, False)[1] == [(96, 192)]
+    assert fp8_tree.chunk_pieces(1024, 8, True)[1] == [(128, 256)]  # whole blocks: the chunk itself
+    # A chunk in pieces is their partials summed in column order (here against the fp64 dequantized product).
+    w8, ws = fp8.quantize_weight(randn(5, 256, seed=3), (128, 128))  # K = 256: two blocks
+    ws = fp8.expand_block_scale(ws, 5, 128)
+    a8, sa = fp8.quantize_rows(randn(3, 256, seed=4), 128)
+    parts = fp8_tree.chunk_partials(a8, sa, w8, ws, 8)  # 8 chunks of 32 columns, inside the 128-column blocks
+    ref = fp8.dequantize(a8, sa, torch.float64) @ fp8.dequantize(w8, ws, torch.float64).T
+    torch.testing.assert_close(parts.double().sum(0), ref, rtol=1e-5, atol=1e-5)
