@@ -6,8 +6,9 @@ and the time of a trainer step, at Qwen3-30B-A3B's shape cut to a few layers (ra
 
 A random bf16 checkpoint of the shape (bench/moe_engine.py's ``build_checkpoint``: hidden 2048, 128 experts of 768,
 top 8, 32 q / 4 kv heads of 128, vocab 151936) and the same weights as a Qwen3-FP8 block checkpoint (128 x 128
-block scales; tests/fp8_checkpoints.py). For each case (online FP8, online FP8 with the chunk tree, the block
-checkpoint): the engine samples ``--requests`` random prompts (temperature 1, seeded), is dropped, and a
+block scales; tests/fp8_checkpoints.py). Cases: online FP8, online FP8 with the chunk tree, the block checkpoint,
+and the block checkpoint with the tree (its experts' chunks of 96 columns cut the 128-column blocks: computed in
+pieces). For each, the engine samples ``--requests`` random prompts (temperature 1, seeded), is dropped, and a
 ``load_policy`` trainer of the same folder (full-precision masters, FP8 layers and FP8 experts quantized in the
 forward, ``models.quantization.train_fp8``) recomputes their logprobs; every logprob must have the sampler's bits.
 A trainer step (``token_logprobs`` + backward of their sum) is timed ``--reps`` times, and the experts' masters
@@ -43,6 +44,7 @@ CASES = {
     "online": ("full", {"quantization": "fp8"}),
     "online-tree": ("full", {"quantization": "fp8", "tp_invariant": True}),
     "fp8-block": ("fp8-block", {}),
+    "fp8-block-tree": ("fp8-block", {"tp_invariant": True}),
 }
 FAILURES: list[str] = []
 
@@ -151,7 +153,8 @@ def main() -> None:
         if getattr(args, key) is None:
             setattr(args, key, tiny if args.tiny else full)
     full_shape, tiny_shape, _, _ = MODELS["qwen3-30b-a3b"]
-    shape = tiny_shape if args.tiny else full_shape
+    # tiny: 16 heads of 64, so o_proj's K of 1024 lets the block layout run the chunk tree (8 chunks of 128 columns)
+    shape = dict(tiny_shape, num_attention_heads=16, head_dim=64) if args.tiny else full_shape
     layers = tiny_shape["num_hidden_layers"] if args.tiny else args.layers
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -133,6 +133,6 @@ def test_bench_fp8_moe_rl_runs_on_the_cpu(tmp_path) -> None:
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "fp8_moe_rl.json").read_text())
-    assert [r["case"] for r in report["cases"]] == ["online", "online-tree", "fp8-block"]
+    assert [r["case"] for r in report["cases"]] == ["online", "online-tree", "fp8-block", "fp8-block-tree"]
     assert all(r["bitwise_equal"] == r["sequences"] and r["grads_ok"] for r in report["cases"])
     assert report["negative_control"]["max_abs_diff"] > 0 and report["failures"] == []
