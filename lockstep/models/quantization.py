@@ -27,13 +27,16 @@ block scale's 128 rows may start mid-block on a rank: its rows are cut out of th
 one holds all rows and its K blocks of a block scale (whole blocks only: ``ops.fp8_tree.check_tree`` names a layer
 whose K the tree's 8 chunks would cut mid-block). Scales computed from the weights (online, dummy weights) are those
 of the whole checkpoint matrix: a per-channel scale of a row-parallel layer, or a per-tensor one, takes the max over
-the ranks (an all-gather, exact). FP8 experts are not supported under tensor parallelism yet.
+the ranks (an all-gather, exact). FP8 experts are sharded along I as the bf16 experts are: each expert's gate and up
+scales as a column-parallel layer's, its down scales as a row-parallel one's (whole K blocks: ``_check_experts``);
+with the tree they run ``ops.moe_fp8_tree``.
 
 Training (``train_fp8``, ``lockstep.rl.load_policy``): a trainer's FP8 layer holds a full-precision master weight
 that its forward quantizes as the sampler holds it (``Fp8Train``): online FP8 recomputes the per-channel scales from
 the weight at each forward, as ``LLM.load_weights`` of full-precision weights into an online-FP8 engine does; a
 checkpoint's layout keeps the checkpoint's scales and quantizes the weight with them (saturating), as
-``load_weights`` of full-precision weights into that engine does (``load_weights_slots``).
+``load_weights`` of full-precision weights into that engine does (``load_weights_slots``). FP8 experts likewise
+(``Fp8ExpertsTrain``; ``ops.autograd.moe_experts_fp8``, a straight-through backward into the masters).
 """
 
 from dataclasses import dataclass
