@@ -15,6 +15,11 @@ the chunk tree (``ops.moe.down_roots``): the ranks all-gather their fp32 subtree
 rounds every pair's output to the model dtype and combines a token's k outputs in rank order, so the result has
 the same bits at TP 1, 2, 4 and 8. Without ``tree`` at N > 1 (the fast mode) the ranks' combined partial outputs
 are summed by an all-reduce, whose order follows the rank count and the message size.
+
+FP8 experts (``models.quantization``) hold e4m3 ``w13``/``w2`` with row scales ``w13_scale``/``w2_scale``, sharded
+with them, and run ``ops.moe_fp8`` (with ``tree``: ``ops.moe_fp8_tree``, the same tree over FP8 partials). A
+trainer's FP8 experts hold full-precision masters and ``fp8_train``, which quantizes them as the sampler holds them
+(``ops.autograd.moe_experts_fp8``: the sampler's forward bits, a straight-through backward).
 """
 
 from collections.abc import Iterator
@@ -26,10 +31,11 @@ from torch import nn
 
 from lockstep.distributed import Shard, TPGroup, split_evenly
 from lockstep.layers.linear import Linear
+from lockstep.ops import autograd, tp_linear
 from lockstep.ops import moe as moe_ops
-from lockstep.ops import tp_linear
 from lockstep.ops.fp8 import FP8
 from lockstep.ops.moe_fp8 import experts_fp8
+from lockstep.ops.moe_fp8_tree import down_roots_fp8, experts_fp8_tree
 
 if TYPE_CHECKING:
     from lockstep.layers.kernels import Kernels
@@ -78,6 +84,8 @@ def per_expert_tensors(name: str, tensor: torch.Tensor, names: ExpertNames) -> l
 
 
 class SparseMoeBlock(nn.Module):
+    fp8_train = None  # a trainer's FP8 experts: models.quantization.Fp8ExpertsTrain (set by quantization.train_fp8)
+
     def __init__(
         self,
         hidden_size: int,
@@ -123,8 +131,11 @@ class SparseMoeBlock(nn.Module):
         # x: [num_tokens, hidden] -> router logits [num_tokens, E] (model dtype, as HF) -> [num_tokens, hidden]
         logits = self.gate(x)
         weights, ids = self.kernels.moe_route(logits, self.top_k, self.renormalize)  # [num_tokens, k] each
-        if self.w13.dtype == FP8:  # FP8 experts (models/quantization.py; one process): w13_scale, w2_scale, act_group
-            return experts_fp8(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids, self.act_group)
+        if self.w13.dtype == FP8:  # FP8 experts (models/quantization.py): w13_scale, w2_scale, act_group
+            return self._fp8_forward(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids)
+        if self.fp8_train is not None:  # a trainer's FP8 experts (one process): the masters, quantized
+            q = self.fp8_train.quantize(self.w13.detach(), self.w2.detach())
+            return autograd.moe_experts_fp8(x, self.w13, self.w2, weights, ids, q, self.act_group, self.tree)
         if self.tree and self.tp.size == 1:
             return self.kernels.moe_experts_tree(x, self.w13, self.w2, weights, ids)  # with autograd: RL
         if self.tree:
@@ -133,6 +144,21 @@ class SparseMoeBlock(nn.Module):
             roots = tp_linear.tree_reduce(self.tp.all_gather(roots))
             return moe_ops.combine(roots.to(x.dtype), weights.float(), rows)
         return self.tp.all_reduce(self.kernels.moe_experts(x, self.w13, self.w2, weights, ids))  # no-op at N = 1
+
+    def _fp8_forward(self, x, w13, s13, w2, s2, weights, ids) -> torch.Tensor:
+        # Per-token activation scales between the two matmuls span I, which the ranks share: their row maxima meet.
+        gather = None
+        if self.tp.size > 1 and self.act_group is None:
+            gather = lambda amax: self.tp.all_gather(amax).amax(0)  # noqa: E731
+        if self.tree and self.tp.size == 1:
+            return experts_fp8_tree(x, w13, s13, w2, s2, weights, ids, self.act_group)
+        if self.tree:
+            chunks = tp_linear.CHUNKS // self.tp.size
+            roots, rows = down_roots_fp8(x, w13, s13, w2, s2, ids, self.act_group, chunks, gather)
+            roots = tp_linear.tree_reduce(self.tp.all_gather(roots))
+            return moe_ops.combine(roots.to(x.dtype), weights.float(), rows)
+        out = experts_fp8(x, w13, s13, w2, s2, weights, ids, self.act_group, gather)
+        return self.tp.all_reduce(out)  # no-op at N = 1
 
     def checkpoint_entries(self, layer_prefix: str) -> Iterator[tuple[str, torch.Tensor, Shard | None]]:
         """``(checkpoint name, destination, shard)`` for every tensor of this block in layer ``layer_prefix``;
@@ -156,8 +182,8 @@ class SparseMoeBlock(nn.Module):
             yield f"{prefix}.experts.{e}.{n.gate}.weight", w13[e, :i], gate_up
             yield f"{prefix}.experts.{e}.{n.up}.weight", w13[e, i:], gate_up
             yield f"{prefix}.experts.{e}.{n.down}.weight", w2[e], down
-            if self.w13.dtype == FP8:  # and the row scales of FP8 experts
+            if self.w13.dtype == FP8:  # and the row scales of FP8 experts, sharded as their weights' rows
                 s13, s2 = self.w13_scale.detach(), self.w2_scale.detach()
-                yield f"{prefix}.experts.{e}.{n.gate}.weight_scale", s13[e, :i], None
-                yield f"{prefix}.experts.{e}.{n.up}.weight_scale", s13[e, i:], None
+                yield f"{prefix}.experts.{e}.{n.gate}.weight_scale", s13[e, :i], gate_up
+                yield f"{prefix}.experts.{e}.{n.up}.weight_scale", s13[e, i:], gate_up
                 yield f"{prefix}.experts.{e}.{n.down}.weight_scale", s2[e], None

@@ -27,13 +27,16 @@ block scale's 128 rows may start mid-block on a rank: its rows are cut out of th
 one holds all rows and its K blocks of a block scale (whole blocks only: ``ops.fp8_tree.check_tree`` names a layer
 whose K the tree's 8 chunks would cut mid-block). Scales computed from the weights (online, dummy weights) are those
 of the whole checkpoint matrix: a per-channel scale of a row-parallel layer, or a per-tensor one, takes the max over
-the ranks (an all-gather, exact). FP8 experts are not supported under tensor parallelism yet.
+the ranks (an all-gather, exact). FP8 experts are sharded along I as the bf16 experts are: each expert's gate and up
+scales as a column-parallel layer's, its down scales as a row-parallel one's (whole K blocks: ``_check_experts``);
+with the tree they run ``ops.moe_fp8_tree``.
 
 Training (``train_fp8``, ``lockstep.rl.load_policy``): a trainer's FP8 layer holds a full-precision master weight
 that its forward quantizes as the sampler holds it (``Fp8Train``): online FP8 recomputes the per-channel scales from
 the weight at each forward, as ``LLM.load_weights`` of full-precision weights into an online-FP8 engine does; a
 checkpoint's layout keeps the checkpoint's scales and quantizes the weight with them (saturating), as
-``load_weights`` of full-precision weights into that engine does (``load_weights_slots``).
+``load_weights`` of full-precision weights into that engine does (``load_weights_slots``). FP8 experts likewise
+(``Fp8ExpertsTrain``; ``ops.autograd.moe_experts_fp8``, a straight-through backward into the masters).
 """
 
 from dataclasses import dataclass
@@ -44,7 +47,7 @@ from torch import nn
 from lockstep.distributed import Shard, TPGroup
 from lockstep.layers.linear import Linear, RowParallelLinear
 from lockstep.layers.moe import SparseMoeBlock
-from lockstep.ops import fp8, fp8_tree
+from lockstep.ops import fp8, fp8_tree, tp_linear
 
 QUANTIZATIONS = (None, "fp8")
 
@@ -164,17 +167,34 @@ def _make_fp8(module: nn.Module, scheme: Fp8Scheme, name: str = "", tp: TPGroup 
     module.act_group = scheme.act_group
 
 
-def _make_experts_fp8(block: SparseMoeBlock, scheme: Fp8Scheme) -> None:
-    # w13 [E, 2I, H] and w2 [E, H, I] become e4m3 with row scales [E, 2I, KB_H] and [E, H, KB_I] (ops.moe_fp8).
-    if block.tree or block.tp.size > 1:
-        raise ValueError("FP8 experts under tensor parallelism or the chunk tree (tp_invariant) are not supported yet")
-    for name in ("w13", "w2"):
-        w = getattr(block, name)
+def _check_experts(name: str, block: SparseMoeBlock, scheme: Fp8Scheme) -> None:
+    # What tensor parallelism and the tree ask of FP8 experts: the down projection is row-parallel over I, so block
+    # scales (or per-128 activations) need each rank's I' to be whole blocks; the tree's 8 chunks of I may cut a
+    # block (ops.fp8_tree.chunk_pieces), but need 8 | I.
+    blocked = scheme.weight == "block" or scheme.act_group is not None
+    if block.tree and block.intermediate_size % tp_linear.CHUNKS:
+        raise ValueError(
+            f"{name}.experts: the FP8 chunk tree needs the experts' intermediate size to be a multiple of "
+            f"{tp_linear.CHUNKS}, got {block.intermediate_size}"
+        )
+    if block.tp.size > 1 and blocked and block.w2.shape[2] % fp8.GROUP_K:
+        raise ValueError(
+            f"{name}.experts: I={block.intermediate_size} over {block.tp.size} ranks leaves {block.w2.shape[2]} "
+            f"columns a rank, not whole {fp8.GROUP_K}-column FP8 scale blocks"
+        )
+
+
+def _make_experts_fp8(block: SparseMoeBlock, scheme: Fp8Scheme, name: str = "") -> None:
+    # w13 [E, 2I, H] and w2 [E, H, I] become e4m3 with row scales [E, 2I, KB_H] and [E, H, KB_I] (ops.moe_fp8);
+    # under tensor parallelism a rank's I' of each, with its rows' scales and its K blocks of w2's.
+    _check_experts(name, block, scheme)
+    for param in ("w13", "w2"):
+        w = getattr(block, param)
         e, n, k = w.shape
         kb = -(-k // fp8.GROUP_K) if scheme.weight == "block" else 1
-        setattr(block, name, nn.Parameter(torch.empty(e, n, k, dtype=fp8.FP8, device=w.device), requires_grad=False))
+        setattr(block, param, nn.Parameter(torch.empty(e, n, k, dtype=fp8.FP8, device=w.device), requires_grad=False))
         scale = torch.empty(e, n, kb, dtype=torch.float32, device=w.device)
-        setattr(block, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+        setattr(block, f"{param}_scale", nn.Parameter(scale, requires_grad=False))
     block.act_group = scheme.act_group
 
 
@@ -196,7 +216,7 @@ def prepare_checkpoint(model: nn.Module, scheme: Fp8Scheme, names: set[str]) -> 
             _make_fp8(module, scheme, name, _tp(model))
     for block, prefix in _expert_blocks(model):
         if f"{prefix}.experts.0.{block.names.gate}.{scheme.scale_name}" in names:
-            _make_experts_fp8(block, scheme)
+            _make_experts_fp8(block, scheme, prefix)
 
 
 class _Slot:
@@ -384,14 +404,35 @@ def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
         _make_fp8(module, scheme, name, tp)
         module.weight.copy_(w8)
         module.weight_scale.copy_(scale)
-    for block, _prefix in _expert_blocks(model):
-        w13, w2 = block.w13.detach(), block.w2.detach()
-        q13 = [_quantize(w, scheme, (w.shape[0] // 2,) * 2) for w in w13]  # gate and up: parts of their own
-        q2 = [_quantize(w, scheme, (w.shape[0],)) for w in w2]
-        _make_experts_fp8(block, scheme)
-        for dest, dest_scale, q in ((block.w13, block.w13_scale, q13), (block.w2, block.w2_scale, q2)):
-            dest.copy_(torch.stack([p[0] for p in q]))
-            dest_scale.copy_(torch.stack([p[1] for p in q]))
+    for block, prefix in _expert_blocks(model):
+        if scheme.weight == "block" and block.shard is not None and block.shard[0] % scheme.block[0]:
+            raise ValueError(
+                f"{prefix}.experts: this rank's rows [{block.shard[0]}, {block.shard[1]}) of each expert's "
+                f"{block.intermediate_size} start inside a {scheme.block[0]}-row FP8 scale block; quantizing them "
+                "here needs whole blocks"
+            )
+        half = block.w13.shape[1] // 2
+        q13 = quantize_experts(block.w13.detach(), scheme, (half, half))  # gate and up: parts of their own
+        q2 = quantize_experts(block.w2.detach(), scheme, (block.w2.shape[1],), gather)  # row-parallel over I
+        _make_experts_fp8(block, scheme, prefix)
+        for dest, dest_scale, (w8, scale) in ((block.w13, block.w13_scale, q13), (block.w2, block.w2_scale, q2)):
+            dest.copy_(w8)
+            dest_scale.copy_(scale)
+
+
+def quantize_experts(
+    w: torch.Tensor, scheme: Fp8Scheme, parts: tuple[int, ...], gather=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w: [E, N, K]`` (stacked experts, each with stacked parts of these widths) -> ``(w8 [E, N, K], row scales
+    [E, N, KB])``, each expert's matrix quantized on its own as ``_quantize`` does a linear layer's. ``gather``:
+    this rank holds a K slice of every row (w2 under tensor parallelism); per-channel or per-tensor maxima are
+    then every rank's."""
+    e, n, k = w.shape
+    if scheme.weight == "channel" and gather is None:  # row-local: every expert at once, the same bits
+        w8, scale = fp8.quantize_weight(w.reshape(e * n, k))
+        return w8.view(e, n, k), scale.view(e, n, 1)
+    q = [_quantize(w[i], scheme, parts, gather, rows_whole=gather is None) for i in range(e)]
+    return torch.stack([p[0] for p in q]), torch.stack([p[1] for p in q])
 
 
 @dataclass(frozen=True)
@@ -410,16 +451,60 @@ class Fp8Train:
         return fp8.quantize_with_scales(w, self.scale), self.scale
 
 
+@dataclass(frozen=True)
+class Fp8ExpertsTrain:
+    """``Fp8Train`` for a trainer's FP8 experts: the masters ``w13: [E, 2I, H]`` and ``w2: [E, H, I]`` quantized
+    as the sampler holds them, each expert's gate and up on their own. ``scales``: the experts' fixed row scales
+    ``(s13, s2)`` (a checkpoint's layout), or None (online: from the masters at each forward)."""
+
+    scheme: Fp8Scheme
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def quantize(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The detached masters -> ``(w13_8, s13, w2_8, s2)``."""
+        if self.scales is None:
+            half = w13.shape[1] // 2
+            return (
+                *quantize_experts(w13, self.scheme, (half, half)),
+                *quantize_experts(w2, self.scheme, (w2.shape[1],)),
+            )
+        out = []
+        for w, scale in zip((w13, w2), self.scales, strict=True):
+            e, n, k = w.shape
+            out += [fp8.quantize_with_scales(w.reshape(e * n, k), scale.reshape(e * n, -1)).view(e, n, k), scale]
+        return tuple(out)
+
+
+def _train_experts(block: SparseMoeBlock, scheme: Fp8Scheme, name: str, dtype: torch.dtype) -> None:
+    # FP8 experts (a checkpoint's) become masters in the model's dtype, their e4m3 values times their scales,
+    # keeping those scales; full-precision ones (online FP8) keep their weights as the masters.
+    _check_experts(name, block, scheme)
+    scales = None
+    if block.w13.dtype == fp8.FP8:
+        scales = (block.w13_scale.detach().clone(), block.w2_scale.detach().clone())
+        for param, scale in zip(("w13", "w2"), scales, strict=True):
+            w8 = getattr(block, param).detach()
+            e, n, k = w8.shape
+            master = fp8.dequantize(w8.reshape(e * n, k), scale.reshape(e * n, -1), dtype).view(e, n, k)
+            delattr(block, f"{param}_scale")
+            setattr(block, param, nn.Parameter(master, requires_grad=False))
+    elif not scheme.online:
+        raise ValueError(f"{name}: full-precision experts in an FP8 checkpoint's layout have no scales to keep")
+    block.fp8_train = Fp8ExpertsTrain(scheme, scales)
+    block.act_group = scheme.act_group
+
+
 @torch.no_grad()
 def train_fp8(model: nn.Module, scheme: Fp8Scheme) -> None:
     """Give a one-process model the trainer's FP8 layers (``Fp8Train``): an FP8 layer (a checkpoint's) becomes a
     master weight in the model's dtype, its e4m3 values times its scales, and keeps those scales; a full-precision
     layer (online FP8 loads the checkpoint as it is) keeps its weight as the master. The forward then quantizes the
-    master as the sampler holds it (``layers.linear``, ``ops.autograd.fp8_linear``). FP8 experts are refused."""
+    master as the sampler holds it (``layers.linear``, ``ops.autograd.fp8_linear``). The experts of a mixture of
+    experts likewise (``Fp8ExpertsTrain``, ``ops.autograd.moe_experts_fp8``)."""
     if _tp(model).size > 1:
         raise ValueError("a trainer's FP8 layers run in one process (tp_invariant=True gives the sampler's tree)")
-    for block, _prefix in _expert_blocks(model):
-        raise ValueError(f"training FP8 experts is not supported yet ({type(block).__name__})")
+    for block, prefix in _expert_blocks(model):
+        _train_experts(block, scheme, prefix, model.dtype)
     for name, module, _ in _linears(model):
         _check_layer(name, module, scheme, TPGroup())
         parts = getattr(module, "out_parts", (module.weight.shape[0],))

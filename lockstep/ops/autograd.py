@@ -21,6 +21,10 @@ deterministic run to run and use no atomics:
 - ``moe_experts`` and ``moe_experts_tree`` (the chunk tree over each expert's down projection, which orders the
   forward's sum only): recomputed in fp32 with plain torch ops (``ops.moe.experts_reference``) and
   differentiated by autograd, as the trainer's attention backward does (``rl/attention.py``).
+- ``moe_experts_fp8`` (a trainer's FP8 experts: its masters quantized to the sampler's e4m3 values and scales,
+  ``ops.moe_fp8`` or its chunk tree in the forward): straight-through, as ``fp8_linear``: the experts' fp32
+  recomputation with the dequantized weights the forward used, the activations' quantizations (before each
+  matmul) treated as identities; the weights' gradients land on the masters, in their dtype.
 - ``layer_norm``, ``gelu`` and ``vision_attention`` likewise: recomputed in fp32 with ``F.layer_norm``, ``F.gelu``
   and one ``F.scaled_dot_product_attention`` per segment, differentiated by autograd.
 
@@ -40,6 +44,8 @@ from lockstep.ops.moe import experts as _moe_experts
 from lockstep.ops.moe import experts_reference as _moe_experts_reference
 from lockstep.ops.moe import experts_tree as _moe_experts_tree
 from lockstep.ops.moe import route as _moe_route
+from lockstep.ops.moe_fp8 import experts_fp8 as _experts_fp8
+from lockstep.ops.moe_fp8_tree import experts_fp8_tree as _experts_fp8_tree
 from lockstep.ops.rms_norm import rms_norm as _rms_norm
 from lockstep.ops.softmax import log_softmax as _log_softmax
 from lockstep.ops.tp_linear import tree_linear as _tree_linear
@@ -52,6 +58,7 @@ __all__ = [
     "linear",
     "log_softmax",
     "moe_experts",
+    "moe_experts_fp8",
     "moe_experts_tree",
     "moe_route",
     "rms_norm",
@@ -220,6 +227,24 @@ class _MoEExpertsTree(_MoEExperts):
         return _moe_experts_tree(x, w13, w2, weights, ids)
 
 
+class _MoEExpertsFp8(_MoEExperts):
+    """FP8 experts' forward (``ops.moe_fp8``, or its chunk tree) from the quantized masters; the straight-through
+    backward: the experts' own fp32 recomputation with the dequantized weights the forward used in place of the
+    masters, the activations' quantizations as identities; the weights' gradients land on the masters."""
+
+    @staticmethod
+    def forward(ctx, x, w13, w2, weights, ids, w13_8, s13, w2_8, s2, act_group, tree):
+        deq13 = _fp8.dequantize(w13_8.reshape(-1, w13_8.shape[2]), s13.reshape(-1, s13.shape[2]), w13.dtype)
+        deq2 = _fp8.dequantize(w2_8.reshape(-1, w2_8.shape[2]), s2.reshape(-1, s2.shape[2]), w2.dtype)
+        ctx.save_for_backward(x, deq13.view(w13.shape), deq2.view(w2.shape), weights, ids)
+        fn = _experts_fp8_tree if tree else _experts_fp8
+        return fn(x, w13_8, s13, w2_8, s2, weights, ids, act_group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (*_MoEExperts.backward(ctx, grad), *([None] * 6))
+
+
 def _recomputed_grads(ctx, grad: torch.Tensor, reference, inputs: tuple, num_args: int) -> tuple:
     # The gradients of ``reference(*inputs)`` (float tensors or None first, then other arguments), recomputed in
     # fp32 from the saved inputs; None for inputs that need none. ``num_args``: the Function's argument count.
@@ -326,6 +351,22 @@ def moe_experts_tree(
 ) -> torch.Tensor:
     """``ops.moe.experts_tree`` (the tensor-parallel-invariant numerics in one process) with autograd."""
     return _MoEExpertsTree.apply(x, w13, w2, weights, ids)
+
+
+def moe_experts_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    act_group: int | None,
+    tree: bool = False,
+) -> torch.Tensor:
+    """``ops.moe_fp8.experts_fp8`` (``tree``: ``ops.moe_fp8_tree.experts_fp8_tree``) of ``quantized`` =
+    ``(w13_8, s13, w2_8, s2)``, the master experts ``w13``/``w2`` quantized as the sampler holds them; gradients
+    reach ``x``, the masters and the routing weights straight through the quantization."""
+    return _MoEExpertsFp8.apply(x, w13, w2, weights, ids, *quantized, act_group, tree)
 
 
 def fp8_linear(

@@ -59,22 +59,40 @@ def activation_scales(
     return (x.float() / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8), scale
 
 
-def _chunk_weights(w8: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
-    # Each chunk's columns. CUDA: strided views (the kernel takes strides; no copy of the weight). CPU: their own
+def chunk_pieces(k: int, num_chunks: int, blocked: bool) -> list[list[tuple[int, int]]]:
+    """The column ranges ``(start, stop)`` each of ``num_chunks`` equal chunks of K is computed in: the chunk
+    itself, unless its scales come in ``GROUP_K``-column blocks that the chunk cuts (``K / num_chunks`` not a
+    multiple of ``GROUP_K``: the FP8 experts' I = 768 of Qwen3-30B-A3B in chunks of 96); then one range per block
+    the chunk touches. Columns are this rank's, whose first column must start a block."""
+    width = k // num_chunks
+    if not blocked or width % fp8.GROUP_K == 0:
+        return [[(c * width, (c + 1) * width)] for c in range(num_chunks)]
+    out = []
+    for c in range(num_chunks):
+        lo, hi, pieces = c * width, (c + 1) * width, []
+        while lo < hi:
+            stop = min(hi, (lo // fp8.GROUP_K + 1) * fp8.GROUP_K)
+            pieces.append((lo, stop))
+            lo = stop
+        out.append(pieces)
+    return out
+
+
+def _column_weights(w8: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> list[torch.Tensor]:
+    # Each range's columns. CUDA: strided views (the kernel takes strides; no copy of the weight). CPU: their own
     # contiguous e4m3 tensors, kept on w8 while it is unchanged, so the CPU path's packed blocks (fp8._cpu_blocks)
-    # are memoized per chunk and every rank count sees one layout.
-    width = w8.shape[1] // num_chunks
+    # are memoized per range and every rank count sees one layout.
     if w8.is_cuda:
-        return [w8[:, c * width : (c + 1) * width] for c in range(num_chunks)]
+        return [w8[:, a:b] for a, b in ranges]
     try:
-        key = (w8._version, w8.data_ptr(), tuple(w8.shape), num_chunks)
+        key = (w8._version, w8.data_ptr(), tuple(w8.shape), ranges)
     except RuntimeError:  # an inference tensor: no version counter
         key = None
     memo = getattr(w8, "_lockstep_fp8_chunks", None)
     if key is not None and memo is not None and memo[0] == key:
         return memo[1]
     with torch.inference_mode(False):  # ordinary tensors, which carry a version counter for fp8._cpu_blocks' memo
-        chunks = [w8[:, c * width : (c + 1) * width].contiguous() for c in range(num_chunks)]
+        chunks = [w8[:, a:b].contiguous() for a, b in ranges]
     if key is not None:
         w8._lockstep_fp8_chunks = (key, chunks)
     return chunks
@@ -84,22 +102,24 @@ def chunk_partials(
     a8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, num_chunks: int
 ) -> torch.Tensor:
     """The fp32 partial of each of ``num_chunks`` equal K chunks, unreduced: ``a8: [M, K]`` e4m3 with
-    ``a_scale: [M, KB]``, ``w8: [N, K]`` e4m3 with ``w_scale: [N, KB]`` (KB 1, or K / GROUP_K) -> ``[C, M, N]``."""
+    ``a_scale: [M, KB]``, ``w8: [N, K]`` e4m3 with ``w_scale: [N, KB]`` (KB 1, or cdiv(K, GROUP_K)) -> ``[C, M, N]``.
+    A chunk that cuts scale blocks (``chunk_pieces``) is the sum, in column order, of its pieces' partials, each
+    one block's scaled matmul."""
     m, k = a8.shape
     n = w8.shape[0]
     if k % num_chunks:
         raise ValueError(f"K={k} does not split into {num_chunks} chunks")
-    width = k // num_chunks
     blocked = a_scale.shape[1] > 1 or w_scale.shape[1] > 1
-    if blocked and width % fp8.GROUP_K:
-        raise ValueError(f"chunks of {width} columns are not whole {fp8.GROUP_K}-column scale blocks")
-    per = width // fp8.GROUP_K  # scale blocks per chunk, when blocked
+    pieces = chunk_pieces(k, num_chunks, blocked)
+    weights = iter(_column_weights(w8, tuple(r for chunk in pieces for r in chunk)))
     out = torch.empty((num_chunks, m, n), dtype=torch.float32, device=a8.device)
-    for c, wc in enumerate(_chunk_weights(w8, num_chunks)):
-        ac = a8[:, c * width : (c + 1) * width]
-        sa = a_scale[:, c * per : (c + 1) * per] if a_scale.shape[1] > 1 else a_scale
-        sw = w_scale[:, c * per : (c + 1) * per] if w_scale.shape[1] > 1 else w_scale
-        out[c] = fp8.scaled_mm(ac, sa, wc, sw, None, torch.float32)
+    for c, chunk in enumerate(pieces):
+        for i, (a, b) in enumerate(chunk):
+            blocks = slice(a // fp8.GROUP_K, -(-b // fp8.GROUP_K))
+            sa = a_scale[:, blocks] if a_scale.shape[1] > 1 else a_scale
+            sw = w_scale[:, blocks] if w_scale.shape[1] > 1 else w_scale
+            part = fp8.scaled_mm(a8[:, a:b], sa, next(weights), sw, None, torch.float32)
+            out[c] = part if i == 0 else out[c] + part
     return out
 
 

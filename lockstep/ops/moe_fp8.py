@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from lockstep.layers.activation import silu_and_mul
+from lockstep.ops import fp8_tree
 from lockstep.ops._common import interpreting
 from lockstep.ops.fp8 import FP8, GROUP_K, _fp8_mm_cpu, quantize_rows
 from lockstep.ops.moe import MoEConfig, combine, expert_weight, moe_config, plan_routing, tile_table
@@ -117,32 +118,63 @@ def _wgmma(cfg: MoEConfig) -> MoEConfig:
     return replace(cfg, bm=max(cfg.bm, 64), bk=64)
 
 
-def _experts_fp8_triton(x, w13, s13, w2, s2, weights, ids, act_group, config=None):
-    num_experts, two_i, hidden = w13.shape
-    num_pairs = ids.numel()
+def _configs(num_pairs: int, num_experts: int, inter: int, hidden: int, dtype) -> tuple[MoEConfig, MoEConfig]:
     # At least 64 rows a tile, so every batch runs wgmma (ops.fp8.fp8_config says why); BK 64 divides GROUP_K.
-    cfg1 = config or _wgmma(moe_config(num_pairs, num_experts, two_i // 2, hidden, x.dtype))
-    cfg2 = config or _wgmma(moe_config(num_pairs, num_experts, hidden, two_i // 2, x.dtype))
-    plan = plan_routing(ids, num_experts, cfg1.bm)
-    x8, xs = quantize_rows(x, act_group)
-    act = _grouped_fp8_mm(x8, xs, plan.tokens, w13, s13, plan, cfg1, True, x.dtype)  # [P, I], sorted rows
-    h8, hs = quantize_rows(act, act_group)
-    y = _grouped_fp8_mm(h8, hs, None, w2, s2, plan, cfg2, False, x.dtype)  # [P, H]
-    return combine(y, weights.float(), plan.rows.view(ids.shape))
+    return (
+        _wgmma(moe_config(num_pairs, num_experts, inter, hidden, dtype)),
+        _wgmma(moe_config(num_pairs, num_experts, hidden, inter, dtype)),
+    )
 
 
-def _experts_fp8_cpu(x, w13, s13, w2, s2, weights, ids, act_group):
-    plan = plan_routing(ids, w13.shape[0])
+def gate_up(x8, xs, w13, s13, plan, cfg: MoEConfig | None, dtype, triton: bool | None = None) -> torch.Tensor:
+    """Every routed pair's ``silu(x W_gate) * (x W_up)`` in sorted-row order: ``x8: [n, H]`` e4m3 with ``xs``, the
+    quantized tokens; ``w13: [E, 2I', H]`` e4m3 with ``s13`` -> ``[P, I']`` in ``dtype``. ``cfg``: the Triton tile;
+    ``triton``: the grouped kernel (default: on CUDA)."""
+    if x8.is_cuda if triton is None else triton:
+        return _grouped_fp8_mm(x8, xs, plan.tokens, w13, s13, plan, cfg, True, dtype)
     bounds = plan.bounds.tolist()
-    x8, xs = quantize_rows(x, act_group)
-    y = x.new_empty((plan.order.numel(), x.shape[1]))
+    act = torch.empty((plan.order.numel(), w13.shape[1] // 2), dtype=dtype)
     for e in range(w13.shape[0]):
         start, end = bounds[e], bounds[e + 1]
         if end > start:
             tokens = plan.tokens[start:end]
-            gate_up = _fp8_mm_cpu(x8[tokens], xs[tokens], expert_weight(w13, e), s13[e], None, x.dtype)
-            h8, hs = quantize_rows(silu_and_mul(gate_up), act_group)
-            y[start:end] = _fp8_mm_cpu(h8, hs, expert_weight(w2, e), s2[e], None, x.dtype)
+            act[start:end] = silu_and_mul(
+                _fp8_mm_cpu(x8[tokens], xs[tokens], expert_weight(w13, e), s13[e], None, dtype)
+            )
+    return act
+
+
+def quantize_act(act: torch.Tensor, act_group: int | None, amax_gather=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The intermediate activations ``act: [P, I']`` quantized per row (``fp8.quantize_rows``); under tensor
+    parallelism with per-token scales (one over all of I, which the ranks share) ``amax_gather`` turns this rank's
+    row maxima into every rank's (``ops.fp8_tree.activation_scales``)."""
+    if amax_gather is None:
+        return quantize_rows(act, act_group)
+    amax = amax_gather(fp8_tree.row_amax(act)) if act_group is None else None
+    return fp8_tree.activation_scales(act, act_group, amax)
+
+
+def _experts_fp8_triton(x, w13, s13, w2, s2, weights, ids, act_group, config=None, amax_gather=None):
+    num_experts, two_i, hidden = w13.shape
+    cfg1, cfg2 = (config, config) if config else _configs(ids.numel(), num_experts, two_i // 2, hidden, x.dtype)
+    plan = plan_routing(ids, num_experts, cfg1.bm)
+    x8, xs = quantize_rows(x, act_group)
+    act = gate_up(x8, xs, w13, s13, plan, cfg1, x.dtype, True)  # [P, I], sorted rows
+    h8, hs = quantize_act(act, act_group, amax_gather)
+    y = _grouped_fp8_mm(h8, hs, None, w2, s2, plan, cfg2, False, x.dtype)  # [P, H]
+    return combine(y, weights.float(), plan.rows.view(ids.shape))
+
+
+def _experts_fp8_cpu(x, w13, s13, w2, s2, weights, ids, act_group, amax_gather=None):
+    plan = plan_routing(ids, w13.shape[0])
+    bounds = plan.bounds.tolist()
+    x8, xs = quantize_rows(x, act_group)
+    h8, hs = quantize_act(gate_up(x8, xs, w13, s13, plan, None, x.dtype), act_group, amax_gather)  # row-local
+    y = x.new_empty((plan.order.numel(), x.shape[1]))
+    for e in range(w13.shape[0]):
+        start, end = bounds[e], bounds[e + 1]
+        if end > start:
+            y[start:end] = _fp8_mm_cpu(h8[start:end], hs[start:end], expert_weight(w2, e), s2[e], None, x.dtype)
     return _combine_cpu(y, weights.float(), plan.rows.view(ids.shape))
 
 
@@ -155,11 +187,14 @@ def experts_fp8(
     weights: torch.Tensor,
     ids: torch.Tensor,
     act_group: int | None = GROUP_K,
+    amax_gather=None,
 ) -> torch.Tensor:
-    """``ops.moe.experts`` with e4m3 expert weights and their row scales; ``[n, H]`` in x's dtype."""
+    """``ops.moe.experts`` with e4m3 expert weights and their row scales; ``[n, H]`` in x's dtype. Under tensor
+    parallelism (a rank's I' of every expert; the caller all-reduces) ``amax_gather`` gives per-token activation
+    scales over all of I (``quantize_act``)."""
     if w13.dtype != FP8 or w2.dtype != FP8 or s13.shape[:2] != w13.shape[:2] or s2.shape[:2] != w2.shape[:2]:
         raise ValueError(f"experts_fp8: weights {w13.dtype} {tuple(w13.shape)}, {w2.dtype} {tuple(w2.shape)} with "
                          f"scales {tuple(s13.shape)}, {tuple(s2.shape)}")  # fmt: skip
     if x.is_cuda:
-        return _experts_fp8_triton(x, w13, s13, w2, s2, weights, ids, act_group)
-    return _experts_fp8_cpu(x, w13, s13, w2, s2, weights, ids, act_group)
+        return _experts_fp8_triton(x, w13, s13, w2, s2, weights, ids, act_group, amax_gather=amax_gather)
+    return _experts_fp8_cpu(x, w13, s13, w2, s2, weights, ids, act_group, amax_gather)
