@@ -461,7 +461,7 @@ class LLMEngine:
         seqs: list[Sequence] = []
         requests: list[DraftRequest] = []
         for seq in self.scheduler.running:
-            if seq.num_pending_tokens != 1 or seq.mm is not None:
+            if seq.num_pending_tokens != 1 or not seq.may_draft:
                 continue
             n = min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
             if n > 0:

@@ -246,7 +246,7 @@ class Scheduler:
         spare = budget - sum(1 for s in self.running if s.num_pending_tokens == 1) if drafts else 0
         for seq in self.running:
             if seq.num_pending_tokens == 1 and budget > 0:
-                if seq.mm is not None:  # the one token left may be an image's (a prompt that ends in one)
+                if not seq.may_draft:  # the one token left may be an image's (a prompt that ends in one)
                     budget -= self._schedule_chunk(batch, seq, 1)
                     continue
                 drafted = self._fit_drafts(seq, drafts.get(seq, ()), spare) if spare > 0 else ()
