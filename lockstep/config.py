@@ -193,6 +193,11 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.async_scheduling is None:  # measured on the CPU only so far: asked for, not the default
                 self.async_scheduling = False
+            if self.async_scheduling and self.speculative_config.method == "eagle3":
+                raise ValueError(
+                    "speculative_config: EAGLE-3 drafts from every target step's hidden states, read as the step "
+                    "ends: async_scheduling=True cannot go with it"
+                )
         if self.async_scheduling is None:
             self.async_scheduling = resolve_device(self.device).type == "cuda"
         _check_bool("async_scheduling", self.async_scheduling)
