@@ -191,7 +191,7 @@ class EngineConfig:
         self._resolve_tp()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-            if self.async_scheduling is None:  # measured on the CPU only so far: asked for, not the default
+            if self.async_scheduling is None:  # not yet measured on a GPU with drafts: on only when asked for
                 self.async_scheduling = False
             if self.async_scheduling and self.speculative_config.method == "eagle3":
                 raise ValueError(
