@@ -14,6 +14,7 @@ steps per call. Prints a table; JSON to ``--out``.
 """
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -49,6 +50,23 @@ class SometimesOracle:
 
     def release(self, seq_id: int) -> None:
         pass
+
+
+def measure(workdir: Path, cases: list, params: SamplingParams, **engine_args) -> list[tuple[float, list, int]]:
+    """``timed_generate`` for each ``(prompts, drafter)`` of ``cases`` (drafter None: plain decoding) on one engine,
+    whose GPU memory is given back before the next engine starts. A drafter may be a function of the results so
+    far (the oracle needs the plain run's tokens)."""
+    results = []
+    with LLM(str(workdir), **engine_args) as llm:
+        for prompts, drafter in cases:
+            llm.engine.drafter = drafter(results) if callable(drafter) else drafter
+            results.append(timed_generate(llm, prompts, params))
+        cuda = llm.engine.runner.device.type == "cuda"
+    del llm
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return results
 
 
 def sync(device: torch.device) -> None:
@@ -96,7 +114,7 @@ def main() -> None:
     build_checkpoint(workdir, shape, args.layers, device, weights=False)  # load_format="dummy"
     common = dict(
         device=str(device), dtype="bfloat16" if cuda else "float32", max_num_seqs=max(batches),
-        max_model_len=4096 if cuda else 1024, enable_prefix_caching=False, gpu_memory_utilization=0.4,
+        max_model_len=4096 if cuda else 1024, enable_prefix_caching=False, gpu_memory_utilization=0.6,
         load_format="dummy", seed=0,
     )  # fmt: skip
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
@@ -104,37 +122,40 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=1)
     print(f"{'batch':>5} {'hit':>5} {'plain sync':>11} {'plain async':>12} {'spec sync':>10} {'spec async':>11} "
           f"{'async/sync':>11} {'identical':>9} {'steps: spec sync/async':>23}  (tok/s)")  # fmt: skip
+    # One engine per setting (async off, on), each running every case: per batch, plain decoding, then the
+    # oracle at each hit rate (it proposes the continuation that engine's own plain run produced).
+    cases, keys = [], []
     for batch in batches:
         rng = random.Random(batch)
         prompts = [[rng.randrange(10, shape["vocab_size"] - 10) for _ in range(args.input_len)] for _ in range(batch)]
-        plain = {}
-        for on in (False, True):
-            llm = LLM(str(workdir), async_scheduling=on, **common)
-            plain[on] = timed_generate(llm, prompts, params)
-            del llm
-            torch.cuda.empty_cache() if cuda else None
-        full = [p + out[0] for p, out in zip(prompts, plain[False][1], strict=True)]
+        plain_at = len(cases)
+        cases.append((prompts, None))
+        keys.append((batch, None))
         for rate in rates:
-            got = {}
-            for on in (False, True):
-                llm = LLM(str(workdir), async_scheduling=on, speculative_config=spec, **common)
-                llm.engine.drafter = SometimesOracle(full, rate)
-                got[on] = timed_generate(llm, prompts, params)
-                del llm
-                torch.cuda.empty_cache() if cuda else None
-            same = got[False][1] == plain[False][1] == got[True][1] and plain[True][1] == plain[False][1]
-            assert same, "speculative output differs from plain decoding's"
+            oracle = lambda done, p=prompts, i=plain_at, r=rate: SometimesOracle(
+                [x + out[0] for x, out in zip(p, done[i][1], strict=True)], r
+            )
+            cases.append((prompts, oracle))
+            keys.append((batch, rate))
+    got = {on: dict(zip(keys, measure(workdir, cases, params, async_scheduling=on, speculative_config=spec,
+                                     **common), strict=True)) for on in (False, True)}  # fmt: skip
+    for batch in batches:
+        plain = {on: got[on][(batch, None)] for on in (False, True)}
+        for rate in rates:
+            spec_runs = {on: got[on][(batch, rate)] for on in (False, True)}
+            same = spec_runs[False][1] == plain[False][1] == spec_runs[True][1] == plain[True][1]
+            assert same, "speculative or async output differs from plain synchronous decoding's"
             n = batch * tokens
             row = {"batch": batch, "hit_rate": rate, "plain_sync_tok_s": n / plain[False][0],
-                   "plain_async_tok_s": n / plain[True][0], "spec_sync_tok_s": n / got[False][0],
-                   "spec_async_tok_s": n / got[True][0], "identical": same, "steps": {
-                       "plain_sync": plain[False][2], "plain_async": plain[True][2], "spec_sync": got[False][2],
-                       "spec_async": got[True][2]}}  # fmt: skip
+                   "plain_async_tok_s": n / plain[True][0], "spec_sync_tok_s": n / spec_runs[False][0],
+                   "spec_async_tok_s": n / spec_runs[True][0], "identical": same, "steps": {
+                       "plain_sync": plain[False][2], "plain_async": plain[True][2],
+                       "spec_sync": spec_runs[False][2], "spec_async": spec_runs[True][2]}}  # fmt: skip
             report["rows"].append(row)
             print(f"{batch:>5} {rate:>5.2f} {row['plain_sync_tok_s']:>11.1f} {row['plain_async_tok_s']:>12.1f} "
                   f"{row['spec_sync_tok_s']:>10.1f} {row['spec_async_tok_s']:>11.1f} "
-                  f"{got[False][0] / got[True][0]:>10.2f}x {str(same):>9} {got[False][2]:>11}/{got[True][2]:<11}",
-                  flush=True)  # fmt: skip
+                  f"{spec_runs[False][0] / spec_runs[True][0]:>10.2f}x {str(same):>9} "
+                  f"{spec_runs[False][2]:>11}/{spec_runs[True][2]:<11}", flush=True)  # fmt: skip
     report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     out = Path(args.out) / "spec_async_gpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
