@@ -93,7 +93,7 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny Qwen3 on the CPU (fp32): a smoke test")
     ap.add_argument("--layers", type=int, default=None, help="depth (default: the shape's)")
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=None, help="new tokens per request (default 256; tiny 24)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cuda = not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     shape = QWEN3_TINY if args.tiny else QWEN3_8B
@@ -161,6 +161,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {out}")
+    return report
 
 
 if __name__ == "__main__":
