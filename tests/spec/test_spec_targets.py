@@ -3,7 +3,7 @@ verify chunk's rows route through the experts as any prefill chunk's do) and a t
 (drafts follow a decoding image request's tokens; their M-RoPE positions are index + delta, as a decode step's).
 Each gives plain decoding's bits (token ids, logprob and top-logprob bits, finish reasons, prompt logprobs) with the
 n-gram drafter and with an oracle drafter (plain decoding's own continuation: long accepted runs), synchronous and
-under async scheduling."""
+under async scheduling; and at TP 2 (gloo) the bits of TP 1 plain decoding with the chunk tree."""
 
 from pathlib import Path
 
@@ -62,6 +62,16 @@ def test_moe_target(tiny_moe_dir: Path, moe_plain, drafter: str, async_schedulin
         assert stats.num_accepted_tokens == stats.num_draft_tokens > 20
 
 
+def test_moe_target_under_tp2(tiny_moe_dir: Path) -> None:
+    # The experts sharded over two gloo processes: TP 1 plain decoding's bits with the chunk tree.
+    plain, _ = _generate(tiny_moe_dir, TARGET_PROMPTS, TARGET_PARAMS, tp_invariant=True)
+    outs, stats = _generate(
+        tiny_moe_dir, TARGET_PROMPTS, TARGET_PARAMS, Oracle(plain), speculative_config=NGRAM, tensor_parallel_size=2
+    )
+    assert [bits(o) for o in outs] == [bits(o) for o in plain]
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 20
+
+
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_vlm(tmp_path_factory.mktemp("tiny-qwen3-vl"), "qwen3_vl")
@@ -118,3 +128,14 @@ def test_negative_control_drafts_without_the_mrope_delta_differ(
     got, want = [vlm_bits(o) for o in outs], [vlm_bits(o) for o in vlm_plain]
     assert all(g != w for g, w in zip(got[:3], want[:3], strict=True))
     assert got[3] == want[3]
+
+
+def test_vlm_target_under_tp2(vlm_dir: Path) -> None:
+    # Image requests drafted for at TP 2 (gloo; the tower on rank 0): TP 1 plain decoding's bits with the chunk tree.
+    prompts, params = [prompt_of(t, im) for t, im, _ in TARGETS], [p for _, _, p in TARGETS]
+    plain, _ = _generate(vlm_dir, prompts, params, tp_invariant=True)
+    outs, stats = _generate(
+        vlm_dir, prompts, params, Oracle(plain), speculative_config=NGRAM, tensor_parallel_size=2, async_scheduling=True
+    )
+    assert [vlm_bits(o) for o in outs] == [vlm_bits(o) for o in plain]
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 10
