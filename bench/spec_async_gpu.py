@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     build_checkpoint(workdir, shape, args.layers, device, weights=False)  # load_format="dummy"
     common = dict(
         device=str(device), dtype="bfloat16" if cuda else "float32", max_num_seqs=max(batches),
-        max_model_len=4096 if cuda else 1024, enable_prefix_caching=False, gpu_memory_utilization=0.6,
+        max_model_len=4096 if cuda else 1024, enable_prefix_caching=False, gpu_memory_utilization=0.45,
         load_format="dummy", seed=0,
     )  # fmt: skip
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
