@@ -136,8 +136,8 @@ class EngineConfig:
     # vLLM's: allow LLM.sleep / wake_up (engine/sleep.py), freeing the KV cache and the weights for a trainer.
     enable_sleep_mode: bool = False
     # Speculative decoding (README, "Speculative decoding"): vLLM's speculative_config dict, parsed into a
-    # SpeculativeConfig. Drafting changes only how many tokens a step adds, never which; its steps run
-    # synchronously (async_scheduling off).
+    # SpeculativeConfig. Drafting changes only how many tokens a step adds, never which. async_scheduling is off
+    # with it unless set: a verify step is read back before the next is scheduled (docs/design.md).
     speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
@@ -191,9 +191,13 @@ class EngineConfig:
         self._resolve_tp()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-            if self.async_scheduling:
-                raise ValueError("speculative_config runs synchronous steps: async_scheduling=True cannot go with it")
-            self.async_scheduling = False
+            if self.async_scheduling is None:  # not yet measured on a GPU with drafts: on only when asked for
+                self.async_scheduling = False
+            if self.async_scheduling and self.speculative_config.method == "eagle3":
+                raise ValueError(
+                    "speculative_config: EAGLE-3 drafts from every target step's hidden states, read as the step "
+                    "ends: async_scheduling=True cannot go with it"
+                )
         if self.async_scheduling is None:
             self.async_scheduling = resolve_device(self.device).type == "cuda"
         _check_bool("async_scheduling", self.async_scheduling)

@@ -80,7 +80,10 @@ class _InFlight:
 def _may_run_ahead(batch: ScheduledBatch) -> bool:
     """Whether the step after ``batch`` may be launched before ``batch``'s tokens are on the host: not when a
     sequence that samples in it has penalties (they count the newest token) or a grammar (its mask follows the
-    newest token), or a bad word of several tokens (whether it bans follows the newest token)."""
+    newest token), or a bad word of several tokens (whether it bans follows the newest token); nor after a verify
+    step (speculative decoding), whose accepted count decides where each of its sequences goes on."""
+    if batch.has_drafts:
+        return False
     return not any(
         e.sample
         and not e.seq.is_finished
@@ -427,10 +430,7 @@ class LLMEngine:
         self.scheduled_tokens = 0
         if self.config.async_scheduling:
             return self._step_overlapped()
-        batch = self.scheduler.schedule(self._propose()) if self.drafter is not None else self.scheduler.schedule()
-        for seq in batch.preempted:  # a preempted sequence is prefilled again; its drafter state goes
-            if self.drafter is not None:
-                self.drafter.release(seq.arrival)
+        batch = self._schedule()
         if not batch:
             return self._idle(batch)
         self._note_scheduled(batch)
@@ -442,20 +442,36 @@ class LLMEngine:
             return self._report_verified(batch, sampled)
         return self._report(batch, sampled)
 
+    def _schedule(self) -> ScheduledBatch:
+        """The next step, with drafts for its decode rows when speculating (a preempted sequence is prefilled
+        again: its drafter state goes)."""
+        if self.drafter is None:
+            return self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._propose())
+        for seq in batch.preempted:
+            self.drafter.release(seq.arrival)
+        return batch
+
     def _propose(self) -> dict[Sequence, list[int]]:
         """Drafts for the running sequences about to decode: at most ``num_speculative_tokens`` each, and never
         more than the request can still add (max_tokens, max_model_len) less the target's own next token.
-        Proposals are cut at the first value that is not a token id (a drafter may be wrong, not harmful)."""
+        Proposals are cut at the first value that is not a token id (a drafter may be wrong, not harmful).
+
+        A sequence whose newest token is still on the device (async scheduling: the step that samples it is in
+        flight) is drafted for one token behind: the drafter continues the tokens before the pending one by one
+        more token, its guess of the pending token, which is dropped; the rest are the drafts after it (docs/
+        design.md, "Async scheduling while speculating")."""
         k = self.config.speculative_config.num_speculative_tokens
         seqs: list[Sequence] = []
         requests: list[DraftRequest] = []
         for seq in self.scheduler.running:
-            if seq.num_pending_tokens != 1 or seq.mm is not None or seq.has_pending_token:
+            if seq.num_pending_tokens != 1 or not seq.may_draft:
                 continue
             n = min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
             if n > 0:
+                lag = int(seq.has_pending_token)
                 seqs.append(seq)
-                requests.append(DraftRequest(seq.arrival, list(seq.token_ids), n))
+                requests.append(DraftRequest(seq.arrival, seq.token_ids[: seq.num_tokens - lag], n + lag))
         if not requests:
             return {}
         proposals = self.drafter.propose(requests)
@@ -473,6 +489,7 @@ class LLMEngine:
                 if not 0 <= t < vocab:
                     break
                 valid.append(t)
+            valid = valid[int(seq.has_pending_token) :]  # one behind: the guess of the pending token goes
             if valid:
                 drafts[seq] = valid
         return drafts
@@ -529,7 +546,8 @@ class LLMEngine:
         results read back (the step's one sync) and reported; step N + 1 stays in flight.
 
         When a sequence of step N samples with penalties or a grammar, step N + 1's sampling needs that token on
-        the host: step N is read back first and step N + 1 follows as a synchronous step would."""
+        the host, and after a verify step (speculative decoding) its accepted count decides step N + 1's
+        positions: step N is read back first and step N + 1 follows as a synchronous step would."""
         prev, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
         if prev is not None and not _may_run_ahead(prev.batch):
@@ -538,7 +556,7 @@ class LLMEngine:
         assumed = self.scheduler.advance(prev.batch) if prev is not None else None
         batch = None
         try:
-            batch = self.scheduler.schedule()
+            batch = self._schedule()
             if batch:
                 self._note_scheduled(batch)
                 feed = TokenFeed(prev.sample.tokens, assumed) if assumed else None
@@ -562,7 +580,8 @@ class LLMEngine:
 
     def _resolve(self, launched: _InFlight) -> list[RequestOutput]:
         """Read a launched step's samples back and report them (its ``Scheduler.advance`` already done)."""
-        return self._report(launched.batch, launched.sample.result())
+        report = self._report_verified if launched.batch.has_drafts else self._report
+        return report(launched.batch, launched.sample.result())
 
     def _report(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
         """Apply a step's samples (after ``Scheduler.advance``) and build the outputs. Under async scheduling a

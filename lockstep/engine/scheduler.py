@@ -246,7 +246,7 @@ class Scheduler:
         spare = budget - sum(1 for s in self.running if s.num_pending_tokens == 1) if drafts else 0
         for seq in self.running:
             if seq.num_pending_tokens == 1 and budget > 0:
-                if seq.mm is not None:  # the one token left may be an image's (a prompt that ends in one)
+                if not seq.may_draft:  # the one token left may be an image's (a prompt that ends in one)
                     budget -= self._schedule_chunk(batch, seq, 1)
                     continue
                 drafted = self._fit_drafts(seq, drafts.get(seq, ()), spare) if spare > 0 else ()
@@ -273,7 +273,7 @@ class Scheduler:
     def _fit_drafts(self, seq: Sequence, drafts, spare: int) -> tuple[int, ...]:
         """The leading drafts of ``seq`` that ``spare`` budget tokens and the free blocks can take; blocks for them
         are added to its table (``trim_drafts`` gives back the ones rejected drafts leave unused)."""
-        if not drafts or seq.has_pending_token:
+        if not drafts:
             return ()
         n = min(len(drafts), spare)
         n = self.block_manager.reserve(seq, seq.num_tokens + n) - seq.num_tokens
@@ -332,7 +332,10 @@ class Scheduler:
         ``pending`` (async scheduling) each sampling sequence also gets ``PENDING_TOKEN`` in the place of its
         token, so the next ``schedule`` gives it its decode step, unless the token ends it whatever it is
         (max_tokens, max_model_len). Returns those sequences, each with its place among the batch's samples.
-        ``apply_tokens`` with the tokens must follow before anything reads the sequences' tokens."""
+        ``apply_tokens`` with the tokens must follow before anything reads the sequences' tokens. A verify step
+        (drafts) is advanced only once its tokens are known: its accepted count decides the sequences' lengths."""
+        if pending and batch.has_drafts:
+            raise ValueError("advance: a verify step's tokens decide its sequences' lengths; read it back first")
         for seq, new in batch.prompt_logprobs:  # computed with the step, on the host already
             if not seq.is_finished:
                 seq.computed_prompt_logprobs.extend(new)

@@ -121,6 +121,13 @@ class Sequence:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     @property
+    def may_draft(self) -> bool:
+        """Whether drafted tokens may follow this sequence's newest token in its next step (speculative decoding):
+        a text sequence's always; a vision-language one's once its prompt is computed (drafts are text, and their
+        M-RoPE positions are then index + delta, as a decode step's)."""
+        return self.mm is None or self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
     def has_pending_token(self) -> bool:
         """Whether the newest token is ``PENDING_TOKEN``: sampled by a step whose results are not read yet."""
         return self.token_ids[-1] == PENDING_TOKEN

@@ -49,7 +49,11 @@ class TokenFeed:
             k = self.rows.get(seq)
             if k is None:
                 continue
-            row = query_start_loc[i + 1] - 1  # the pending token is the newest: the entry's last row
+            # The pending token is the sequence's newest: the entry's last row, or the row before a verify
+            # chunk's drafts (speculative decoding), which are token ids.
+            row = query_start_loc[i + 1] - 1
+            while row > query_start_loc[i] and input_ids[row] != PENDING_TOKEN:
+                row -= 1
             if input_ids[row] != PENDING_TOKEN:
                 raise RuntimeError(f"{seq.request_id!r}: the fed row {row} does not hold the pending token")
             dst.append(row)

@@ -54,3 +54,22 @@ def test_streaming_with_drafts_carries_every_token(server, spec_server) -> None:
     assert "".join(c["text"] for c in choices) == plain["text"]
     streamed = [x for c in choices if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
     assert streamed == plain["logprobs"]["token_logprobs"]
+
+
+def test_async_scheduling_with_drafts_matches_the_plain_server(
+    server, tiny_server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # ``--async-scheduling --speculative-config``: the same completions (and a stream carrying every token).
+    log = tmp_path_factory.mktemp("logs") / "async-spec-server.log"
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    s = start_server(tiny_server_model_dir, log, "--speculative-config", config, "--async-scheduling")
+    try:
+        bodies = [
+            {"prompt": "abcabcabcabc", "max_tokens": 24, "temperature": 0, "logprobs": 2, "ignore_eos": True},
+            {"prompt": "xyxyxyxy", "max_tokens": 24, "temperature": 0.8, "seed": 7, "logprobs": 1, "stop": ["yx"]},
+        ]
+        for body in bodies:
+            assert _complete(s, body) == _complete(server, body)
+        assert s.metrics()["lockstep_spec_decode_num_draft_tokens_total"] > 0
+    finally:
+        stop_server(s.proc)

@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from lockstep.cli import build_parser, main
 from lockstep.server.metrics import Metrics
 from lockstep.spec.stats import SpecDecodeStats
@@ -41,12 +43,13 @@ def test_cli_takes_the_json() -> None:
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
 
 
-def test_bench_reports_acceptance(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [[], ["--async-scheduling"]])
+def test_bench_reports_acceptance(tiny_model_dir: Path, tmp_path: Path, overlap: list[str]) -> None:
     out = tmp_path / "bench.json"
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
     argv = ["bench", "throughput", "--model", str(tiny_model_dir), "--num-prompts", "3", "--input-len", "8"]
     argv += ["--output-len", "12", "--num-iters-warmup", "0", "--quiet", "--output-json", str(out)]
-    assert main([*argv, "--speculative-config", spec, "--device", "cpu"]) == 0
+    assert main([*argv, "--speculative-config", spec, "--device", "cpu", *overlap]) == 0
     report = json.loads(out.read_text())
     assert report["engine"]["speculative_config"]["method"] == "ngram"
     s = report["results"]["speculative"]
