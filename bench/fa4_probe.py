@@ -273,9 +273,6 @@ def main():
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 # ---- lockstep's split contract through FA4: each (row, split) partial by FA4, merged in split order ----------------
 
@@ -445,3 +442,7 @@ def split_contract(split):
               f"({flops / t_un / 1e6:5.1f})")  # fmt: skip
         out[f"prefill {n}"] = dict(calls=t_calls, unsplit=t_un)
     RESULTS[f"split_{split}"] = out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
