@@ -53,3 +53,10 @@ def test_engine_config_parses_it_and_runs_synchronous_steps_unless_asked() -> No
     assert isinstance(make_drafter(c.speculative_config, c), NgramDrafter)
     c = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, async_scheduling=True)
     assert c.async_scheduling is True
+
+
+def test_eagle3_refuses_async_scheduling_by_name() -> None:
+    spec = {"method": "eagle3", "model": "/m", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="EAGLE-3.*async_scheduling=True"):
+        EngineConfig(speculative_config=spec, async_scheduling=True, device="cpu")
+    assert EngineConfig(speculative_config=spec, device="cpu").async_scheduling is False
