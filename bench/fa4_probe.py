@@ -232,11 +232,36 @@ def bits(page):
     RESULTS[f"bits_p{page}"] = out
 
 
+def nan_slots():
+    """Unwritten cache slots hold garbage, NaN included (lockstep's tests fill them with NaN): FA4 must never let a
+    slot past a sequence's length reach its output. Through ``lockstep.ops.attention.fa4``, the fast set's route, at
+    page 16 (FA4's cp.async path, as the engine runs it)."""
+    from lockstep.ops.attention import fa4
+
+    print("\nunwritten slots as NaN (page 16, lockstep's FA4 route): finite, and the same as with finite garbage")
+    out = {}
+    for ctx, q_len in ((1000, 1000), (1037, 37), (4095, 1)):
+        k, v, table = paged(1, 4096, 16)
+        q = torch.randn(q_len, HQ, D, device="cuda", dtype=torch.bfloat16)
+        starts = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
+        lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
+        finite = fa4.paged_attention(q, k, v, table, lens, starts, q_len, SCALE)
+        used = table[0, : -(-ctx // 16)].long()
+        for c in (k, v):
+            c[used[-1], ctx % 16 or 16 :] = float("nan")  # the rest of the last page
+            c[table[0, -(-ctx // 16) :].long()] = float("nan")  # the pages the sequence does not use
+        poisoned = fa4.paged_attention(q, k, v, table, lens, starts, q_len, SCALE)
+        ok = bool(torch.isfinite(poisoned).all()) and same(finite, poisoned)
+        out[f"{ctx}/{q_len}"] = ok
+        print(f"  {'ok  ' if ok else 'DIFF'}  context {ctx}, {q_len} queries")
+    RESULTS["nan_slots"] = out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--pages", default="16,128", help="page sizes of the decode table")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: pages,decode,prefill,bits,split")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: nan,pages,decode,prefill,bits,split")
     ap.add_argument("--splits", default="1024,2048", help="split sizes of the split-contract section")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -254,7 +279,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}, {RESULTS['versions']}")
     skip = set(filter(None, args.skip.split(",")))
     pages = [int(p) for p in args.pages.split(",")]
-    sections = [("pages", page_sizes), ("bits", lambda: [bits(p) for p in (128, 16)]),
+    sections = [("nan", nan_slots), ("pages", page_sizes), ("bits", lambda: [bits(p) for p in (128, 16)]),
                 ("decode", lambda: decode_speed(pages)), ("prefill", prefill_speed),
                 ("split", lambda: [split_contract(int(s)) for s in args.splits.split(",")])]  # fmt: skip
     for name, fn in sections:
@@ -271,7 +296,6 @@ def main():
         with open(os.path.join(args.out, "fa4_probe.json"), "w") as f:
             json.dump(RESULTS, f, indent=1, default=str)
     return 0
-
 
 
 # ---- lockstep's split contract through FA4: each (row, split) partial by FA4, merged in split order ----------------

@@ -110,25 +110,29 @@ def decode_step_time(llm: LLM, batch: int, n: int, args, rng: random.Random, voc
     """Mean seconds per engine step of ``batch`` requests decoding after ``n``-token prompts (graphs as configured)."""
     engine = llm.engine
     device = engine.runner.device
-    params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + args.steps + 1, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(
-            f"decode-{batch}-{n}-{i}", random_prompt(rng, n, vocab), params, output_kind=OutputKind.FINAL_ONLY
-        )
+    # Room to decode while the batch's other prompts are still prefilling: with max_tokens = the timed steps, the
+    # first rows of 16 x 32k finished before the last one's prefill did, and the timed steps ran a few rows.
+    params = SamplingParams(temperature=0.0, max_tokens=engine.config.max_model_len - n, ignore_eos=True)
+    ids = [f"decode-{batch}-{n}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, random_prompt(rng, n, vocab), params, output_kind=OutputKind.FINAL_ONLY)
     sched = engine.scheduler
     while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
         engine.step()
     for _ in range(args.warm_steps):
         engine.step()
+    running = len(sched.running)  # the whole batch, or the step times are not what the row says
     sync(device)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     sync(device)
     per_step = (time.perf_counter() - t0) / args.steps
+    for request_id in ids:
+        engine.abort(request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    return per_step
+    return per_step, running
 
 
 def kv_capacity_ok(llm: LLM, batch: int, n: int, extra: int) -> bool:
@@ -158,11 +162,11 @@ def measure(llm: LLM, mode: str, shape: dict, layers: int, contexts: list[int], 
                 why = f"the K/V cache holds {config.num_kv_blocks * config.block_size:,} tokens"
                 report["skipped"].append({"mode": mode, "context": n, "batch": b, "why": why})
                 continue
-            step = decode_step_time(llm, b, n, args, rng, vocab)
+            step, running = decode_step_time(llm, b, n, args, rng, vocab)
             context = n + args.warm_steps + args.steps / 2  # the rows' mean context over the timed steps
             floor = (weight_bytes + b * context * kv_token_bytes) / report["copy_bandwidth"]
             rows.append({"mode": mode, "what": "decode", "context": n, "batch": b, "ms": step * 1e3,
-                         "floor_ms": floor * 1e3})  # fmt: skip
+                         "floor_ms": floor * 1e3, "running": running})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
 
 

@@ -18,6 +18,9 @@ from lockstep.ops.attention import CpuAttentionPlan, cpu_attention_plan
 # (``FlatBatch.to``). A CUDA graph's metadata has none (one graph serves every step of its bucket); the fast kernel
 # set's decode split reads it (``layers.torch_kernels.split_for_batch``), no kernel of the invariant set does.
 HOST_SEQ_LENS = "host_seq_lens"
+# ... and the step's longest query (new tokens of one sequence), on the host: FlashAttention-4 sizes its grid by it
+# (the fast set's prefill attention, ``ops.attention.fa4``).
+HOST_MAX_QUERY_LEN = "host_max_query_len"
 
 
 @dataclass
@@ -101,13 +104,17 @@ class FlatBatch:
         def tensor(xs: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)
 
+        starts = self.query_start_loc
         attn = AttentionMetadata(
             slot_mapping=tensor(self.slot_mapping, torch.int64),
             block_tables=tensor(self.block_tables) if block_tables is None else block_tables,
             seq_lens=tensor(self.seq_lens),
             query_start_loc=tensor(self.query_start_loc),
             kv_caches=kv_caches,
-            scratch={HOST_SEQ_LENS: list(self.seq_lens)},
+            scratch={
+                HOST_SEQ_LENS: list(self.seq_lens),
+                HOST_MAX_QUERY_LEN: max((starts[i + 1] - starts[i] for i in range(len(starts) - 1)), default=0),
+            },
         )
         return tensor(self.input_ids, torch.int64), tensor(self.positions, torch.int64), attn
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lockstep.layers.batch import HOST_SEQ_LENS, AttentionMetadata
+from lockstep.layers.batch import HOST_MAX_QUERY_LEN, HOST_SEQ_LENS, AttentionMetadata
 from lockstep.ops import gated, moe
 from lockstep.ops._common import num_sms
+from lockstep.ops.attention import fa4
 from lockstep.ops.attention.kv_cache import FP8_KV, _bytes, cache_values
 from lockstep.ops.attention.launch import _paged_attention_triton
 from lockstep.ops.attention.tiling import SPLIT
@@ -254,12 +255,24 @@ def split_for_batch(seq_lens: list[int] | None, num_kv_heads: int, num_sms: int)
 def fast_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """The ``default`` set's attention: on CUDA lockstep's paged kernel straight over the cache, a decode step's
-    split size chosen from the batch (``split_for_batch``; from host-side lengths and shapes only, with no host sync,
-    so CUDA graphs can capture it); on the CPU ``torch_paged_attention``."""
+    """The ``default`` set's attention: on CUDA, steps with a prefill chunk through FlashAttention-4 where it is
+    installed (``ops.attention.fa4``: the kernel other engines run; its sm_90 forward has no split-KV, so decode
+    steps stay with lockstep's kernel), everything else through lockstep's paged kernel straight over the cache, a
+    decode step's split size chosen from the batch (``split_for_batch``; from host-side lengths and shapes only, with
+    no host sync, so CUDA graphs can capture it); on the CPU ``torch_paged_attention``."""
     if not q.is_cuda:
         return torch_paged_attention(q, k_cache, v_cache, attn, scale)
+    if takes_fa4(q, k_cache, attn):
+        return fa4.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                                   attn.scratch[HOST_MAX_QUERY_LEN], scale)  # fmt: skip
     return batch_split_attention(q, k_cache, v_cache, attn, scale, num_sms(q.device))
+
+
+def takes_fa4(q: torch.Tensor, k_cache: torch.Tensor, attn: AttentionMetadata) -> bool:
+    """Whether the fast set runs this step's attention through FlashAttention-4: an eager step (its metadata carries
+    the host's longest query) with a prefill chunk (a query of more than one token), and FA4 usable here."""
+    max_query_len = attn.scratch.get(HOST_MAX_QUERY_LEN)
+    return max_query_len is not None and max_query_len > 1 and fa4.usable(q, k_cache)
 
 
 def batch_split_attention(
