@@ -26,7 +26,7 @@ from lockstep.ops._common import num_sms
 from lockstep.ops.attention import fa4
 from lockstep.ops.attention.kv_cache import FP8_KV, _bytes, cache_values
 from lockstep.ops.attention.launch import _paged_attention_triton
-from lockstep.ops.attention.tiling import SPLIT
+from lockstep.ops.attention.tiling import SPLIT, TILE
 from lockstep.ops.moe.grouped_mm import _grouped_mm
 
 
@@ -226,6 +226,11 @@ def _attend(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, g: Sd
 RESIDENT_PER_SM = 2
 FILL_WAVES = 8
 MAX_FAST_SPLIT = 8 * SPLIT
+# From this many (row, KV head) programs per SM up, a decode step does not split its rows at all (graphs) or takes
+# MAX_FAST_SPLIT (eager; one split variant rather than one per width). On the H200 (bench/attention_check.py --only
+# fastmode, session 13) batch 64 x 8 KV heads (3.9 programs per SM) read 3.75-4.37 TB/s with whole rows against
+# 3.34-3.79 with splits of SPLIT, at 1k-32k contexts; batch 16 (0.97 per SM) needed the splits.
+WHOLE_ROWS_PER_SM = 3
 
 
 def split_for_batch(seq_lens: list[int] | None, num_kv_heads: int, num_sms: int) -> int:
@@ -286,7 +291,12 @@ def batch_split_attention(
         return _paged_attention_triton(
             q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale
         )
-    split = split_for_batch(attn.scratch.get(HOST_SEQ_LENS), k_cache.shape[2], num_sms)
+    seq_lens = attn.scratch.get(HOST_SEQ_LENS)
+    if attn.num_seqs * k_cache.shape[2] >= WHOLE_ROWS_PER_SM * num_sms:
+        tiles = -(-attn.block_tables.shape[1] * k_cache.shape[1] // TILE)  # the table's width, in tiles
+        split = MAX_FAST_SPLIT if seq_lens else TILE * (1 << (tiles - 1).bit_length())
+    else:
+        split = split_for_batch(seq_lens, k_cache.shape[2], num_sms)
     return _paged_attention_triton(
         q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale, split=split
     )

@@ -194,6 +194,7 @@ RULE_CASES = [
 @pytest.mark.parametrize("num_sms, lens, split", RULE_CASES)
 def test_batch_split_attention_matches_fp64_reference_at_the_rules_splits(monkeypatch, num_sms, lens, split):
     monkeypatch.setattr(torch_kernels, "FILL_WAVES", 1)
+    monkeypatch.setattr(torch_kernels, "WHOLE_ROWS_PER_SM", 10**9)  # the split rule, not the whole-rows one
     assert split_for_batch(lens, 2, num_sms) == split
     q, k_cache, v_cache, attn, seqs = make_batch([(n, 1) for n in lens], 4, 2, 32, 16, torch.float32)
     out = batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms)
@@ -212,6 +213,23 @@ def test_batch_split_attention_matches_fp64_reference_at_the_rules_splits(monkey
     assert torch.equal(graph, invariant)
     if max(lens) > split:  # a row with several splits merges them differently at another split size
         assert not torch.equal(out, invariant) or split == SPLIT
+
+
+def test_batch_split_attention_takes_whole_rows_once_the_batch_fills_the_gpu():
+    # 5 rows x 2 KV heads = 10 programs on a 3-SM "GPU" (WHOLE_ROWS_PER_SM 3): no split in a graph's step (the
+    # table's width, rounded up to a power of two of tiles), MAX_FAST_SPLIT in an eager one; values against fp64.
+    lens = [1, 17, 127, 1000, 2100]
+    q, k_cache, v_cache, attn, seqs = make_batch([(n, 1) for n in lens], 4, 2, 32, 16, torch.float32)
+    eager = batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms=3)
+    args = (q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, SCALE)
+    assert torch.equal(eager, _paged_attention_triton(*args, split=torch_kernels.MAX_FAST_SPLIT))
+    attn.scratch.clear()
+    graph = batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms=3)
+    assert torch.equal(graph, _paged_attention_triton(*args, split=4096))  # 133 blocks of 16: 34 tiles, up to 64
+    for out in (eager, graph):
+        for got, (qi, ki, vi) in zip(out.split(1), seqs, strict=True):
+            torch.testing.assert_close(got.double(), reference(qi, ki, vi), atol=2e-6, rtol=0)
+    assert not torch.equal(graph, batch_split_attention(q, k_cache, v_cache, attn, SCALE, num_sms=4))  # 10 < 12
 
 
 def test_batch_split_attention_bits_follow_the_batch(monkeypatch):
