@@ -165,7 +165,9 @@ def main() -> None:
         graph_s, _ = time_steps(llm, batch, args, None, True, f"g{batch}")
         eager_s, _ = time_steps(llm, batch, args, None, False, f"e{batch}")
         for k in ks:
-            verify_s, per_step = time_steps(llm, batch, args, FixedDrafter(k, args.vocab), False, f"v{batch}-{k}")
+            # graphs on: verify chunks of k + 1 <= 8 tokens replay the decode graphs as one-token rows (session 13's
+            # H200 run timed them eagerly, 32-52 ms against 5.2-7.2 for a plain graph step)
+            verify_s, per_step = time_steps(llm, batch, args, FixedDrafter(k, args.vocab), True, f"v{batch}-{k}")
             row = {"batch": batch, "k": k, "plain_graph_ms": graph_s * 1e3, "plain_eager_ms": eager_s * 1e3,
                    "verify_ms": verify_s * 1e3, "tokens_per_step": per_step / batch}  # fmt: skip
             row["tok_s_by_acceptance"] = {
