@@ -29,6 +29,7 @@ that raises is retried one row at a time, which gives the same bits, see above) 
 as if it were not there.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -234,23 +235,21 @@ def _gumbel_max(
     return _argmax_lowest(x.double() + _gumbel(keys, logits.shape[-1]))  # [rows] int64 and [rows] fp64
 
 
-def adjust_row(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    token_ids: list[int],
-    num_prompt: int,
-    banned: list[int] | tuple[int, ...] = (),
-) -> torch.Tensor:
-    """One row's logits ``[V]`` after ``allowed_token_ids``, ``logit_bias`` and the penalties (vLLM's order and
-    formulas), from the request's tokens: ``token_ids[:num_prompt]`` its prompt, the rest its output so far.
-    ``banned`` ids get -inf (``min_tokens``, ``bad_words``), which no later step can undo."""
+@functools.lru_cache(maxsize=64)
+def _allowed_mask(ids: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[vocab]`` bool on ``device``, True at ``ids``: a request's ``allowed_token_ids``, made once (64 kept)."""
+    if any(not 0 <= t < vocab for t in ids):
+        raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab})")
+    keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+    keep[device_tensor(list(ids), torch.int64, device)] = True
+    return keep
+
+
+def adjust_row(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int) -> torch.Tensor:
+    """One row's logits ``[V]`` after ``logit_bias`` and the penalties (vLLM's order and formulas), from the request's
+    tokens: ``token_ids[:num_prompt]`` its prompt, the rest its output so far. ``allowed_token_ids`` and the banned
+    ids (``min_tokens``, ``bad_words``) come after, for all rows at once (``Sampler._token_controls``)."""
     x = logits
-    if params.allowed_token_ids:
-        keep = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        keep[device_tensor(params.allowed_token_ids, torch.int64, x.device)] = True
-        x = x.masked_fill(~keep, float("-inf"))
-    if banned:
-        x = x.index_fill(0, device_tensor(list(banned), torch.int64, x.device), float("-inf"))
     if params.logit_bias:
         ids = device_tensor(list(params.logit_bias), torch.int64, x.device)
         x = x.index_put((ids,), device_tensor(list(params.logit_bias.values()), x.dtype, x.device), True)
@@ -366,19 +365,19 @@ class Sampler:
         logits = logits.float()
         errors: dict[int, str] = {}
         scores = logits  # what the choice is made from; logprobs stay raw
-        adjusted = [
-            i for i, p in enumerate(params) if p.logit_bias or p.penalized or p.min_tokens or p.token_controlled
-        ]
-        if adjusted:
-            if histories is None:
+        adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.penalized]
+        banning = [i for i, p in enumerate(params) if p.min_tokens or p.bad_words_token_ids]
+        limited = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        if adjusted or banning or limited:
+            if histories is None and (adjusted or banning):
                 raise ValueError("penalties need each row's (token ids, number of prompt tokens)")
             scores = logits.clone()
             for i in adjusted:
                 try:
-                    banned = self.banned(params[i], histories[i], logits.shape[-1])
-                    scores[i] = adjust_row(logits[i], params[i], *histories[i], banned=banned)
+                    scores[i] = adjust_row(logits[i], params[i], *histories[i])
                 except Exception as e:  # this row's fault: reported with it
                     errors[i] = _describe(e)
+            self._token_controls(scores, params, histories, limited, banning, errors)
         if allowed is not None and allowed[0]:
             masked_rows, mask = allowed
             if mask.shape != (len(masked_rows), logits.shape[-1]):
@@ -435,6 +434,46 @@ class Sampler:
             logprobs = self.log_softmax(logits)  # [num_rows, vocab] fp32
             pending = launch_gather_logprobs(logprobs, tokens, num_top, extra=extra)
         return PendingSample(tokens, pending, errors)
+
+    def _token_controls(
+        self,
+        scores: torch.Tensor,
+        params: list[SamplingParams],
+        histories: list[tuple[list[int], int]] | None,
+        limited: list[int],
+        banning: list[int],
+        errors: dict[int, str],
+    ) -> None:
+        """``allowed_token_ids`` (rows ``limited``) and the banned ids of ``min_tokens`` and ``bad_words`` (rows
+        ``banning``) as -inf in ``scores``, in place: one masked fill and one indexed write for all the rows, after
+        the bias and the penalties. The same bits as applying them first, row by row, as ``adjust_row`` does: a -inf
+        stays -inf through a bias and every penalty, and no other entry is touched. (Per row, each took a pinned
+        host copy and a fill over the vocabulary: 91 ms at 256 rows on the H200, against 6 ms unconstrained.)"""
+        vocab, device = scores.shape[-1], scores.device
+        rows, masks = [], []
+        for i in limited:
+            try:
+                masks.append(_allowed_mask(tuple(params[i].allowed_token_ids), vocab, device))
+                rows.append(i)
+            except Exception as e:  # this row's fault: reported with it
+                errors[i] = _describe(e)
+        if rows:
+            index = device_tensor(rows, torch.int64, device)
+            scores[index] = scores[index].masked_fill(~torch.stack(masks), float("-inf"))
+        pairs: list[list[int]] = [[], []]  # (row, token) of every ban
+        for i in banning:
+            if i in errors:
+                continue
+            try:
+                banned = self.banned(params[i], histories[i], vocab)
+            except Exception as e:
+                errors[i] = _describe(e)
+                continue
+            pairs[0] += [i] * len(banned)
+            pairs[1] += banned
+        if pairs[1]:
+            at = device_tensor(pairs, torch.int64, device)
+            scores.index_put_((at[0], at[1]), torch.tensor(float("-inf"), device=device))
 
     @staticmethod
     def _gumbel_rows(

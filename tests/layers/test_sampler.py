@@ -349,3 +349,38 @@ def test_a_row_whose_mask_allows_nothing_fails_alone() -> None:
     sampled = Sampler().sample(x, params, [0, 1, 2], allowed=([1], mask))
     assert set(sampled.errors) == {1} and "grammar allows none" in sampled.errors[1]
     assert [sampled.token_ids[i] for i in (0, 2)] == [int(x[0].argmax()), int(x[2].argmax())]
+
+
+def test_token_controls_for_all_rows_at_once_equal_vllms_order_row_by_row() -> None:
+    # The sampler applies allowed_token_ids and the bans (min_tokens, bad words) to every row in one fill after
+    # the bias and the penalties; vLLM applies them first, row by row. The same tokens: a -inf stays -inf through a
+    # bias and every penalty. The reference here is vLLM's order, one row at a time.
+    rng = random.Random(5)
+    vocab, rows = 300, 24
+    logits = logits_batch(rows, vocab, seed=5) * 4
+    params, histories = [], []
+    for i in range(rows):
+        kw: dict = dict(temperature=rng.choice([0.0, 0.8]), seed=i)
+        if i % 2:
+            kw["allowed_token_ids"] = rng.sample(range(vocab), 40)
+        if i % 3:
+            kw["bad_words_token_ids"] = [[rng.randrange(vocab)], [3, rng.randrange(vocab)]]
+        if i % 4 == 1:
+            kw.update(logit_bias={rng.randrange(vocab): 50.0 for _ in range(3)}, repetition_penalty=1.3)
+        if i % 5 == 0:
+            kw.update(min_tokens=8, stop_token_ids=[7, 8])
+        params.append(SamplingParams(**kw))
+        histories.append(([rng.randrange(vocab) for _ in range(9)] + [3], 6))
+    s = sampler.Sampler()
+    tokens, _ = s(logits, params, [10] * rows, histories)
+    for i, p in enumerate(params):
+        x = logits[i].clone()
+        if p.allowed_token_ids:
+            keep = torch.zeros(vocab, dtype=torch.bool)
+            keep[p.allowed_token_ids] = True
+            x[~keep] = float("-inf")
+        x[s.banned(p, histories[i], vocab)] = float("-inf")
+        x = sampler.adjust_row(x, p, *histories[i])
+        assert tokens[i] == sampler.sample_row(x, p, 10), i
+        assert not p.allowed_token_ids or tokens[i] in p.allowed_token_ids
+        assert tokens[i] not in s.banned(p, histories[i], vocab)
