@@ -170,13 +170,8 @@ def prefill_speed():
     RESULTS["prefill"] = rows
 
 
-def bits(page):
-    """The rows lockstep's contract needs equal, through FA4 with pages of ``page`` positions."""
-    print(f"\nbits through FA4 (page {page}): a row must not depend on its neighbours or on the path")
-    torch.manual_seed(1)
-    target = 5000
-    lens = [target, 32768, 1000, 4096, 17, 20000, 513, 8192, 3] * 8  # 72 sequences, the target first
-    lens = lens[:64]
+def scattered(lens, page):
+    """A paged cache holding sequences of ``lens`` positions in shuffled blocks, and their tables (padding: 0)."""
     width = -(-max(lens) // page)
     nblk = sum(-(-n // page) for n in lens) + 8
     k = torch.randn(nblk, page, HKV, D, device="cuda", dtype=torch.bfloat16)
@@ -186,7 +181,17 @@ def bits(page):
     for i, n in enumerate(lens):
         for j in range(-(-n // page)):
             tables[i, j] = perm.pop()
-    tables = tables.cuda()
+    return k, v, tables.cuda()
+
+
+def bits(page):
+    """The rows lockstep's contract needs equal, through FA4 with pages of ``page`` positions."""
+    print(f"\nbits through FA4 (page {page}): a row must not depend on its neighbours or on the path")
+    torch.manual_seed(1)
+    target = 5000
+    lens = [target, 32768, 1000, 4096, 17, 20000, 513, 8192, 3] * 8  # 72 sequences, the target first
+    lens = lens[:64]
+    k, v, tables = scattered(lens, page)
     qs = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
     out = {}
 
@@ -394,16 +399,7 @@ def split_contract(split):
     torch.manual_seed(2)
     target = 5000
     lens = ([target, 32768, 1000, 4096, 17, 20000, 513, 8192, 3] * 8)[:64]
-    width = -(-max(lens) // page)
-    nblk = sum(-(-n // page) for n in lens) + 8
-    k = torch.randn(nblk, page, HKV, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    perm = torch.randperm(nblk).tolist()
-    tables = torch.zeros(len(lens), width, dtype=torch.int32)
-    for i, n in enumerate(lens):
-        for j in range(-(-n // page)):
-            tables[i, j] = perm.pop()
-    tables = tables.cuda()
+    k, v, tables = scattered(lens, page)
     q_all = torch.randn(target, HQ, D, device="cuda", dtype=torch.bfloat16)  # the target's query rows
     q_nb = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
 
