@@ -37,7 +37,7 @@ from lockstep.engine.model_runner import _table_width
 from lockstep.engine.scheduler import ScheduledBatch
 from lockstep.layers.batch import flatten_batch
 from lockstep.layers.sampler import device_tensor
-from lockstep.models.eagle3 import Eagle3Head, load_eagle3
+from lockstep.models.eagle3 import Eagle3Head, load_eagle3, resolve_head
 from lockstep.spec.config import SpeculativeConfig
 from lockstep.spec.drafter import DraftRequest
 
@@ -95,7 +95,6 @@ class Eagle3Drafter:
     def __init__(
         self, config: SpeculativeConfig, engine_config: EngineConfig, runner, num_kv_blocks: int | None = None
     ) -> None:
-        from lockstep.models.hub import resolve_model
         from lockstep.spec.draft_model import _target_path
 
         if not runner.model.language_model.aux_layers:  # set by the runner for an "eagle3" speculative_config
@@ -104,7 +103,7 @@ class Eagle3Drafter:
         self.block_size = engine_config.block_size
         self.max_model_len = runner.config.max_model_len
         target = runner.model
-        path = resolve_model(config.model)
+        path = resolve_head(config.model)
         self.head: Eagle3Head = load_eagle3(
             path, target, target.kernels, self.max_model_len, _target_path(engine_config)
         )

@@ -169,6 +169,7 @@ def test_default_aux_layers_are_vllms() -> None:
     ("change", "match"),
     [
         (lambda t, c: c.update(hidden_size=32), "hidden_size 32"),
+        (lambda t, c: c.update(target_hidden_size=32), "target_hidden_size 32"),
         (lambda t, c: t.pop("fc.weight"), "lacks fc.weight"),
         (lambda t, c: c.update(draft_vocab_size=48), "draft vocabulary does not match"),
         (lambda t, c: t.__setitem__("d2t", t["d2t"] + 40), "outside the target vocabulary"),
