@@ -67,10 +67,13 @@ class _State:
         self.pending, self.num_pending = kept, total
 
     def take(self, rows: int) -> torch.Tensor:
-        """The first ``rows`` pending rows; the rest (rejected verify rows) dropped."""
-        taken = torch.cat(self.pending)[:rows] if len(self.pending) > 1 else self.pending[0][:rows]
-        self.pending, self.num_pending = [], 0
-        return taken
+        """The first ``rows`` pending rows, fed now. The rest stay pending: rejected verify rows, which the next
+        step's ``observe`` replaces, or (async scheduling, drafting one token behind) the row of the step in flight,
+        which the next call feeds."""
+        whole = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        rest = whole[rows:]
+        self.pending, self.num_pending = ([rest], rest.shape[0]) if rest.shape[0] else ([], 0)
+        return whole[:rows]
 
 
 @dataclass
