@@ -15,7 +15,8 @@ forward, sampling, acceptance: "verify"). The plain decode step is the same engi
 graphs; the target still keeps its three aux streams, three adds a step). Also printed: tok/s one sequence would
 get if each draft were accepted with probability a, E(a) = (1 - a^(k+1)) / (1 - a) tokens per measured step,
 and whether one greedy request's proposals and output are the same with the target's CUDA graphs on and off (the
-graphs hand the head their own aux buffers). JSON to ``--out``.
+graphs hand the head their own aux buffers), and whether four requests give the same bits under async scheduling
+(the head observing each step as it is launched), synchronously and without the drafter. JSON to ``--out``.
 """
 
 import argparse
@@ -209,6 +210,46 @@ def graphs_equal_eager(llm: LLM, timed: Timed, args) -> bool:
     return runs[0] == runs[1] and len(runs[0][1]) > 0
 
 
+def async_equal_sync(llm: LLM, timed: Timed, args) -> dict:
+    """Four requests (greedy and seeded) with the head proposing at every other step, so that steps without drafts
+    run ahead and the next ones draft one token behind: the output under async scheduling, synchronous, and with
+    no drafter at all, compared token for token and logprob bit for bit (on CUDA through the graphs' aux buffers,
+    observed as each step is launched)."""
+    engine = llm.engine
+    timed.install()
+    drafter, observe = timed.drafter, engine._observe
+    propose = drafter.propose
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, args.vocab - 10) for _ in range(args.input_len + i)] for i in range(4)]
+    params = [SamplingParams(temperature=t, seed=7, top_k=50, max_tokens=32, ignore_eos=True, logprobs=1)
+              for t in (0.0, 0.8, 0.0, 0.8)]  # fmt: skip
+    calls = [0]
+
+    def every_other(requests):
+        calls[0] += 1
+        return propose(requests) if calls[0] % 2 else [[] for _ in requests]
+
+    runs, fed = {}, 0
+    launch = engine.runner.launch
+
+    def counted(batch, feed=None):
+        nonlocal fed
+        fed += feed is not None
+        return launch(batch, feed)
+
+    engine.runner.launch = counted
+    for name, overlap, spec in (("plain", False, False), ("sync", False, True), ("async", True, True)):
+        engine.config.async_scheduling = overlap
+        engine.drafter, engine._observe = (drafter, observe) if spec else (None, None)
+        drafter.propose = every_other
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[name] = [(list(o.outputs[0].token_ids), [x.hex() for x in o.outputs[0].token_logprobs]) for o in outs]
+    engine.runner.launch, drafter.propose = launch, propose
+    engine.config.async_scheduling = False
+    engine.drafter, engine._observe = drafter, observe
+    return {"equal": runs["async"] == runs["sync"] == runs["plain"], "fed_steps": fed}
+
+
 def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
@@ -271,6 +312,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {k} | {1e3 / plain['step_ms']:.1f} | {cells} |")
     report["graphs_equal_eager"] = graphs_equal_eager(llm, timed, args)
     print(f"\nproposals and output with the target's CUDA graphs == without: {report['graphs_equal_eager']}")
+    report["async_equal_sync"] = async_equal_sync(llm, timed, args)
+    a = report["async_equal_sync"]
+    print(f"async scheduling + EAGLE-3 (4 requests, drafts at every other step) == synchronous == plain decoding: "
+          f"{a['equal']} ({a['fed_steps']} steps fed on the device)")  # fmt: skip
     report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     out = Path(args.out) / "eagle3_gpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)

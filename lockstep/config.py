@@ -193,11 +193,6 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.async_scheduling is None:  # not yet measured on a GPU with drafts: on only when asked for
                 self.async_scheduling = False
-            if self.async_scheduling and self.speculative_config.method == "eagle3":
-                raise ValueError(
-                    "speculative_config: EAGLE-3 drafts from every target step's hidden states, read as the step "
-                    "ends: async_scheduling=True cannot go with it"
-                )
         if self.async_scheduling is None:
             self.async_scheduling = resolve_device(self.device).type == "cuda"
         _check_bool("async_scheduling", self.async_scheduling)

@@ -543,7 +543,8 @@ class LLMEngine:
         """Async scheduling (docs/design.md, "Async scheduling"): step N is on the device, its tokens unread.
         Its bookkeeping is applied with each sampling sequence's token pending, step N + 1 is scheduled and
         launched with those rows' input ids fed from step N's samples on the device, and only then are step N's
-        results read back (the step's one sync) and reported; step N + 1 stays in flight.
+        results read back (the step's one sync) and reported; step N + 1 stays in flight. A drafter that observes
+        the target's steps (EAGLE-3) sees step N + 1 right after its launch, on the device.
 
         When a sequence of step N samples with penalties or a grammar, step N + 1's sampling needs that token on
         the host, and after a verify step (speculative decoding) its accepted count decides step N + 1's
@@ -561,6 +562,8 @@ class LLMEngine:
                 self._note_scheduled(batch)
                 feed = TokenFeed(prev.sample.tokens, assumed) if assumed else None
                 self._in_flight = _InFlight(batch, self.runner.launch(batch, feed))
+                if self._observe is not None:  # enqueued after the launch, before anything reads it back
+                    self._observe(batch, self.runner.aux_hidden)
         finally:  # also when the launch failed: the pending tokens must become real ones
             if prev is not None:
                 outputs = self._resolve(prev)

@@ -12,7 +12,9 @@ used). The embedding is the target's unless the checkpoint ships its own ``embed
 Checkpoint tensors (the published names): ``fc.weight [H, 3H]``, ``midlayer.{input_layernorm,hidden_norm,
 post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight`` (q/k/v ``[*, 2H]``),
 ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight [draft_vocab, H]``, ``d2t``, ``t2d``,
-optionally ``embed_tokens.weight``. The layer runs on the kernel set it is given, like any lockstep layer.
+optionally ``embed_tokens.weight``; in safetensors, or in a ``pytorch_model.bin`` read tensors-only
+(``models/torch_bin.py``), as many published heads ship. The layer runs on the kernel set it is given, like any
+lockstep layer.
 """
 
 from dataclasses import dataclass
@@ -65,7 +67,7 @@ def read_eagle3_config(path: str | Path, target: ModelConfig) -> Eagle3Config:
         raise ValueError(f"{path}: EAGLE-3 heads of {hf['num_hidden_layers']} layers are not supported (only 1)")
     layer = ModelConfig.from_hf(hf | {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
     H = target.hidden_size
-    target_hidden = hf.get("target_hidden_size", layer.hidden_size)
+    target_hidden = hf.get("target_hidden_size") or layer.hidden_size
     if layer.hidden_size != H or target_hidden != H:
         raise ValueError(
             f"{path}: the EAGLE-3 head has hidden_size {layer.hidden_size} (target_hidden_size {target_hidden}), "
@@ -186,15 +188,40 @@ class Eagle3Head(nn.Module):
 
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the head's safetensors files, by name (a leading ``model.`` dropped)."""
+    """Every tensor of the head's weight files, by name (a leading ``model.`` dropped): its safetensors files, or,
+    in a folder that has none, ``pytorch_model.bin`` (or its shards) read tensors-only (``models/torch_bin.py``).
+    """
     from lockstep.models.loader import weight_files
+    from lockstep.models.torch_bin import bin_files, load_bin
 
+    folder = Path(path)
+    pickled = [] if _has_safetensors(folder) else bin_files(folder)
     tensors: dict[str, torch.Tensor] = {}
-    for file in weight_files(path):
+    for file in pickled:
+        for name, tensor in load_bin(file).items():
+            tensors[name.removeprefix("model.")] = tensor
+    for file in [] if pickled else weight_files(folder):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 tensors[name.removeprefix("model.")] = f.get_tensor(name)
     return tensors
+
+
+def resolve_head(model: str) -> str:
+    """The head's folder: ``model`` when it is one, else the Hugging Face snapshot (``models.hub``), whose
+    ``pytorch_model.bin`` is fetched too when the repo has no safetensors weights (as many published heads)."""
+    from lockstep.models.hub import resolve_model
+
+    path = resolve_model(model)
+    if _has_safetensors(Path(path)) or Path(model).expanduser().is_dir():
+        return path
+    return resolve_model(model, torch_bin=True)
+
+
+def _has_safetensors(folder: Path) -> bool:
+    from lockstep.models.loader import INDEX_FILE
+
+    return (folder / INDEX_FILE).is_file() or any(folder.glob("*.safetensors"))
 
 
 def shared_embedding(target) -> VocabEmbedding | None:

@@ -4,7 +4,8 @@ folder in the local Hugging Face cache, downloaded first (with a progress bar) w
 The cache is the one ``huggingface_hub`` and transformers share: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
 ``~/.cache/huggingface/hub`` (read when a model is resolved, not when the library was imported). With
 ``HF_HUB_OFFLINE=1`` the network is never tried. Only the files lockstep reads are fetched: configs, safetensors
-weights and tokenizer files (never pickled ``*.bin`` or other formats).
+weights and tokenizer files (never pickled ``*.bin`` or other formats), except for an EAGLE-3 head published as
+``pytorch_model.bin`` (``torch_bin=True``), which its loader reads tensors-only (``models/torch_bin.py``).
 """
 
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 # Configs (config.json, generation_config.json, the shard index, tokenizer JSON), weights, sentencepiece and
 # tiktoken vocabularies, BPE merges, chat templates.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+TORCH_BIN_PATTERNS = ["pytorch_model.bin", "pytorch_model-*.bin"]  # the shard index is a *.json
 _TRUE = {"1", "true", "yes", "on"}
 
 
@@ -43,10 +45,11 @@ def is_repo_id(model: str) -> bool:
     return True
 
 
-def resolve_model(model: str, revision: str | None = None) -> str:
+def resolve_model(model: str, revision: str | None = None, torch_bin: bool = False) -> str:
     """The checkpoint folder ``model`` names: ``model`` itself when it is a folder, else the snapshot of the
     Hugging Face repo ``model`` at ``revision`` (a branch, tag or commit; default ``main``) in the local cache,
-    downloaded first unless offline. Raises FileNotFoundError naming the id and the cache when it is neither."""
+    downloaded first unless offline. Raises FileNotFoundError naming the id and the cache when it is neither.
+    ``torch_bin``: fetch ``pytorch_model.bin`` weights too (EAGLE-3 heads only)."""
     path = Path(model).expanduser()
     if path.is_dir():
         if revision is not None:
@@ -58,9 +61,10 @@ def resolve_model(model: str, revision: str | None = None) -> str:
 
     cache = hub_cache_dir()
     offline = hub_offline()
+    patterns = ALLOW_PATTERNS + (TORCH_BIN_PATTERNS if torch_bin else [])
     try:
         return snapshot_download(
-            model, revision=revision, cache_dir=cache, local_files_only=offline, allow_patterns=ALLOW_PATTERNS
+            model, revision=revision, cache_dir=cache, local_files_only=offline, allow_patterns=patterns
         )
     except Exception as e:  # no network, no such repo or revision, gated, incomplete: all say the same to a user
         first_line = (str(e).splitlines() or [""])[0]

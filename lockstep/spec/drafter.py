@@ -8,7 +8,9 @@ the sequence may come back under the same ``seq_id`` with the same tokens.
 
 A drafter may also define ``observe(batch, aux)``, which the engine then calls after every target forward with the
 step's ``ScheduledBatch`` and the target runner's ``aux_hidden`` (the EAGLE-3 drafter reads the target's hidden
-states that way, ``spec/eagle3.py``).
+states that way, ``spec/eagle3.py``). Under async scheduling it is called as soon as the step is launched, before
+its samples are read: ``aux`` is then work enqueued on the device, and ``observe`` must not wait for it (no host
+read), only enqueue work of its own after it.
 """
 
 from dataclasses import dataclass

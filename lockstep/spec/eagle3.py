@@ -37,7 +37,7 @@ from lockstep.engine.model_runner import _table_width
 from lockstep.engine.scheduler import ScheduledBatch
 from lockstep.layers.batch import flatten_batch
 from lockstep.layers.sampler import device_tensor
-from lockstep.models.eagle3 import Eagle3Head, load_eagle3
+from lockstep.models.eagle3 import Eagle3Head, load_eagle3, resolve_head
 from lockstep.spec.config import SpeculativeConfig
 from lockstep.spec.drafter import DraftRequest
 
@@ -67,10 +67,13 @@ class _State:
         self.pending, self.num_pending = kept, total
 
     def take(self, rows: int) -> torch.Tensor:
-        """The first ``rows`` pending rows; the rest (rejected verify rows) dropped."""
-        taken = torch.cat(self.pending)[:rows] if len(self.pending) > 1 else self.pending[0][:rows]
-        self.pending, self.num_pending = [], 0
-        return taken
+        """The first ``rows`` pending rows, fed now. The rest stay pending: rejected verify rows, which the next
+        step's ``observe`` replaces, or (async scheduling, drafting one token behind) the row of the step in flight,
+        which the next call feeds."""
+        whole = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        rest = whole[rows:]
+        self.pending, self.num_pending = ([rest], rest.shape[0]) if rest.shape[0] else ([], 0)
+        return whole[:rows]
 
 
 @dataclass
@@ -95,7 +98,6 @@ class Eagle3Drafter:
     def __init__(
         self, config: SpeculativeConfig, engine_config: EngineConfig, runner, num_kv_blocks: int | None = None
     ) -> None:
-        from lockstep.models.hub import resolve_model
         from lockstep.spec.draft_model import _target_path
 
         if not runner.model.language_model.aux_layers:  # set by the runner for an "eagle3" speculative_config
@@ -104,7 +106,7 @@ class Eagle3Drafter:
         self.block_size = engine_config.block_size
         self.max_model_len = runner.config.max_model_len
         target = runner.model
-        path = resolve_model(config.model)
+        path = resolve_head(config.model)
         self.head: Eagle3Head = load_eagle3(
             path, target, target.kernels, self.max_model_len, _target_path(engine_config)
         )

@@ -169,6 +169,7 @@ def test_default_aux_layers_are_vllms() -> None:
     ("change", "match"),
     [
         (lambda t, c: c.update(hidden_size=32), "hidden_size 32"),
+        (lambda t, c: c.update(target_hidden_size=32), "target_hidden_size 32"),
         (lambda t, c: t.pop("fc.weight"), "lacks fc.weight"),
         (lambda t, c: c.update(draft_vocab_size=48), "draft vocabulary does not match"),
         (lambda t, c: t.__setitem__("d2t", t["d2t"] + 40), "outside the target vocabulary"),
@@ -355,6 +356,76 @@ def test_prefix_cache_hits_and_preemption_change_nothing(bigram: tuple[Path, Pat
     assert _bits(small.generate(PROMPTS, params, use_tqdm=False)) == plain
     assert preempted and small.engine.spec_stats.num_accepted_tokens > 0
     assert small.engine.drafter.num_free_blocks == small.engine.drafter.num_kv_blocks  # every state released
+
+
+class _EveryOther:
+    """The head's proposals at every other call, none at the rest (its ``observe`` still sees every step): the
+    steps without drafts run ahead under async scheduling, so the next one drafts one token behind, feeding the
+    head several steps' rows at once."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls, self.observe, self._states = inner, 0, inner.observe, inner._states
+
+    def propose(self, requests) -> list[list[int]]:
+        self.calls += 1
+        return self.inner.propose(requests) if self.calls % 2 else [[] for _ in requests]
+
+    def release(self, seq_id: int) -> None:
+        self.inner.release(seq_id)
+
+
+def _launches(llm: LLM) -> list[tuple[bool, bool]]:
+    """``(first tokens fed on the device, has drafts)`` of every step the engine launches."""
+    seen: list[tuple[bool, bool]] = []
+    launch = llm.engine.runner.launch
+    llm.engine.runner.launch = lambda batch, feed=None: (
+        seen.append((feed is not None, batch.has_drafts)) or launch(batch, feed)
+    )
+    return seen
+
+
+@pytest.mark.parametrize("case", ["agreeing", "every-other", "preempted"])
+def test_async_scheduling_gives_plain_decodings_bits(request, bigram: tuple[Path, Path], case: str) -> None:
+    """EAGLE-3 under async scheduling: the drafter observes each step as it is launched (its features enqueued on
+    the device, never read back) and drafts one token behind after a step that ran ahead. Greedy and seeded rows;
+    the agreeing head (rows accepting different lengths in one step), with 20 blocks too (preemption during
+    speculation); the random head proposing at every other call, each proposal the head's reference forward."""
+    target, head = bigram
+    if case == "every-other":
+        target, head = request.getfixturevalue("target_dir"), request.getfixturevalue("head_dir")
+    params = [GREEDY, SEEDED] * 2
+    plain = _bits(_llm(target, None).generate(PROMPTS, params, use_tqdm=False))
+    blocks = 20 if case == "preempted" else 256
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    llm = LLM(str(target), block_size=BLOCK, num_kv_blocks=blocks, seed=0, speculative_config=spec,
+              async_scheduling=True, enable_prefix_caching=False)  # fmt: skip
+    drafter, calls = llm.engine.drafter, _recording(llm)
+    if case == "every-other":
+        llm.engine.drafter = _EveryOther(drafter)
+    launches, offsets, preempted = _launches(llm), _offsets(llm), []
+    preempt = llm.engine.scheduler._preempt
+    llm.engine.scheduler._preempt = lambda seq: (preempted.append(seq.arrival), preempt(seq))
+    assert _bits(llm.generate(PROMPTS, params, use_tqdm=False)) == plain
+    stats = llm.engine.spec_stats
+    assert (True, True) in launches  # verify chunks drafted one behind, their first token fed on the device
+    # Every head cache starts at position 0 (no prefix caching): the row of the step in flight stayed pending
+    # through the call that drafted one behind, so no sequence's state started over at a gap.
+    assert offsets and max(offsets) == 0
+    assert drafter.num_free_blocks == drafter.num_kv_blocks  # every state released
+    if case == "every-other":  # steps ran ahead in the middle of decoding, not only after the prefill
+        from transformers import AutoModelForCausalLM
+
+        assert sum(fed for fed, _ in launches) >= 8 and (True, False) in launches, launches
+        target_hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        w = load_file(head / "model.safetensors")
+        assert len(calls) >= 2 * len(PROMPTS) and all(len(p) == k for _, k, p in calls)
+        for tokens, k, proposal in calls:  # what the head saw under async scheduling is the target's features
+            assert proposal == _reference_drafts(target_hf, w, tokens, k), tokens
+        return
+    assert stats.num_accepted_tokens > 0 and stats.mean_accepted_length > 1.3, stats
+    assert sum(1 for c in stats.chunks_by_accepted if c) >= 2, stats  # rows accept different lengths
+    if case == "preempted":
+        assert preempted
 
 
 def _offsets(llm: LLM) -> list[int]:

@@ -16,6 +16,7 @@ def test_tiny_run(tmp_path: Path) -> None:
     report = module.main(["--tiny", "--steps", "2", "--warm-steps", "1", "--ks", "1,3", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "eagle3_gpu.json").read_text())["rows"] == report["rows"]
     assert report["graphs_equal_eager"] is True
+    assert report["async_equal_sync"]["equal"] is True and report["async_equal_sync"]["fed_steps"] > 0
     assert report["plain"]["drafts_per_step"] == 0 and report["plain"]["step_ms"] > 0
     for row, k in zip(report["rows"], (1, 3), strict=True):
         assert row["k"] == k and row["drafts_per_step"] == k

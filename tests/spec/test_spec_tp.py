@@ -6,6 +6,7 @@ model, which runs unsharded on rank 0 next to the sharded target."""
 from pathlib import Path
 
 import pytest
+import test_eagle3
 from test_llm import BLOCK, TARGET_PARAMS, TARGET_PROMPTS, bits
 from tiny_models import TINY_EOS, save_char_tokenizer, save_tiny_hf
 
@@ -61,3 +62,48 @@ def test_tp2_draft_model_gives_tp1_plain_bits(tiny_model_dir: Path, tp1_plain, t
     got, drafted = _tp2(tiny_model_dir, {"model": str(draft), "num_speculative_tokens": 3})
     assert drafted > 0
     assert got == tp1_plain
+
+
+# -- EAGLE-3: the head runs on rank 0, on the target's streams at its aux layers (full rows: every layer's output
+# is all-reduced, so rank 0 holds the whole residual stream), with the embedding read from the target's checkpoint
+# (rank 0's own is a shard).
+
+eagle3_target_dir, eagle3_head_dir = test_eagle3.target_dir, test_eagle3.head_dir
+
+
+def _eagle3_run(target: Path, head: Path, **kwargs) -> tuple[list, list, list]:
+    """Bits, proposals (``test_eagle3._recording``) and launches (``test_eagle3._launches``) of an EAGLE-3 run."""
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    with LLM(str(target), block_size=4, num_kv_blocks=256, seed=0, speculative_config=spec, **kwargs) as llm:
+        calls, launches = test_eagle3._recording(llm), test_eagle3._launches(llm)
+        got = test_eagle3._bits(llm.generate(test_eagle3.PROMPTS, EAGLE3_PARAMS, use_tqdm=False))
+        return got, calls, launches
+
+
+EAGLE3_PARAMS = [test_eagle3.GREEDY, test_eagle3.SEEDED] * 2
+
+
+@pytest.fixture(scope="module")
+def eagle3_tp1(eagle3_target_dir: Path, eagle3_head_dir: Path) -> tuple[list, list]:
+    """TP 1 with the tree numerics: plain decoding's bits, and the head's proposals (synchronous)."""
+    plain = LLM(str(eagle3_target_dir), block_size=4, num_kv_blocks=256, seed=0, tp_invariant=True)
+    expected = test_eagle3._bits(plain.generate(test_eagle3.PROMPTS, EAGLE3_PARAMS, use_tqdm=False))
+    got, calls, _ = _eagle3_run(eagle3_target_dir, eagle3_head_dir, tp_invariant=True)
+    assert got == expected
+    return expected, calls
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tp2_eagle3_gives_tp1_plain_bits_and_tp1_drafts(
+    eagle3_target_dir: Path, eagle3_head_dir: Path, eagle3_tp1, async_scheduling: bool
+) -> None:
+    expected, tp1_calls = eagle3_tp1
+    got, calls, launches = _eagle3_run(
+        eagle3_target_dir, eagle3_head_dir, tensor_parallel_size=2, async_scheduling=async_scheduling
+    )
+    assert got == expected
+    assert len(calls) >= 2 * len(test_eagle3.PROMPTS)
+    if async_scheduling:  # verify chunks drafted one behind, their first token fed on every rank
+        assert (True, True) in launches
+    else:  # the head saw rank 0's streams as TP 1 computes them: the same drafts, call for call
+        assert calls == tp1_calls
