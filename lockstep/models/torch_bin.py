@@ -26,7 +26,10 @@ def bin_files(folder: Path) -> list[Path]:
         weight_map = json.loads(index.read_text()).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        if any(not isinstance(n, str) or Path(n).name != n or n in ("", ".", "..") for n in names):
+            raise ValueError(f"{index}: shard names must be file names in its folder")
+        files = [folder / name for name in names]
         for file in files:
             if not file.is_file():
                 raise FileNotFoundError(f"shard {file} listed in {index} not found")
