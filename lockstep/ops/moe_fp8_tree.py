@@ -19,7 +19,6 @@ cut at the whole I's block edges: ``fp8_tree.chunk_pieces``, the same pieces at 
 import torch
 
 from lockstep.ops import fp8_tree, tp_linear
-from lockstep.ops.fp8 import GROUP_K
 from lockstep.ops.moe import combine, expert_weight, plan_routing
 from lockstep.ops.moe_fp8 import _configs, _grouped_fp8_mm, gate_up, quantize_act, quantize_rows
 
