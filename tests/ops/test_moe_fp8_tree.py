@@ -99,6 +99,28 @@ def test_negative_control_ranks_that_cut_a_group_without_its_gathered_maximum_di
     assert ((local.double() - one.double()).norm() / one.double().norm()).item() < 5e-2
 
 
+@pytest.mark.parametrize("size", [4, 8])
+def test_the_fast_mode_at_ranks_that_cut_blocks_sums_to_the_experts(size):
+    # Without the tree each rank's down projection is one chunk in pieces of one block (layers.moe's fast mode);
+    # the ranks' outputs, summed, are the one-process FP8 experts up to the sum's rounding.
+    inter, group = CASES["block-768"]
+    experts = fp8_experts("block", inter)
+    x = randn(7, H, seed=1)
+    weights, ids = moe.route(randn(7, E, seed=2), K, True)
+    shards = [rank_slice(*experts, r, size) for r in range(size)]
+    columns = [(r * inter // size, inter) for r in range(size)]
+    maxima = []
+    for shard, cols in zip(shards, columns, strict=True):
+        down_roots_fp8(x, *shard, ids, group, 1, lambda m: maxima.append(m) or m, False, cols)
+    amax = torch.stack(maxima).amax(0)
+    total = torch.zeros_like(x)
+    for shard, cols in zip(shards, columns, strict=True):
+        roots, rows = down_roots_fp8(x, *shard, ids, group, 1, lambda m: amax, False, cols)
+        total += moe.combine(roots.to(x.dtype), weights.float(), rows)
+    one = experts_fp8(x, *experts, weights, ids, group)
+    assert ((total.double() - one.double()).norm() / one.double().norm()).item() < 1e-6
+
+
 @pytest.mark.parametrize("kind", list(CASES))
 def test_negative_control_fp8_experts_without_the_tree_differ(kind):
     inter, group = CASES[kind]
