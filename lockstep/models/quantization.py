@@ -400,19 +400,42 @@ def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
         module.weight.copy_(w8)
         module.weight_scale.copy_(scale)
     for block, prefix in _expert_blocks(model):
-        if scheme.weight == "block" and block.shard is not None and block.shard[0] % scheme.block[0]:
-            raise ValueError(
-                f"{prefix}.experts: this rank's rows [{block.shard[0]}, {block.shard[1]}) of each expert's "
-                f"{block.intermediate_size} start inside a {scheme.block[0]}-row FP8 scale block; quantizing them "
-                "here needs whole blocks"
-            )
         half = block.w13.shape[1] // 2
-        q13 = quantize_experts(block.w13.detach(), scheme, (half, half))  # gate and up: parts of their own
-        q2 = quantize_experts(block.w2.detach(), scheme, (block.w2.shape[1],), gather)  # row-parallel over I
+        if scheme.weight == "block" and block.shard is not None and (half % scheme.block[0] or half % fp8.GROUP_K):
+            # The ranks' I' cut blocks (Qwen3-30B-A3B's I = 768 at TP 4 and 8): the blocks' maxima are gathered.
+            rows, full, h = (block.shard[0], block.intermediate_size), block.intermediate_size, block.w13.shape[2]
+            w13 = block.w13.detach()
+            gate, up = (_quantize_block_shards(w, scheme.block, rows, (0, h), gather) for w in w13.split(half, 1))
+            q13 = (torch.cat([gate[0], up[0]], 1), torch.cat([gate[1], up[1]], 1))
+            q2 = _quantize_block_shards(block.w2.detach(), scheme.block, (0, h), (block.shard[0], full), gather)
+        else:
+            q13 = quantize_experts(block.w13.detach(), scheme, (half, half))  # gate and up: parts of their own
+            q2 = quantize_experts(block.w2.detach(), scheme, (block.w2.shape[1],), gather)  # row-parallel over I
         _make_experts_fp8(block, scheme, prefix)
         for dest, dest_scale, (w8, scale) in ((block.w13, block.w13_scale, q13), (block.w2, block.w2_scale, q2)):
             dest.copy_(w8)
             dest_scale.copy_(scale)
+
+
+def _quantize_block_shards(
+    w: torch.Tensor, block: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int], gather
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w: [E, r, c]``, rows ``[rows[0], rows[0] + r)`` of ``rows[1]`` and columns ``[cols[0], cols[0] + c)`` of
+    ``cols[1]`` of every expert's matrix -> ``(w8 [E, r, c], row scales [E, r, KB'])`` with the whole matrices'
+    block scales (those of the K blocks the columns touch), bit for bit ``fp8.quantize_weight`` of each whole
+    matrix: each rank's maxima of every block, 0 where it holds none of it, meet in ``gather`` (a max, exact)."""
+    (r0, num_rows), (c0, num_cols) = rows, cols
+    bn, bk = block
+    e, r, c = w.shape
+    nb, kb = -(-num_rows // bn), -(-num_cols // bk)
+    amax = torch.empty((e, nb, kb), dtype=torch.float32, device=w.device)
+    for i in range(e):
+        padded = w.new_zeros((nb * bn, kb * bk), dtype=torch.float32)
+        padded[r0 : r0 + r, c0 : c0 + c] = w[i].float().abs()
+        amax[i] = padded.view(nb, bn, kb, bk).amax((1, 3))
+    scale = gather(amax).clamp(min=fp8._AMAX_FLOOR) / fp8.FP8_MAX  # [E, NB, KB]
+    scale = scale.repeat_interleave(bn, dim=1)[:, r0 : r0 + r, c0 // bk : -(-(c0 + c) // bk)].contiguous()
+    return torch.stack([fp8.quantize_with_scales(w[i], scale[i], c0) for i in range(e)]), scale
 
 
 def quantize_experts(

@@ -17,9 +17,10 @@ from safetensors.torch import load_file
 from tiny_models import max_rel_err, save_tiny_moe
 from tp_spawn import run_ranks
 
-from lockstep.distributed import TPGroup
+from lockstep.distributed import Shard, TPGroup
 from lockstep.layers.moe import SparseMoeBlock
 from lockstep.models.loader import load_model
+from lockstep.models.quantization import fp8_scheme, load_full_precision
 from lockstep.ops import fp8
 
 # As tests/models/test_fp8_tp.py: 16 heads of 64 and MLPs of 1024 (the experts' I, the dense layer 1's), so every
@@ -28,7 +29,7 @@ SHAPE = dict(
     hidden_size=64, intermediate_size=1024, moe_intermediate_size=1024, num_attention_heads=16,
     num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
 )  # fmt: skip
-LAYOUTS = ("fp8-block", "ct-channel", "online", "fp8-block-768")
+LAYOUTS = ("fp8-block", "ct-channel", "online", "fp8-block-768", "dummy-768")
 TP_SIZES = [2, 4]
 # Qwen3-30B-A3B's experts are 768 wide: the tree's chunks of 96 cut the 128-column blocks (computed in pieces), and
 # at TP 4 so do the ranks' 192 columns (TP 8, 96 a rank: tests/ops/test_moe_fp8_tree.py's simulated ranks).
@@ -40,11 +41,13 @@ def _sequences() -> tuple[list[int], list[int]]:
     return tuple(torch.randint(0, 97, (n,), generator=gen).tolist() for n in (13, 21))
 
 
-def run_model(tp: TPGroup, folder: str, quantization: str | None, tp_invariant: bool) -> dict[str, torch.Tensor]:
+def run_model(tp: TPGroup, folder: str, how: str | None, tp_invariant: bool) -> dict[str, torch.Tensor]:
     """Logits of a two-step mixed batch (a prefills, b its first chunk; then a decodes, b the rest), and of a
-    prefilled alone."""
+    prefilled alone. ``how``: None (the checkpoint as it is), "fp8" (online FP8) or "dummy" (random weights in the
+    checkpoint's FP8 layout, quantized on each rank)."""
     a, b = _sequences()
-    model = load_model(folder, tp=tp, tp_invariant=tp_invariant, quantization=quantization)
+    load = dict(quantization=how) if how != "dummy" else dict(load_format="dummy")
+    model = load_model(folder, tp=tp, tp_invariant=tp_invariant, **load)
     block = model.model.layers[0].mlp
     assert isinstance(block, SparseMoeBlock) and block.w13.dtype == fp8.FP8 and block.w2.dtype == fp8.FP8
     runner = PagedRunner(model, block_size=4)
@@ -70,6 +73,11 @@ def folders(tmp_path_factory) -> dict[str, tuple[str, str | None]]:
         out[layout] = (str(save_fp8(full, tmp_path_factory.mktemp(layout), layout)), None)
     narrow = save_tiny_moe(tmp_path_factory.mktemp("moe-768"), "qwen3_moe", **(SHAPE | {"moe_intermediate_size": 768}))
     out["fp8-block-768"] = (str(save_fp8(narrow, tmp_path_factory.mktemp("fp8-block-768"), "fp8-block")), None)
+    # Random weights in the block layout, quantized on each rank: the experts' block scales from gathered maxima
+    # where the ranks cut blocks. KV heads of 128 rows (Qwen3-30B-A3B's), so no rank's k/v rows start mid-block.
+    heads = SHAPE | dict(moe_intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+    dummy = save_tiny_moe(tmp_path_factory.mktemp("moe-768-kv128"), "qwen3_moe", **heads)
+    out["dummy-768"] = (str(save_fp8(dummy, tmp_path_factory.mktemp("dummy-768"), "fp8-block")), "dummy")
     return out
 
 
@@ -147,6 +155,16 @@ def test_a_rank_loads_its_slice_of_the_expert_scales(folders):
             assert torch.equal(block.w13_scale[e, part * 192 : (part + 1) * 192], full[192:384])
         down = tensors[f"{pre}.{e}.down_proj.weight_scale_inv"]  # [1, 6]
         assert torch.equal(block.w2_scale[e], fp8.expand_block_scale(down[:, 1:3], 64, 128))
+    # LLM.load_weights of full-precision weights into this rank: its mid-block K slice quantized with its blocks'
+    # scales gives back the checkpoint's e4m3 values (the slice's first 64 columns are block 1's last 64).
+    w8 = tensors[f"{pre}.0.down_proj.weight"]
+    full = fp8.dequantize(w8, fp8.expand_block_scale(tensors[f"{pre}.0.down_proj.weight_scale_inv"], 64, 128))
+    dest = torch.empty(64, 192, dtype=fp8.FP8)
+    scheme = fp8_scheme({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    load_full_precision(dest, full, Shard(1, 192, 384, 768), block.w2_scale[0], None, scheme)
+    assert torch.equal(dest.view(torch.uint8), w8[:, 192:384].view(torch.uint8))
+    unaligned = fp8.quantize_with_scales(full[:, 192:384], block.w2_scale[0])  # negative control: read from 0
+    assert not torch.equal(unaligned.view(torch.uint8), w8[:, 192:384].view(torch.uint8))
 
 
 def test_expert_sizes_the_tree_cannot_cut_are_refused(tmp_path, folders):
