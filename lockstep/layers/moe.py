@@ -17,7 +17,9 @@ the same bits at TP 1, 2, 4 and 8. Without ``tree`` at N > 1 (the fast mode) the
 are summed by an all-reduce, whose order follows the rank count and the message size.
 
 FP8 experts (``models.quantization``) hold e4m3 ``w13``/``w2`` with row scales ``w13_scale``/``w2_scale``, sharded
-with them, and run ``ops.moe_fp8`` (with ``tree``: ``ops.moe_fp8_tree``, the same tree over FP8 partials). A
+with them, and run ``ops.moe_fp8`` (with ``tree``: ``ops.moe_fp8_tree``, the same tree over FP8 partials). A rank
+whose I slice cuts 128-column scale blocks (Qwen3-30B-A3B's 768 at TP 4 and 8) holds the scales of the blocks it
+shares and gathers the activations' group maxima with the other ranks. A
 trainer's FP8 experts hold full-precision masters and ``fp8_train``, which quantizes them as the sampler holds them
 (``ops.autograd.moe_experts_fp8``: the sampler's forward bits, a straight-through backward).
 """
@@ -150,7 +152,7 @@ class SparseMoeBlock(nn.Module):
         # 128-column blocks, which the rank shares with its neighbour (both hold the block's scale).
         start = self.shard[0] if self.shard is not None else 0
         columns = (start, self.intermediate_size)
-        cut = self.tp.size > 1 and (start % GROUP_K or w2.shape[2] % GROUP_K)
+        cut = self.tp.size > 1 and (start % GROUP_K != 0 or w2.shape[2] % GROUP_K != 0)
         # Activation scales between the two matmuls that span the ranks' columns (per token: all of I; per group:
         # a group the ranks share) come from every rank's maxima.
         gather = None
