@@ -17,7 +17,9 @@ the same bits at TP 1, 2, 4 and 8. Without ``tree`` at N > 1 (the fast mode) the
 are summed by an all-reduce, whose order follows the rank count and the message size.
 
 FP8 experts (``models.quantization``) hold e4m3 ``w13``/``w2`` with row scales ``w13_scale``/``w2_scale``, sharded
-with them, and run ``ops.moe_fp8`` (with ``tree``: ``ops.moe_fp8_tree``, the same tree over FP8 partials). A
+with them, and run ``ops.moe_fp8`` (with ``tree``: ``ops.moe_fp8_tree``, the same tree over FP8 partials). A rank
+whose I slice cuts 128-column scale blocks (Qwen3-30B-A3B's 768 at TP 4 and 8) holds the scales of the blocks it
+shares and gathers the activations' group maxima with the other ranks. A
 trainer's FP8 experts hold full-precision masters and ``fp8_train``, which quantizes them as the sampler holds them
 (``ops.autograd.moe_experts_fp8``: the sampler's forward bits, a straight-through backward).
 """
@@ -33,7 +35,7 @@ from lockstep.distributed import Shard, TPGroup, split_evenly
 from lockstep.layers.linear import Linear
 from lockstep.ops import autograd, tp_linear
 from lockstep.ops import moe as moe_ops
-from lockstep.ops.fp8 import FP8
+from lockstep.ops.fp8 import FP8, GROUP_K
 from lockstep.ops.moe_fp8 import experts_fp8
 from lockstep.ops.moe_fp8_tree import down_roots_fp8, experts_fp8_tree
 
@@ -146,17 +148,27 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(self.kernels.moe_experts(x, self.w13, self.w2, weights, ids))  # no-op at N = 1
 
     def _fp8_forward(self, x, w13, s13, w2, s2, weights, ids) -> torch.Tensor:
-        # Per-token activation scales between the two matmuls span I, which the ranks share: their row maxima meet.
+        # This rank's columns of I; at TP 4 and 8 of Qwen3-30B-A3B's I = 768 (192 and 96 a rank) they cut
+        # 128-column blocks, which the rank shares with its neighbour (both hold the block's scale).
+        start = self.shard[0] if self.shard is not None else 0
+        columns = (start, self.intermediate_size)
+        cut = self.tp.size > 1 and (start % GROUP_K != 0 or w2.shape[2] % GROUP_K != 0)
+        # Activation scales between the two matmuls that span the ranks' columns (per token: all of I; per group:
+        # a group the ranks share) come from every rank's maxima.
         gather = None
-        if self.tp.size > 1 and self.act_group is None:
+        if self.tp.size > 1 and (self.act_group is None or cut):
             gather = lambda amax: self.tp.all_gather(amax).amax(0)  # noqa: E731
         if self.tree and self.tp.size == 1:
             return experts_fp8_tree(x, w13, s13, w2, s2, weights, ids, self.act_group)
         if self.tree:
             chunks = tp_linear.CHUNKS // self.tp.size
-            roots, rows = down_roots_fp8(x, w13, s13, w2, s2, ids, self.act_group, chunks, gather)
+            roots, rows = down_roots_fp8(x, w13, s13, w2, s2, ids, self.act_group, chunks, gather, None, columns)
             roots = tp_linear.tree_reduce(self.tp.all_gather(roots))
             return moe_ops.combine(roots.to(x.dtype), weights.float(), rows)
+        if cut and (s2.shape[2] > 1 or self.act_group is not None):
+            # The fast mode where this rank's columns cut scale blocks: its down projection in pieces of one block.
+            roots, rows = down_roots_fp8(x, w13, s13, w2, s2, ids, self.act_group, 1, gather, None, columns)
+            return self.tp.all_reduce(moe_ops.combine(roots.to(x.dtype), weights.float(), rows))
         out = experts_fp8(x, w13, s13, w2, s2, weights, ids, self.act_group, gather)
         return self.tp.all_reduce(out)  # no-op at N = 1
 

@@ -24,12 +24,13 @@ values.
 
 Tensor parallelism: the scales are sharded with their weights. A column-parallel layer holds its rows' scales (a
 block scale's 128 rows may start mid-block on a rank: its rows are cut out of the expanded scales); a row-parallel
-one holds all rows and its K blocks of a block scale (whole blocks only: ``ops.fp8_tree.check_tree`` names a layer
-whose K the tree's 8 chunks would cut mid-block). Scales computed from the weights (online, dummy weights) are those
-of the whole checkpoint matrix: a per-channel scale of a row-parallel layer, or a per-tensor one, takes the max over
-the ranks (an all-gather, exact). FP8 experts are sharded along I as the bf16 experts are: each expert's gate and up
-scales as a column-parallel layer's, its down scales as a row-parallel one's (whole K blocks: ``_check_experts``);
-with the tree they run ``ops.moe_fp8_tree``.
+one holds all rows and the K blocks of a block scale its columns touch (a dense layer's whole blocks only:
+``ops.fp8_tree.check_tree`` names a layer whose K the tree's 8 chunks would cut mid-block). Scales computed from
+the weights (online, dummy weights) are those of the whole checkpoint matrix: a per-channel scale of a row-parallel
+layer, or a per-tensor one, takes the max over the ranks (an all-gather, exact). FP8 experts are sharded along I as
+the bf16 experts are: each expert's gate and up scales as a column-parallel layer's, its down scales as a
+row-parallel one's; a rank's I' may cut a 128-column block (Qwen3-30B-A3B's I = 768 at TP 4 and 8), which both
+ranks that share it then hold the scale of. With the tree they run ``ops.moe_fp8_tree``.
 
 Training (``train_fp8``, ``lockstep.rl.load_policy``): a trainer's FP8 layer holds a full-precision master weight
 that its forward quantizes as the sampler holds it (``Fp8Train``): online FP8 recomputes the per-channel scales from
@@ -168,19 +169,12 @@ def _make_fp8(module: nn.Module, scheme: Fp8Scheme, name: str = "", tp: TPGroup 
 
 
 def _check_experts(name: str, block: SparseMoeBlock, scheme: Fp8Scheme) -> None:
-    # What tensor parallelism and the tree ask of FP8 experts: the down projection is row-parallel over I, so block
-    # scales (or per-128 activations) need each rank's I' to be whole blocks; the tree's 8 chunks of I may cut a
-    # block (ops.fp8_tree.chunk_pieces), but need 8 | I.
-    blocked = scheme.weight == "block" or scheme.act_group is not None
+    # What the tree asks of FP8 experts: its 8 chunks of I may cut a 128-column block (ops.fp8_tree.chunk_pieces),
+    # and so may a rank's I' (ranks that share a block both hold its scale), but 8 | I.
     if block.tree and block.intermediate_size % tp_linear.CHUNKS:
         raise ValueError(
             f"{name}.experts: the FP8 chunk tree needs the experts' intermediate size to be a multiple of "
             f"{tp_linear.CHUNKS}, got {block.intermediate_size}"
-        )
-    if block.tp.size > 1 and blocked and block.w2.shape[2] % fp8.GROUP_K:
-        raise ValueError(
-            f"{name}.experts: I={block.intermediate_size} over {block.tp.size} ranks leaves {block.w2.shape[2]} "
-            f"columns a rank, not whole {fp8.GROUP_K}-column FP8 scale blocks"
         )
 
 
@@ -192,6 +186,8 @@ def _make_experts_fp8(block: SparseMoeBlock, scheme: Fp8Scheme, name: str = "") 
         w = getattr(block, param)
         e, n, k = w.shape
         kb = -(-k // fp8.GROUP_K) if scheme.weight == "block" else 1
+        if param == "w2" and scheme.weight == "block" and block.shard is not None:  # the K blocks I' touches
+            kb = -(-block.shard[1] // fp8.GROUP_K) - block.shard[0] // fp8.GROUP_K
         setattr(block, param, nn.Parameter(torch.empty(e, n, k, dtype=fp8.FP8, device=w.device), requires_grad=False))
         scale = torch.empty(e, n, kb, dtype=torch.float32, device=w.device)
         setattr(block, f"{param}_scale", nn.Parameter(scale, requires_grad=False))
@@ -250,9 +246,7 @@ def _scale_slot(
     if weight_shard is None:
         return _Slot((-(-rows // bn), dest.shape[1]), lambda t: dest.copy_(fp8.expand_block_scale(t, rows, bn))), None
     start, stop, full = weight_shard.start, weight_shard.stop, weight_shard.full
-    if weight_shard.dim == 1:  # row-parallel: whole K blocks (_check_layer)
-        if start % fp8.GROUP_K:
-            raise ValueError(f"{name}: this rank's columns [{start}, {stop}) cut a {fp8.GROUP_K}-column scale block")
+    if weight_shard.dim == 1:  # row-parallel: the K blocks its columns touch (a block it shares with a neighbour too)
         g = fp8.GROUP_K
         shard = Shard(1, start // g, -(-stop // g), -(-full // g))
         fill_rows = lambda t: dest.copy_(fp8.expand_block_scale(t, rows, bn))  # noqa: E731
@@ -342,7 +336,8 @@ def load_full_precision(
         dest.copy_(w8 if shard is None else w8[shard.index()])
         scale.copy_(s if scale_shard is None else s[scale_shard.index()])
     else:
-        dest.copy_(fp8.quantize_with_scales(full if shard is None else full[shard.index()], scale))
+        start = shard.start if shard is not None and shard.dim == 1 else 0  # a rank's K may start mid-block
+        dest.copy_(fp8.quantize_with_scales(full if shard is None else full[shard.index()], scale, start))
 
 
 def conform(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -405,19 +400,42 @@ def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
         module.weight.copy_(w8)
         module.weight_scale.copy_(scale)
     for block, prefix in _expert_blocks(model):
-        if scheme.weight == "block" and block.shard is not None and block.shard[0] % scheme.block[0]:
-            raise ValueError(
-                f"{prefix}.experts: this rank's rows [{block.shard[0]}, {block.shard[1]}) of each expert's "
-                f"{block.intermediate_size} start inside a {scheme.block[0]}-row FP8 scale block; quantizing them "
-                "here needs whole blocks"
-            )
         half = block.w13.shape[1] // 2
-        q13 = quantize_experts(block.w13.detach(), scheme, (half, half))  # gate and up: parts of their own
-        q2 = quantize_experts(block.w2.detach(), scheme, (block.w2.shape[1],), gather)  # row-parallel over I
+        if scheme.weight == "block" and block.shard is not None and (half % scheme.block[0] or half % fp8.GROUP_K):
+            # The ranks' I' cut blocks (Qwen3-30B-A3B's I = 768 at TP 4 and 8): the blocks' maxima are gathered.
+            rows, full, h = (block.shard[0], block.intermediate_size), block.intermediate_size, block.w13.shape[2]
+            w13 = block.w13.detach()
+            gate, up = (_quantize_block_shards(w, scheme.block, rows, (0, h), gather) for w in w13.split(half, 1))
+            q13 = (torch.cat([gate[0], up[0]], 1), torch.cat([gate[1], up[1]], 1))
+            q2 = _quantize_block_shards(block.w2.detach(), scheme.block, (0, h), (block.shard[0], full), gather)
+        else:
+            q13 = quantize_experts(block.w13.detach(), scheme, (half, half))  # gate and up: parts of their own
+            q2 = quantize_experts(block.w2.detach(), scheme, (block.w2.shape[1],), gather)  # row-parallel over I
         _make_experts_fp8(block, scheme, prefix)
         for dest, dest_scale, (w8, scale) in ((block.w13, block.w13_scale, q13), (block.w2, block.w2_scale, q2)):
             dest.copy_(w8)
             dest_scale.copy_(scale)
+
+
+def _quantize_block_shards(
+    w: torch.Tensor, block: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int], gather
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w: [E, r, c]``, rows ``[rows[0], rows[0] + r)`` of ``rows[1]`` and columns ``[cols[0], cols[0] + c)`` of
+    ``cols[1]`` of every expert's matrix -> ``(w8 [E, r, c], row scales [E, r, KB'])`` with the whole matrices'
+    block scales (those of the K blocks the columns touch), bit for bit ``fp8.quantize_weight`` of each whole
+    matrix: each rank's maxima of every block, 0 where it holds none of it, meet in ``gather`` (a max, exact)."""
+    (r0, num_rows), (c0, num_cols) = rows, cols
+    bn, bk = block
+    e, r, c = w.shape
+    nb, kb = -(-num_rows // bn), -(-num_cols // bk)
+    amax = torch.empty((e, nb, kb), dtype=torch.float32, device=w.device)
+    for i in range(e):
+        padded = w.new_zeros((nb * bn, kb * bk), dtype=torch.float32)
+        padded[r0 : r0 + r, c0 : c0 + c] = w[i].float().abs()
+        amax[i] = padded.view(nb, bn, kb, bk).amax((1, 3))
+    scale = gather(amax).clamp(min=fp8._AMAX_FLOOR) / fp8.FP8_MAX  # [E, NB, KB]
+    scale = scale.repeat_interleave(bn, dim=1)[:, r0 : r0 + r, c0 // bk : -(-(c0 + c) // bk)].contiguous()
+    return torch.stack([fp8.quantize_with_scales(w[i], scale[i], c0) for i in range(e)]), scale
 
 
 def quantize_experts(

@@ -132,12 +132,14 @@ def expand_block_scale(scale: torch.Tensor, rows: int, block_n: int) -> torch.Te
     return scale.float().repeat_interleave(block_n, dim=0)[:rows]
 
 
-def quantize_with_scales(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``w: [N, K]`` -> e4m3 ``[N, K]`` with the given row scales ``[N, KB]`` (KB 1 or cdiv(K, GROUP_K)), not scales
-    of its own: ``e4m3(clamp(w / scale, -448, 448))``, saturating where ``w`` outgrew them. What a trainer's forward
-    and ``LLM.load_weights`` of full-precision weights into a checkpoint's FP8 layers both do."""
+def quantize_with_scales(w: torch.Tensor, scale: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """``w: [N, K]`` -> e4m3 ``[N, K]`` with the given row scales ``[N, KB]`` (KB 1 or the ``GROUP_K``-column
+    blocks K touches), not scales of its own: ``e4m3(clamp(w / scale, -448, 448))``, saturating where ``w`` outgrew
+    them. What a trainer's forward and ``LLM.load_weights`` of full-precision weights into a checkpoint's FP8
+    layers both do. ``start``: the first of the whole row's columns K is (a rank's slice may start mid-block)."""
     k = w.shape[1]
-    s = scale.float().repeat_interleave(GROUP_K, dim=1)[:, :k] if scale.shape[1] > 1 else scale.float()
+    off = start % GROUP_K
+    s = scale.float().repeat_interleave(GROUP_K, dim=1)[:, off : off + k] if scale.shape[1] > 1 else scale.float()
     return (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 

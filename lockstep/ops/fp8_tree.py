@@ -46,36 +46,64 @@ def row_amax(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax(1, keepdim=True).float() if x.shape[1] else x.new_zeros((x.shape[0], 1), dtype=torch.float32)
 
 
+def group_amax(x: torch.Tensor, group: int, start: int = 0, full: int | None = None) -> torch.Tensor:
+    """``x: [M, K']``, columns ``[start, start + K')`` of rows ``full`` wide -> ``[M, cdiv(full, group)]`` fp32, the
+    max of ``|x|`` over this rank's columns of each ``group``-column group of the whole row (0 where it holds none).
+    A rank whose columns cut a group (Qwen3-30B-A3B's I = 768 at TP 4 and 8) holds part of its max; the ranks'
+    maxima meet in an all-gather and a max, exact in any order."""
+    m, k = x.shape
+    full = start + k if full is None else full
+    blocks = -(-full // group)
+    padded = x.new_zeros((m, blocks * group), dtype=torch.float32)
+    padded[:, start : start + k] = x.float().abs()
+    return padded.view(m, blocks, group).amax(2)
+
+
 def activation_scales(
-    x: torch.Tensor, group: int | None, amax: torch.Tensor | None = None
+    x: torch.Tensor, group: int | None, amax: torch.Tensor | None = None, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x: [M, K]`` -> ``(x8, scale)`` as ``fp8.quantize_rows``, but per token (``group=None``) from ``amax``
-    ``[M, 1]``, the max of ``|x|`` over the whole row (every rank's columns; default: ``row_amax(x)``). The same
-    formulas on every device, so one process and N ranks quantize a row to the same bits."""
+    """``x: [M, K]`` -> ``(x8, scale)`` as ``fp8.quantize_rows``, from the whole row's maxima ``amax``: per token
+    (``group=None``) ``[M, 1]``, the max of ``|x|`` over every rank's columns (default: ``row_amax(x)``); per group
+    ``[M, cdiv(full, group)]`` (``group_amax`` gathered), where ``x`` holds columns ``[start, start + K)`` of the row
+    and gets the scales ``[M, KB']`` of the groups it touches (default, no ``amax``: ``fp8.quantize_rows``). The
+    same formulas on every device, so one process and N ranks quantize a row to the same bits."""
     if group is not None:
-        return fp8.quantize_rows(x, group)
+        if amax is None:
+            return fp8.quantize_rows(x, group)
+        k = x.shape[1]
+        first = start // group
+        scale = amax[:, first : -(-(start + k) // group)].clamp(min=fp8._AMAX_FLOOR) / fp8.FP8_MAX  # [M, KB']
+        cols = scale.repeat_interleave(group, dim=1)[:, start % group : start % group + k]  # [M, K]
+        return (x.float() / cols).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8), scale
     amax = row_amax(x) if amax is None else amax
     scale = amax.clamp(min=fp8._AMAX_FLOOR) / fp8.FP8_MAX  # [M, 1]
     return (x.float() / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8), scale
 
 
-def chunk_pieces(k: int, num_chunks: int, blocked: bool) -> list[list[tuple[int, int]]]:
+def chunk_pieces(k: int, num_chunks: int, blocked: bool, start: int = 0) -> list[list[tuple[int, int]]]:
     """The column ranges ``(start, stop)`` each of ``num_chunks`` equal chunks of K is computed in: the chunk
     itself, unless its scales come in ``GROUP_K``-column blocks that the chunk cuts (``K / num_chunks`` not a
     multiple of ``GROUP_K``: the FP8 experts' I = 768 of Qwen3-30B-A3B in chunks of 96); then one range per block
-    the chunk touches. Columns are this rank's, whose first column must start a block."""
+    the chunk touches. The K columns are a rank's, columns ``[start, start + K)`` of the whole row: the pieces are
+    cut at the whole row's block edges, so every TP size computes the same pieces; the ranges are this rank's."""
     width = k // num_chunks
-    if not blocked or width % fp8.GROUP_K == 0:
+    if not blocked or (width % fp8.GROUP_K == 0 and start % fp8.GROUP_K == 0):
         return [[(c * width, (c + 1) * width)] for c in range(num_chunks)]
     out = []
     for c in range(num_chunks):
-        lo, hi, pieces = c * width, (c + 1) * width, []
+        lo, hi, pieces = start + c * width, start + (c + 1) * width, []
         while lo < hi:
             stop = min(hi, (lo // fp8.GROUP_K + 1) * fp8.GROUP_K)
-            pieces.append((lo, stop))
+            pieces.append((lo - start, stop - start))
             lo = stop
         out.append(pieces)
     return out
+
+
+def piece_blocks(a: int, b: int, start: int = 0) -> slice:
+    """The scale blocks ``[KB']`` of a rank holding columns ``[start, ...)`` that its columns ``[a, b)`` read."""
+    first = start // fp8.GROUP_K
+    return slice((start + a) // fp8.GROUP_K - first, -(-(start + b) // fp8.GROUP_K) - first)
 
 
 def _column_weights(w8: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> list[torch.Tensor]:
@@ -99,23 +127,24 @@ def _column_weights(w8: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> li
 
 
 def chunk_partials(
-    a8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, num_chunks: int
+    a8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, num_chunks: int, start: int = 0
 ) -> torch.Tensor:
     """The fp32 partial of each of ``num_chunks`` equal K chunks, unreduced: ``a8: [M, K]`` e4m3 with
     ``a_scale: [M, KB]``, ``w8: [N, K]`` e4m3 with ``w_scale: [N, KB]`` (KB 1, or cdiv(K, GROUP_K)) -> ``[C, M, N]``.
     A chunk that cuts scale blocks (``chunk_pieces``) is the sum, in column order, of its pieces' partials, each
-    one block's scaled matmul."""
+    one block's scaled matmul. ``start``: the first of the whole row's columns these K are (a rank's, whose scales
+    ``[., KB']`` are those of the blocks its columns touch, the first maybe cut)."""
     m, k = a8.shape
     n = w8.shape[0]
     if k % num_chunks:
         raise ValueError(f"K={k} does not split into {num_chunks} chunks")
     blocked = a_scale.shape[1] > 1 or w_scale.shape[1] > 1
-    pieces = chunk_pieces(k, num_chunks, blocked)
+    pieces = chunk_pieces(k, num_chunks, blocked, start)
     weights = iter(_column_weights(w8, tuple(r for chunk in pieces for r in chunk)))
     out = torch.empty((num_chunks, m, n), dtype=torch.float32, device=a8.device)
     for c, chunk in enumerate(pieces):
         for i, (a, b) in enumerate(chunk):
-            blocks = slice(a // fp8.GROUP_K, -(-b // fp8.GROUP_K))
+            blocks = piece_blocks(a, b, start)
             sa = a_scale[:, blocks] if a_scale.shape[1] > 1 else a_scale
             sw = w_scale[:, blocks] if w_scale.shape[1] > 1 else w_scale
             part = fp8.scaled_mm(a8[:, a:b], sa, next(weights), sw, None, torch.float32)

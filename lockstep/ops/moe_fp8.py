@@ -144,14 +144,21 @@ def gate_up(x8, xs, w13, s13, plan, cfg: MoEConfig | None, dtype, triton: bool |
     return act
 
 
-def quantize_act(act: torch.Tensor, act_group: int | None, amax_gather=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The intermediate activations ``act: [P, I']`` quantized per row (``fp8.quantize_rows``); under tensor
-    parallelism with per-token scales (one over all of I, which the ranks share) ``amax_gather`` turns this rank's
-    row maxima into every rank's (``ops.fp8_tree.activation_scales``)."""
+def quantize_act(
+    act: torch.Tensor, act_group: int | None, amax_gather=None, columns: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The intermediate activations ``act: [P, I']`` quantized per row (``fp8.quantize_rows``). Under tensor
+    parallelism (``amax_gather``: this rank's maxima -> every rank's, or the identity in one process) the scales
+    are the whole row's, from ``ops.fp8_tree``'s torch formulas: per token one over all of I; per group, the
+    maxima of every ``act_group``-column group of the whole row, which a rank holding columns ``columns = (start,
+    I)`` may share with its neighbour (``fp8_tree.group_amax``)."""
     if amax_gather is None:
         return quantize_rows(act, act_group)
-    amax = amax_gather(fp8_tree.row_amax(act)) if act_group is None else None
-    return fp8_tree.activation_scales(act, act_group, amax)
+    if act_group is None:
+        return fp8_tree.activation_scales(act, None, amax_gather(fp8_tree.row_amax(act)))
+    start, full = columns or (0, act.shape[1])
+    amax = amax_gather(fp8_tree.group_amax(act, act_group, start, full))  # [P, cdiv(I, group)]
+    return fp8_tree.activation_scales(act, act_group, amax, start)
 
 
 def _experts_fp8_triton(x, w13, s13, w2, s2, weights, ids, act_group, config=None, amax_gather=None):

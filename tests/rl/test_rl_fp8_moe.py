@@ -136,3 +136,47 @@ def test_bench_fp8_moe_rl_runs_on_the_cpu(tmp_path) -> None:
     assert [r["case"] for r in report["cases"]] == ["online", "online-tree", "fp8-block", "fp8-block-tree"]
     assert all(r["bitwise_equal"] == r["sequences"] and r["grads_ok"] for r in report["cases"])
     assert report["negative_control"]["max_abs_diff"] > 0 and report["failures"] == []
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["default", "tree"])
+def test_a_patched_transformers_moe_reproduces_an_online_fp8_moe_engine(tmp_path, tree, monkeypatch):
+    # transformers' Qwen3-MoE patched with quantization="fp8": its projections and its experts quantized per
+    # channel at each forward, as LLM(quantization="fp8") holds them, the router in full precision.
+    from types import SimpleNamespace
+
+    from test_hf_model import _assert_engine_bits, _completion_logprobs, _load_hf, _max_diff, _sample
+    from tiny_models import TINY_EOS, save_tiny_hf
+
+    from lockstep.rl.hf import layers as hf_layers
+    from lockstep.rl.hf import patch_model, sampler_weights
+
+    folder = save_tiny_hf(tmp_path / "moe", "qwen3_moe", seed=6, scale=2.0, bos_token_id=None, eos_token_id=TINY_EOS)
+    samples = _sample(folder, quantization="fp8", tp_invariant=tree)
+    model = patch_model(_load_hf(folder), tp_invariant=tree)
+    assert _max_diff(_completion_logprobs(model, samples, "left"), samples) > 0  # negative control: no FP8
+    patch_model(model, tp_invariant=tree, quantization="fp8")
+    for layout in ("left", "packed"):
+        _assert_engine_bits(_completion_logprobs(model, samples, layout), samples)
+    with monkeypatch.context() as m:  # negative control: the FP8 patch with its experts in full precision
+        plain = SimpleNamespace(
+            fp8_linear=autograd.fp8_linear,
+            moe_experts_fp8=lambda x, w13, w2, weights, ids, *_: hf_layers.K.moe_experts(x, w13, w2, weights, ids),
+        )
+        m.setattr(hf_layers, "autograd", plain)
+        assert _max_diff(_completion_logprobs(model, samples, "left"), samples) > 0
+    # The straight-through backward reaches every expert master; one step, synced through sampler_weights.
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    sum(lp.sum() for lp in _completion_logprobs(model, samples, "right")).backward()
+    experts = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert experts
+    for e in experts:
+        for w in (e.gate_up_proj, e.down_proj):
+            assert w.grad is not None and torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
+    opt.step()
+    llm = LLM(str(folder), quantization="fp8", tp_invariant=tree, max_num_seqs=4, max_num_batched_tokens=16)
+    llm.load_weights(sampler_weights(model))
+    prompts = [p for p, _, _ in samples[:4]]
+    params = [SamplingParams(temperature=1.0, seed=50 + i, max_tokens=7, ignore_eos=True) for i in range(4)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    after = [(p, o.token_ids, o.token_logprobs) for p, o in zip(prompts, outs, strict=True)]
+    _assert_engine_bits(_completion_logprobs(model, after, "left"), after)

@@ -8,7 +8,8 @@ cache and attended over by ``ops.paged_attention``; the residual add fused into 
 carried as ``(hidden, residual)`` between layers, as in the engine); SiLU-and-mul; the router and experts of a
 mixture of experts. With ``tree`` (``tp_invariant``) o_proj, down_proj and the experts' down projections reduce
 through the chunk tree, as a tensor-parallel engine does. With ``fp8`` (``patch_model(quantization="fp8")``) the
-projections are online FP8 linears on their master weights (``ops.autograd.fp8_linear``), as the engine holds them.
+projections are online FP8 linears on their master weights (``ops.autograd.fp8_linear``), as the engine holds them,
+and the experts online FP8 experts on theirs (``ops.autograd.moe_experts_fp8``; the router stays full precision).
 
 The layers read the modules' weights at every call (``weights.merged_weight``), so PEFT wrappers added after
 patching are seen; a projection that cannot be merged runs as its module.
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from lockstep.layers.batch import AttentionMetadata
+from lockstep.models.quantization import ONLINE, Fp8ExpertsTrain
 from lockstep.ops import autograd, fp8
 from lockstep.ops.matmul import linear as _linear
 from lockstep.ops.matmul import mm
@@ -136,6 +138,10 @@ def _mlp(
     # A sparse MoE block (transformers 5 keeps the experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]).
     logits = K.linear(x, mlp.gate.weight, None)  # [n, E] in the model dtype, as the engine's router
     weights, ids = K.moe_route(logits, top_k, renormalize)
+    if fp8_weights:  # online FP8 experts: each expert's gate, up and down quantized per channel, as the engine's
+        w13, w2 = experts.gate_up_proj, experts.down_proj
+        quantized = Fp8ExpertsTrain(ONLINE).quantize(w13.detach(), w2.detach())
+        return autograd.moe_experts_fp8(x, w13, w2, weights, ids, quantized, ONLINE.act_group, tree)
     run = K.moe_experts_tree if tree else K.moe_experts
     return run(x, experts.gate_up_proj, experts.down_proj, weights, ids)
 

@@ -219,7 +219,8 @@ def patch_model(model: nn.Module, *, tp_invariant: bool = False, quantization: s
     ``quantization="fp8"`` reproduces an online-FP8 engine (``LLM(quantization="fp8")``): the attention and MLP
     projections quantize their weights per output channel at each forward, as the engine does when it loads them
     (``sampler_weights`` then syncs them), with a straight-through backward (``ops.autograd.fp8_linear``); the
-    experts of a mixture of experts are refused there. Patching twice replaces the first patch.
+    experts of a mixture of experts likewise, each expert's gate, up and down per channel
+    (``ops.autograd.moe_experts_fp8``), the router in full precision. Patching twice replaces the first patch.
     """
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
@@ -228,8 +229,6 @@ def patch_model(model: nn.Module, *, tp_invariant: bool = False, quantization: s
     base = lm.model
     if type(lm.lm_head) is not nn.Linear:
         raise NotImplementedError(f"the LM head is a {type(lm.lm_head).__name__}; patch_model needs a plain nn.Linear")
-    if quantization == "fp8" and config.num_experts:
-        raise NotImplementedError("patch_model(quantization='fp8') of a mixture of experts (FP8 experts)")
     if quantization is not None and is_vlm(lm):
         raise NotImplementedError("patch_model(quantization=...) of a vision-language model")
     unpatch_model(model)
