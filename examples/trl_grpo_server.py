@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         report_to=[],
         save_strategy="no",
         seed=0,
+        # A seed for the server's sampling too: an unseeded request gets a fresh seed on the server (as vLLM's does),
+        # so without it each run samples other completions. Each of a prompt's num_generations choices still gets a
+        # seed of its own (derived from this one and its index).
+        generation_kwargs={"seed": 0},
         use_cpu=args.device == "cpu",
         bf16=False,
         use_vllm=True,
