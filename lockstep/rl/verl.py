@@ -123,7 +123,12 @@ def _replica_class():
         """One ``LockstepServer`` actor per replica, named so the trainer workers' adapters find it."""
 
         async def launch_servers(self) -> None:
+            from verl.utils.config import omega_conf_to_dataclass
+            from verl.workers.config import HFModelConfig
+
             config = self.config
+            # verl hands replicas the model config as Hydra's DictConfig; the dataclass resolves local_path.
+            model_config = omega_conf_to_dataclass(self.model_config, dataclass_type=HFModelConfig)
             engine_args = dict(
                 dtype=config.dtype,
                 max_num_seqs=config.max_num_seqs,
@@ -135,10 +140,12 @@ def _replica_class():
             actor = ray.remote(LockstepServer).options(
                 name=_SERVER_NAME.format(self.replica_rank), max_concurrency=self.max_concurrency
             )
-            server = actor.remote(self.model_config.local_path, config.response_length, **engine_args)
+            server = actor.remote(model_config.local_path, config.response_length, **engine_args)
             self.servers = [server]
             self._server_handle = server
-            self._server_address = None  # token in, token out only (a lockstep serve gives the HTTP API)
+            # Token in, token out only (a lockstep serve gives the HTTP API); verl's router keys its servers by
+            # address, so each replica gets a distinct placeholder.
+            self._server_address = f"lockstep://replica-{self.replica_rank}"
 
     return LockstepReplica
 
