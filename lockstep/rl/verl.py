@@ -158,10 +158,21 @@ def _adapter_class():
         """The trainer worker's handle on its replica's ``LockstepServer`` (``server``: an actor handle, or for
         tests any object with the same async methods; default: the named actor of replica ``replica_rank``)."""
 
-        def __init__(self, config, model_config, device_mesh, *args, server=None, replica_rank: int = 0, **kwargs):
+        def __init__(self, config, model_config, device_mesh, *args, server=None, replica_rank: int = -1, **kwargs):
+            import os
+
             super().__init__(config, model_config, device_mesh)
             self._server = server
-            self.replica_rank = replica_rank
+            # verl's hybrid workers pass no replica_rank: trainer rank r serves replica r // (its GPUs); one
+            # lockstep actor runs the whole replica, so only the replica's first rank talks to it.
+            rank = int(os.environ.get("RANK", "0"))
+            per_replica = (
+                self.config.tensor_model_parallel_size
+                * self.config.data_parallel_size
+                * self.config.pipeline_model_parallel_size
+            )
+            self.replica_rank = rank // per_replica if replica_rank == -1 else replica_rank
+            self.is_leader_rank = replica_rank != -1 or rank % per_replica == 0
 
         @property
         def server(self):
@@ -172,6 +183,8 @@ def _adapter_class():
             return self._server
 
         async def _run(self, method: str, *args):
+            if not self.is_leader_rank:
+                return None
             result = getattr(self.server, method)
             remote = getattr(result, "remote", None)
             return await (remote(*args) if remote is not None else result(*args))
@@ -182,6 +195,7 @@ def _adapter_class():
         async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs) -> None:
             if wire_format != "named_tensors":
                 raise NotImplementedError(f"the lockstep rollout takes named_tensors updates, not {wire_format!r}")
+            # Every rank walks the generator (FSDP gathers each full tensor collectively); the leader sends.
             named = [(name, t.detach().to("cpu")) for name, t in weights]
             await self._run("update_weights", named)
 
