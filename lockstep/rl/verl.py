@@ -12,9 +12,13 @@ verl 0.9 runs every rollout in its async mode, in two halves that ``register`` a
 - the trainer worker's side (``_ROLLOUT_REGISTRY[("lockstep", "async")]``): ``LockstepServerAdapter``, a
   ``BaseRollout`` whose ``update_weights``, ``resume`` and ``release`` reach its replica's server actor.
 
+verl resolves the name again in each Ray worker it starts, so the registration must happen there too: lockstep's
+``verl.plugins`` entry point (``lockstep.rl.verl_plugin``) runs ``register`` wherever verl is imported.
+
 Weights go to the actor through Ray's object store (host copies), not CUDA IPC or NCCL: correct anywhere, slower
 than vLLM's colocated IPC path on a GPU. The trainer must compute the sampler's bits for the logprobs to match
-(``lockstep.rl.hf.patch_model`` on verl's FSDP model); that wiring into verl's actor is not done here.
+(``lockstep.rl.hf.patch_model``; examples/verl_rollout.py does it on a transformers model beside verl's agent
+loop); wiring it into verl's own FSDP actor is not done here (that worker does not start without a GPU).
 
 verl 0.9.1 pins ``transformers<5.11``: it installs beside lockstep only in an environment of its own (see
 docs/design.md, "verl").
