@@ -12,9 +12,13 @@ verl 0.9 runs every rollout in its async mode, in two halves that ``register`` a
 - the trainer worker's side (``_ROLLOUT_REGISTRY[("lockstep", "async")]``): ``LockstepServerAdapter``, a
   ``BaseRollout`` whose ``update_weights``, ``resume`` and ``release`` reach its replica's server actor.
 
+verl resolves the name again in each Ray worker it starts, so the registration must happen there too: lockstep's
+``verl.plugins`` entry point (``lockstep.rl.verl_plugin``) runs ``register`` wherever verl is imported.
+
 Weights go to the actor through Ray's object store (host copies), not CUDA IPC or NCCL: correct anywhere, slower
 than vLLM's colocated IPC path on a GPU. The trainer must compute the sampler's bits for the logprobs to match
-(``lockstep.rl.hf.patch_model`` on verl's FSDP model); that wiring into verl's actor is not done here.
+(``lockstep.rl.hf.patch_model``; examples/verl_rollout.py does it on a transformers model beside verl's agent
+loop); wiring it into verl's own FSDP actor is not done here (that worker does not start without a GPU).
 
 verl 0.9.1 pins ``transformers<5.11``: it installs beside lockstep only in an environment of its own (see
 docs/design.md, "verl").
@@ -123,7 +127,12 @@ def _replica_class():
         """One ``LockstepServer`` actor per replica, named so the trainer workers' adapters find it."""
 
         async def launch_servers(self) -> None:
+            from verl.utils.config import omega_conf_to_dataclass
+            from verl.workers.config import HFModelConfig
+
             config = self.config
+            # verl hands replicas the model config as Hydra's DictConfig; the dataclass resolves local_path.
+            model_config = omega_conf_to_dataclass(self.model_config, dataclass_type=HFModelConfig)
             engine_args = dict(
                 dtype=config.dtype,
                 max_num_seqs=config.max_num_seqs,
@@ -135,10 +144,12 @@ def _replica_class():
             actor = ray.remote(LockstepServer).options(
                 name=_SERVER_NAME.format(self.replica_rank), max_concurrency=self.max_concurrency
             )
-            server = actor.remote(self.model_config.local_path, config.response_length, **engine_args)
+            server = actor.remote(model_config.local_path, config.response_length, **engine_args)
             self.servers = [server]
             self._server_handle = server
-            self._server_address = None  # token in, token out only (a lockstep serve gives the HTTP API)
+            # Token in, token out only (a lockstep serve gives the HTTP API); verl's router keys its servers by
+            # address, so each replica gets a distinct placeholder.
+            self._server_address = f"lockstep://replica-{self.replica_rank}"
 
     return LockstepReplica
 
@@ -151,10 +162,21 @@ def _adapter_class():
         """The trainer worker's handle on its replica's ``LockstepServer`` (``server``: an actor handle, or for
         tests any object with the same async methods; default: the named actor of replica ``replica_rank``)."""
 
-        def __init__(self, config, model_config, device_mesh, *args, server=None, replica_rank: int = 0, **kwargs):
+        def __init__(self, config, model_config, device_mesh, *args, server=None, replica_rank: int = -1, **kwargs):
+            import os
+
             super().__init__(config, model_config, device_mesh)
             self._server = server
-            self.replica_rank = replica_rank
+            # verl's hybrid workers pass no replica_rank: trainer rank r serves replica r // (its GPUs); one
+            # lockstep actor runs the whole replica, so only the replica's first rank talks to it.
+            rank = int(os.environ.get("RANK", "0"))
+            per_replica = (
+                self.config.tensor_model_parallel_size
+                * self.config.data_parallel_size
+                * self.config.pipeline_model_parallel_size
+            )
+            self.replica_rank = rank // per_replica if replica_rank == -1 else replica_rank
+            self.is_leader_rank = replica_rank != -1 or rank % per_replica == 0
 
         @property
         def server(self):
@@ -165,6 +187,8 @@ def _adapter_class():
             return self._server
 
         async def _run(self, method: str, *args):
+            if not self.is_leader_rank:
+                return None
             result = getattr(self.server, method)
             remote = getattr(result, "remote", None)
             return await (remote(*args) if remote is not None else result(*args))
@@ -175,6 +199,7 @@ def _adapter_class():
         async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs) -> None:
             if wire_format != "named_tensors":
                 raise NotImplementedError(f"the lockstep rollout takes named_tensors updates, not {wire_format!r}")
+            # Every rank walks the generator (FSDP gathers each full tensor collectively); the leader sends.
             named = [(name, t.detach().to("cpu")) for name, t in weights]
             await self._run("update_weights", named)
 
