@@ -123,6 +123,17 @@ def no_autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False)
 
 
+def _check_call(past, kwargs: dict) -> None:
+    """What neither patched forward does: continue from a KV cache, or return attentions, per-layer hidden states
+    or router logits (NotImplementedError naming it)."""
+    if past is not None and past.get_seq_length() > 0:
+        raise NotImplementedError("a lockstep-patched model runs whole sequences; generate with lockstep.LLM")
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("output_router_logits"):
+        raise NotImplementedError(
+            "a lockstep-patched model returns no attentions, per-layer hidden states or router logits"
+        )
+
+
 @torch.compiler.disable
 def _model_forward(
     self: nn.Module,
@@ -140,13 +151,7 @@ def _model_forward(
     from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
 
     patch: _Patch = getattr(self, _STATE)
-    past = cache if cache is not None else past_key_values
-    if past is not None and past.get_seq_length() > 0:
-        raise NotImplementedError("a lockstep-patched model runs whole sequences; generate with lockstep.LLM")
-    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("output_router_logits"):
-        raise NotImplementedError(
-            "a lockstep-patched model returns no attentions, per-layer hidden states or router logits"
-        )
+    _check_call(cache if cache is not None else past_key_values, kwargs)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     with no_autocast(self.norm.weight.device):
@@ -178,15 +183,9 @@ def _vlm_model_forward(
     from transformers.modeling_outputs import MultimodalBaseModelOutputWithPast, MultimodalMoeBaseModelOutputWithPast
 
     patch: _Patch = getattr(self, _STATE)
-    past = cache if cache is not None else past_key_values
-    if past is not None and past.get_seq_length() > 0:
-        raise NotImplementedError("a lockstep-patched model runs whole sequences; generate with lockstep.LLM")
+    _check_call(cache if cache is not None else past_key_values, kwargs)
     if pixel_values_videos is not None or video_grid_thw is not None or kwargs.get("mm_encoder_outputs"):
         raise NotImplementedError("a lockstep-patched vision-language model takes images (pixel_values) only")
-    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("output_router_logits"):
-        raise NotImplementedError(
-            "a lockstep-patched model returns no attentions, per-layer hidden states or router logits"
-        )
     if position_ids is not None and position_ids.dim() == 3:  # transformers' own M-RoPE ids: computed here
         position_ids = None
     with no_autocast(self.language_model.norm.weight.device):
