@@ -26,7 +26,6 @@ import random
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 if "--tiny" in sys.argv:
@@ -38,7 +37,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # set before lockstep is imported
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import QWEN3_8B, QWEN3_TINY, build_checkpoint  # noqa: E402
+from engine import QWEN3_8B, QWEN3_TINY, build_checkpoint, write_report  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from lockstep import LLM, SamplingParams  # noqa: E402
@@ -316,11 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = report["async_equal_sync"]
     print(f"async scheduling + EAGLE-3 (4 requests, drafts at every other step) == synchronous == plain decoding: "
           f"{a['equal']} ({a['fed_steps']} steps fed on the device)")  # fmt: skip
-    report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    out = Path(args.out) / "eagle3_gpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    write_report(report, args.out, "eagle3_gpu.json")
     return report
 
 

@@ -169,6 +169,16 @@ def build_checkpoint(
 # -- comparing outputs -------------------------------------------------------------------------------------------
 
 
+def write_report(report: dict, folder: str | Path, name: str) -> Path:
+    """``report``, dated now (UTC), as ``folder/name`` (JSON); prints where it went."""
+    report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    out = Path(folder) / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return out
+
+
 def bits(out: RequestOutput) -> tuple:
     """Token ids, logprob bit patterns and top-logprob bit patterns (with ranks), per step."""
     lps = [struct.pack("<d", x) for x in out.token_logprobs]

@@ -15,19 +15,17 @@ steps per call. Prints a table; JSON to ``--out``.
 
 import argparse
 import gc
-import json
 import os
 import random
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import QWEN3_8B, QWEN3_TINY, build_checkpoint  # noqa: E402
+from engine import QWEN3_8B, QWEN3_TINY, build_checkpoint, write_report  # noqa: E402
 
 from lockstep import LLM, SamplingParams  # noqa: E402
 
@@ -156,11 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['spec_sync_tok_s']:>10.1f} {row['spec_async_tok_s']:>11.1f} "
                   f"{spec_runs[False][0] / spec_runs[True][0]:>10.2f}x {str(same):>9} "
                   f"{spec_runs[False][2]:>11}/{spec_runs[True][2]:<11}", flush=True)  # fmt: skip
-    report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    out = Path(args.out) / "spec_async_gpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    write_report(report, args.out, "spec_async_gpu.json")
     return report
 
 

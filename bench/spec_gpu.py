@@ -19,19 +19,17 @@ step, and >= 450 tok/s at batch 1 with >= 3 accepted tokens per step.
 """
 
 import argparse
-import json
 import os
 import random
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import QWEN3_8B, QWEN3_TINY, build_checkpoint  # noqa: E402
+from engine import QWEN3_8B, QWEN3_TINY, build_checkpoint, write_report  # noqa: E402
 
 from lockstep import LLM, SamplingParams  # noqa: E402
 from lockstep.outputs import OutputKind  # noqa: E402
@@ -191,11 +189,7 @@ def main() -> None:
         speedup = r["spec_tok_s"] / r["plain_tok_s"]
         print(f"  k={k}: {r['tokens']} tokens, plain {r['plain_tok_s']:.1f} tok/s, speculative "
               f"{r['spec_tok_s']:.1f} tok/s ({speedup:.2f}x), identical {r['identical']}")  # fmt: skip
-    report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    out = Path(args.out) / "spec_gpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    write_report(report, args.out, "spec_gpu.json")
 
 
 if __name__ == "__main__":
