@@ -12,7 +12,6 @@ words ("both"), and with every row under the bad words alone. Asserts the bits; 
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,20 +20,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # set before lockstep is imported
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sampler import ms  # noqa: E402  (bench/sampler.py)
+
 from lockstep.layers.sampler import Sampler  # noqa: E402
 from lockstep.sampling_params import SamplingParams  # noqa: E402
-
-
-def ms(fn, reps: int) -> float:
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e3
 
 
 def main() -> None:
