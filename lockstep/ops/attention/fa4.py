@@ -31,9 +31,15 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     no FP8), and a head size it compiles (a multiple of 8 up to 256)."""
     if not q.is_cuda or k_cache.dtype not in (torch.bfloat16, torch.float16) or q.dtype != k_cache.dtype:
         return False
-    if torch.cuda.get_device_capability(q.device)[0] not in (9, 10) or q.shape[-1] % 8 or q.shape[-1] > 256:
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
         return False
-    return _varlen_func() is not None
+    return _has_fa4(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _has_fa4(device_index: int) -> bool:
+    """A Hopper or Blackwell GPU, and the package imports (asked once per device: every layer of a step asks)."""
+    return torch.cuda.get_device_capability(device_index)[0] in (9, 10) and _varlen_func() is not None
 
 
 def paged_attention(
