@@ -19,7 +19,8 @@ here), a register cap of 168 (``maxnreg``: three programs per SM instead of two)
 (``ids_ahead``) and split programs with nothing to do leaving early or not (``skip_empty``). Decode is also timed
 by page size, 16 to 128 positions (the engine's ``block_size``; a K/V tile gathers 4 pages at 16), with the cache
 stored heads-outer (HND), and with blocks placed as the engine's allocator places them, with the same bits required
-everywhere. ``--only wide|pages|fastmode`` runs one table.
+everywhere. ``--only wide|pages|fastmode|merge`` runs one table (merge: the merge kernel's shapes and the split grid,
+with the default launch's kernels timed apart by torch.profiler).
 
 ``--only fastmode`` times the fast (``default``) kernel set's decode attention against the invariant launch at batch
 1/16/64 x context 1k/8k/32k: as a CUDA graph step sees it (a 40,960-position table, no host lengths) and as an eager
@@ -471,6 +472,73 @@ def bench_fastmode(cfg, device):
     return rows
 
 
+def kernel_us(fn, reps=20):
+    """CUDA time per call of each kernel ``fn`` launches, by kernel name (torch.profiler), in us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" and "kernel" in ev.key:
+            times[ev.key] = times.get(ev.key, 0.0) + ev.device_time_total / reps
+    return times
+
+
+def bench_merge(cfg, device):
+    """Decode over a graph-wide block table with the merge kernel's shapes (query heads per program, splits loaded
+    before they are merged) and the split grid, against SDPA on contiguous K/V; the default's kernels by profiler.
+    Every launch must give the default's bits."""
+    hq, hkv, d, dtype, page, scale, wide = (cfg[k] for k in ("hq", "hkv", "d", "dtype", "page", "scale", "wide"))
+    h_pad = 1 << (hq - 1).bit_length()
+    launches = {"default": {}, "old merge": dict(merge_heads=h_pad, merge_chunk=1)}
+    for heads, chunk in ((h_pad, 4), (8, 1), (8, 4), (4, 4), (1, 1), (1, 2), (1, 4)):
+        if heads > h_pad:
+            continue
+        launches[f"h{heads} c{chunk}"] = dict(merge_heads=heads, merge_chunk=chunk)
+    launches |= {f"grid {g}": dict(split_grid=g) for g in (32, 16, 8)}
+    launches["in-register"] = dict(split_programs=False)
+    print(f"\ndecode, merge kernel shapes, a {wide:,}-position table: us per call (TB/s reading K+V); "
+          "hH cC: H query heads per merge program, C splits loaded at once")  # fmt: skip
+    print(f"  {'B':>3} {'ctx':>6} | " + " ".join(f"{n:>11}" for n in launches) + f" | {'SDPA':>9} | default's kernels")
+    for ctx in cfg["merge_ctx"]:
+        for b in cfg["merge_batches"]:
+            per_seq = -(-ctx // page)
+            k_cache = torch.randn(b * per_seq, page, hkv, d, device=device, dtype=dtype)
+            v_cache = torch.randn_like(k_cache)
+            tables = torch.zeros(b, -(-wide // page), device=device, dtype=torch.int32)
+            tables[:, :per_seq] = torch.randperm(b * per_seq, device=device).view(b, per_seq).int()
+            q = torch.randn(b, hq, d, device=device, dtype=dtype)
+            args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                        seq_lens=torch.full((b,), ctx, device=device, dtype=torch.int32),
+                        query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=scale)  # fmt: skip
+            reference = _paged_attention_triton(**args)
+            cells = []
+            for launch in launches.values():
+                same = torch.equal(_paged_attention_triton(**args, **launch), reference)
+                if not same:
+                    FAILURES.append(f"decode launch {launch} at {b} x {ctx} changed bits")
+                t = us(lambda la=launch: _paged_attention_triton(**args, **la)) if device == "cuda" else float("nan")
+                cells.append(f"{t:10.1f}{' ' if same else '!'}")
+            sdpa = float("nan")
+            kernels = ""
+            if device == "cuda":
+                kc = k_cache[tables[:, :per_seq].long()].view(b, ctx, hkv, d).transpose(1, 2)
+                vc = v_cache[tables[:, :per_seq].long()].view(b, ctx, hkv, d).transpose(1, 2)
+                sdpa = us(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, scale=scale, enable_gqa=True))
+                split_kernels = kernel_us(lambda: _paged_attention_triton(**args))
+                kernels = ", ".join(f"{name[:28]} {t:.1f}" for name, t in split_kernels.items())
+                del kc, vc
+            gbytes = 2 * b * ctx * hkv * d * k_cache.element_size() / 1e9
+            print(f"  {b:3d} {ctx:6d} | " + " ".join(cells) + f" | {sdpa:9.1f} | {kernels}  "
+                  f"(SDPA {gbytes / sdpa * 1e3:.2f} TB/s)")  # fmt: skip
+            del k_cache, v_cache, args
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU via the interpreter)")
@@ -478,7 +546,7 @@ def main():
     parser.add_argument("--speed-only", action="store_true", help="skip the value and invariance checks")
     parser.add_argument(
         "--only",
-        choices=["wide", "pages", "fastmode"],
+        choices=["wide", "pages", "fastmode", "merge"],
         help="only this decode speed table (wide: a max_model_len-wide block table; pages: by page size and layout; "
         "fastmode: the default kernel set's decode against the invariant launch)",
     )
@@ -496,7 +564,8 @@ def main():
                    value_lengths=[1, 17, 150], value_qlens=[1, 5, 150], atol=3e-2,
                    launches=[launches[0], launches[5]], target=200, neighbours=[300, 40, 130], chunks=[64],
                    decode_batches=[1, 3], decode_launches=[dict(split_programs=True)], decode_samples=2,
-                   wide=1024, fast_ctx=[100, 600], fast_batches=[1, 3], fast_fixed_splits=[256, 1024])  # fmt: skip
+                   wide=1024, fast_ctx=[100, 600], fast_batches=[1, 3], fast_fixed_splits=[256, 1024],
+                   merge_ctx=[600], merge_batches=[1, 3])  # fmt: skip
     else:
         cfg = dict(hq=32, hkv=8, d=128, dtype=torch.bfloat16, page=16, scale=128**-0.5, split=SPLIT,
                    value_lengths=[1, 17, 1000, 4097, 32768], value_qlens=[1, 17, 1000, 300, 1], atol=2e-2,
@@ -507,13 +576,15 @@ def main():
                                     dict(split_programs=False, num_stages=2)],
                    decode_samples=40, wide=40960, speed_ctx=[4096, 32768], speed_batches=[1, 8, 64],
                    speed_prefill=[(1, 4096), (1, 16384), (8, 1024)], fast_ctx=[1024, 8192, 32768],
-                   fast_batches=[1, 16, 64], fast_fixed_splits=[256, 512, 1024, 2048, 4096])  # fmt: skip
+                   fast_batches=[1, 16, 64], fast_fixed_splits=[256, 512, 1024, 2048, 4096],
+                   merge_ctx=[4096, 8192, 32768], merge_batches=[1, 4, 16, 64, 256])  # fmt: skip
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)'}, "
           f"torch {torch.__version__}, heads {cfg['hq']}/{cfg['hkv']}, head_dim {cfg['d']}, {cfg['dtype']}, "
           f"TILE {TILE}, split {cfg['split']}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     if args.only:
-        {"wide": bench_wide, "pages": bench_pages, "fastmode": bench_fastmode}[args.only](cfg, device)
+        tables = {"wide": bench_wide, "pages": bench_pages, "fastmode": bench_fastmode, "merge": bench_merge}
+        tables[args.only](cfg, device)
     elif not args.speed_only:
         check_values(cfg, device, gen)
         check_invariance(cfg, device, gen)

@@ -229,39 +229,61 @@ def _paged_attention_kernel(
         tl.store(o, out.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
+@triton.jit
+def _load_partial(acc_ptrs, ml_ptrs, split, n, heads, num_heads, mask, stride_ps, stride_ms):
+    # One split's partial (m, den, acc) for the program's heads; past the row's last split the empty partial
+    # (m = -inf), which ``_merge`` folds in as a no-op, bit for bit.
+    ok = (heads < num_heads) & (heads * 0 + split < n)
+    m = tl.load(ml_ptrs + split * stride_ms, mask=ok, other=float("-inf"))
+    den = tl.load(ml_ptrs + split * stride_ms + 1, mask=ok, other=0.0)
+    acc = tl.load(acc_ptrs + split * stride_ps, mask=mask & ok[:, None], other=0.0)
+    return m, den, acc
+
+
 @triton.jit(do_not_specialize=["inline_splits"])
 def _merge_splits_kernel(
     part_ptr, part_ml_ptr, o_ptr, seq_lens_ptr, query_start_loc_ptr,
     num_seqs, search_steps, inline_splits,
     stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_mh, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    SPLIT_SIZE: tl.constexpr, ONE_PER_SEQ: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr, ONE_PER_SEQ: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
-    # Program per token, all its query heads: merge splits 0 .. pos // SPLIT_SIZE in order. A row with at most
-    # ``inline_splits`` splits was finished by the attention kernel's in-register walk (decode steps only).
+    # Program per (token, HEADS of its query heads): merge splits 0 .. pos // SPLIT_SIZE in order. A row with at
+    # most ``inline_splits`` splits was finished by the attention kernel's in-register walk (decode steps only).
+    # Each head's merge is its own sequence of ``_merge`` calls, so neither HEADS nor CHUNK (splits loaded before
+    # they are merged, to overlap the loads' latency: a batch-1 row at 32k context has 64 splits) changes a bit.
     tok = tl.program_id(0)
     if ONE_PER_SEQ:
         seq = tok
     else:
         seq = _find_seq(query_start_loc_ptr, num_seqs, search_steps, tok, 0)
     pos = tl.load(seq_lens_ptr + seq) - tl.load(query_start_loc_ptr + seq + 1) + tok
-    if pos // SPLIT_SIZE < inline_splits:
+    n = pos // SPLIT_SIZE + 1
+    if n <= inline_splits:
         return
-    heads = tl.arange(0, H_PAD)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     dims = tl.arange(0, D_PAD)
     head_ok = heads < NUM_HEADS
     mask = head_ok[:, None] & (dims[None, :] < HEAD_DIM)
-    m_run = tl.full([H_PAD], float("-inf"), tl.float32)
-    den_run = tl.zeros([H_PAD], tl.float32)
-    acc_run = tl.zeros([H_PAD, D_PAD], tl.float32)
-    for split in range(0, pos // SPLIT_SIZE + 1):
-        ml = part_ml_ptr + tok.to(tl.int64) * stride_mt + split * stride_ms + heads * stride_mh
-        m = tl.load(ml, mask=head_ok, other=float("-inf"))
-        den = tl.load(ml + 1, mask=head_ok, other=0.0)
-        part = part_ptr + tok.to(tl.int64) * stride_pt + split * stride_ps
-        acc = tl.load(part + heads[:, None] * stride_ph + dims[None, :], mask=mask, other=0.0)
-        m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m, den, acc)
+    acc_ptrs = part_ptr + tok.to(tl.int64) * stride_pt + heads[:, None] * stride_ph + dims[None, :]
+    ml = part_ml_ptr + tok.to(tl.int64) * stride_mt + heads * stride_mh
+    m_run = tl.full([HEADS], float("-inf"), tl.float32)
+    den_run = tl.zeros([HEADS], tl.float32)
+    acc_run = tl.zeros([HEADS, D_PAD], tl.float32)
+    for s0 in range(0, n, CHUNK):
+        m0, d0, a0 = _load_partial(acc_ptrs, ml, s0, n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
+        if CHUNK >= 2:
+            m1, d1, a1 = _load_partial(acc_ptrs, ml, s0 + 1, n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
+        if CHUNK >= 4:
+            m2, d2, a2 = _load_partial(acc_ptrs, ml, s0 + 2, n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
+            m3, d3, a3 = _load_partial(acc_ptrs, ml, s0 + 3, n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
+        m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m0, d0, a0)
+        if CHUNK >= 2:
+            m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m1, d1, a1)
+        if CHUNK >= 4:
+            m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m2, d2, a2)
+            m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m3, d3, a3)
     out = _finalize(den_run, acc_run)
     o = o_ptr + tok.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(o, out.to(o_ptr.dtype.element_ty), mask=mask)

@@ -88,6 +88,15 @@ def _skip_empty(decode: bool, programs: int, num_sms: int) -> bool:
     return decode and 4 * programs > num_sms
 
 
+def _merge_heads(num_tokens: int, h_pad: int, num_sms: int) -> int:
+    """Query heads per merge program (a power of two; the same bits for any count). A program per token with all its
+    heads left a batch-1 decode step one program walking every split of the row in turn."""
+    heads = h_pad
+    while heads > 1 and num_tokens * (h_pad // heads) < 2 * num_sms:
+        heads //= 2
+    return heads
+
+
 def _paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -109,6 +118,8 @@ def _paged_attention_triton(
     maxnreg: int | None = None,
     ids_ahead: bool | None = None,
     skip_empty: bool | None = None,
+    merge_heads: int | None = None,
+    merge_chunk: int = 4,
 ) -> torch.Tensor:
     # The keyword arguments pick launch shapes, never the math: every choice gives the same bits (tests and
     # bench/attention_check.py compare them). Everything is decided from shapes, with no host sync.
@@ -189,13 +200,17 @@ def _paged_attention_triton(
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     if split_programs:
-        _merge_splits_kernel[(num_tokens,)](
+        h_pad = triton.next_power_of_2(num_q_heads)
+        merge_heads = merge_heads or _merge_heads(num_tokens, h_pad, sms)
+        if merge_chunk not in (1, 2, 4) or h_pad % merge_heads:
+            raise ValueError(f"merge_chunk must be 1, 2 or 4 and merge_heads divide {h_pad}")
+        _merge_splits_kernel[(num_tokens, h_pad // merge_heads)](
             part, part_ml, out, seq_lens, query_start_loc,
             num_seqs, search_steps, inline_splits,
             part.stride(0), part.stride(1), part.stride(2),
             part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
             out.stride(0), out.stride(1),
-            NUM_HEADS=num_q_heads, H_PAD=triton.next_power_of_2(num_q_heads), HEAD_DIM=head_dim,
-            D_PAD=d_pad, SPLIT_SIZE=split, ONE_PER_SEQ=one_per_seq, **pdl,
+            NUM_HEADS=num_q_heads, HEADS=merge_heads, HEAD_DIM=head_dim, D_PAD=d_pad, SPLIT_SIZE=split,
+            ONE_PER_SEQ=one_per_seq, CHUNK=merge_chunk, **pdl,
         )  # fmt: skip
     return out
