@@ -118,8 +118,11 @@ def _merge(m_run, den_run, acc_run, m, den, acc):
     alpha = tl.where(m_run == m_new, 1.0, tl.exp2(m_run - base))
     beta = tl.where(m == m_new, 1.0, tl.exp2(m - base))
     seen = m > float("-inf")
-    den_out = tl.where(seen, den_run * alpha + den * beta, den_run)
-    acc_out = tl.where(seen[:, None], acc_run * alpha[:, None] + acc * beta[:, None], acc_run)
+    # The rounding points spelled out (one product rounded, then a fused multiply-add), not left to the compiler: it
+    # contracted ``a * b + c * d`` one way or the other by the compile (the H200 saw a merge program of 4 query heads
+    # give other bits than one of 1, 8 or 32, and than the in-register walk, with the same source).
+    den_out = tl.where(seen, tl.fma(den_run, alpha, den * beta), den_run)
+    acc_out = tl.where(seen[:, None], tl.fma(acc_run, alpha[:, None], acc * beta[:, None]), acc_run)
     return tl.where(seen, m_new, m_run), den_out, acc_out
 
 
