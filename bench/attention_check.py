@@ -496,10 +496,11 @@ def bench_merge(cfg, device):
     hq, hkv, d, dtype, page, scale, wide = (cfg[k] for k in ("hq", "hkv", "d", "dtype", "page", "scale", "wide"))
     h_pad = 1 << (hq - 1).bit_length()
     launches = {"default": {}, "old merge": dict(merge_heads=h_pad, merge_chunk=1)}
-    for heads, chunk in ((h_pad, 4), (8, 4), (4, 4), (1, 1), (1, 4)):
+    for heads, chunk in ((h_pad, 4), (h_pad, 8), (4, 4), (4, 8), (1, 1), (1, 4), (1, 8)):
         if heads <= h_pad:
             launches[f"h{heads} c{chunk}"] = dict(merge_heads=heads, merge_chunk=chunk)
     launches |= {f"grid {g}": dict(split_grid=g) for g in (32, 8)}
+    launches["grid 32 c8"] = dict(split_grid=32, merge_chunk=8)
     launches["in-register"] = dict(split_programs=False)
     print(f"\ndecode, merge kernel shapes, a {wide:,}-position table: us per call (TB/s reading K+V); "
           "hH cC: H query heads per merge program, C splits loaded at once")  # fmt: skip

@@ -287,9 +287,9 @@ def test_split_programs_per_row_do_not_change_bits():
     for grid in (1, 2, 3, 12, 16):
         assert_bitwise(_paged_attention_triton(*args, split=split, split_programs=True, split_grid=grid), reference)
     # The merge kernel's shape: query heads per program, splits loaded before they are merged (past a row's last
-    # split the loads are masked off; 6 splits in chunks of 4 ends on two of them).
+    # split the loads are masked off; 6 splits in chunks of 4 ends on two of them, in chunks of 8 on six).
     for heads in (1, 2, 4):
-        for chunk in (1, 2, 4):
+        for chunk in (1, 4, 8):
             launch = dict(split_programs=True, inline_splits=0, merge_heads=heads, merge_chunk=chunk)
             assert_bitwise(_paged_attention_triton(*args, split=split, **launch), reference)
     assert [_merge_heads(t, 32, num_sms=132) for t in (1, 8, 16, 64, 256)] == [1, 1, 1, 4, 16]

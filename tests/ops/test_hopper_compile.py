@@ -34,6 +34,7 @@ SCRIPT = textwrap.dedent(
             raise SystemExit(f"SKIP {e}")
         assert "cubin" in kernel.asm, fn
         assert ("griddepcontrol.wait" in kernel.asm["ptx"]) == bool(constexprs.get("USE_PDL")), fn
+        return kernel.asm["ptx"]
 
     sig = {"x_ptr": "*fp32", "keys_ptr": "*i64", "part_best_ptr": "*fp64", "part_id_ptr": "*i32", "vocab": "i32",
            "stride": "i32", "num_chunks": "i32", "golden": "u64", "m1": "u64", "m2": "u64"}
@@ -72,10 +73,10 @@ SCRIPT = textwrap.dedent(
     sig = {"part_ptr": "*fp32", "part_ml_ptr": "*fp32", "o_ptr": "*bf16", "seq_lens_ptr": "*i32",
            "query_start_loc_ptr": "*i32", **{p: "i32" for p in ("num_seqs", "search_steps", "inline_splits")},
            **{"stride_" + p: "i32" for p in ("pt", "ps", "ph", "mt", "ms", "mh", "ot", "oh")}}
-    for pdl in (False, True):
-        flags = {"NUM_HEADS": 32, "H_PAD": 32, "HEAD_DIM": 128, "D_PAD": 128, "SPLIT_SIZE": 512, "ONE_PER_SEQ": True,
-                 "USE_PDL": pdl}
-        compile_(kernel._merge_splits_kernel, sig, flags)
+    for pdl, heads, chunk in ((False, 32, 1), (True, 1, 4), (True, 4, 8)):
+        flags = {"NUM_HEADS": 32, "HEADS": heads, "HEAD_DIM": 128, "D_PAD": 128, "SPLIT_SIZE": 512,
+                 "ONE_PER_SEQ": True, "CHUNK": chunk, "USE_PDL": pdl}
+        assert "fma.rn.f32" in compile_(kernel._merge_splits_kernel, sig, flags)
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "width": "i32", "stride_x": "i32", "stride_o": "i32"}
     for pdl in (False, True):
         compile_(gated._silu_and_mul_kernel, sig, {"BLOCK": gated.BLOCK, "LIBDEVICE": True, "USE_PDL": pdl})

@@ -243,6 +243,24 @@ def _load_partial(acc_ptrs, ml_ptrs, split, n, heads, num_heads, mask, stride_ps
     return m, den, acc
 
 
+@triton.jit
+def _load4(acc_ptrs, ml_ptrs, s0, n, heads, num_heads, mask, stride_ps, stride_ms):
+    # Splits s0 .. s0 + 3, all four loads issued before any is used.
+    m0, d0, a0 = _load_partial(acc_ptrs, ml_ptrs, s0, n, heads, num_heads, mask, stride_ps, stride_ms)
+    m1, d1, a1 = _load_partial(acc_ptrs, ml_ptrs, s0 + 1, n, heads, num_heads, mask, stride_ps, stride_ms)
+    m2, d2, a2 = _load_partial(acc_ptrs, ml_ptrs, s0 + 2, n, heads, num_heads, mask, stride_ps, stride_ms)
+    m3, d3, a3 = _load_partial(acc_ptrs, ml_ptrs, s0 + 3, n, heads, num_heads, mask, stride_ps, stride_ms)
+    return m0, d0, a0, m1, d1, a1, m2, d2, a2, m3, d3, a3
+
+
+@triton.jit
+def _merge4(m_run, den_run, acc_run, m0, d0, a0, m1, d1, a1, m2, d2, a2, m3, d3, a3):
+    m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m0, d0, a0)
+    m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m1, d1, a1)
+    m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m2, d2, a2)
+    return _merge(m_run, den_run, acc_run, m3, d3, a3)
+
+
 @triton.jit(do_not_specialize=["inline_splits"])
 def _merge_splits_kernel(
     part_ptr, part_ml_ptr, o_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -274,19 +292,20 @@ def _merge_splits_kernel(
     m_run = tl.full([HEADS], float("-inf"), tl.float32)
     den_run = tl.zeros([HEADS], tl.float32)
     acc_run = tl.zeros([HEADS, D_PAD], tl.float32)
+    args = (n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
     for s0 in range(0, n, CHUNK):
-        m0, d0, a0 = _load_partial(acc_ptrs, ml, s0, n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
-        if CHUNK >= 2:
-            m1, d1, a1 = _load_partial(acc_ptrs, ml, s0 + 1, n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
-        if CHUNK >= 4:
-            m2, d2, a2 = _load_partial(acc_ptrs, ml, s0 + 2, n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
-            m3, d3, a3 = _load_partial(acc_ptrs, ml, s0 + 3, n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
-        m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m0, d0, a0)
-        if CHUNK >= 2:
-            m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m1, d1, a1)
-        if CHUNK >= 4:
-            m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m2, d2, a2)
-            m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m3, d3, a3)
+        if CHUNK == 1:
+            m0, d0, a0 = _load_partial(acc_ptrs, ml, s0, n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
+            m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m0, d0, a0)
+        else:
+            m0, d0, a0, m1, d1, a1, m2, d2, a2, m3, d3, a3 = _load4(acc_ptrs, ml, s0, *args)
+            if CHUNK == 8:
+                m4, d4, a4, m5, d5, a5, m6, d6, a6, m7, d7, a7 = _load4(acc_ptrs, ml, s0 + 4, *args)
+            m_run, den_run, acc_run = _merge4(m_run, den_run, acc_run, m0, d0, a0, m1, d1, a1, m2, d2, a2, m3, d3, a3)
+            if CHUNK == 8:
+                m_run, den_run, acc_run = _merge4(
+                    m_run, den_run, acc_run, m4, d4, a4, m5, d5, a5, m6, d6, a6, m7, d7, a7
+                )
     out = _finalize(den_run, acc_run)
     o = o_ptr + tok.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(o, out.to(o_ptr.dtype.element_ty), mask=mask)

@@ -202,8 +202,8 @@ def _paged_attention_triton(
     if split_programs:
         h_pad = triton.next_power_of_2(num_q_heads)
         merge_heads = merge_heads or _merge_heads(num_tokens, h_pad, sms)
-        if merge_chunk not in (1, 2, 4) or h_pad % merge_heads:
-            raise ValueError(f"merge_chunk must be 1, 2 or 4 and merge_heads divide {h_pad}")
+        if merge_chunk not in (1, 4, 8) or h_pad % merge_heads:
+            raise ValueError(f"merge_chunk must be 1, 4 or 8 and merge_heads divide {h_pad}")
         _merge_splits_kernel[(num_tokens, h_pad // merge_heads)](
             part, part_ml, out, seq_lens, query_start_loc,
             num_seqs, search_steps, inline_splits,
