@@ -28,6 +28,7 @@ small fraction of the target's cache); the pending features of a prompt live fro
 first draft (``[prompt_len, hidden]`` in the target dtype).
 """
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -121,10 +122,21 @@ class Eagle3Drafter:
         # CUDA graphs for the draft loop where the target's runner has them; not with sleep mode, which moves the
         # storages (the shared embedding's among them) that a graph would have captured.
         self.graphs: Eagle3Graphs | None = None
+        self.graph_error: str | None = None  # why the capture failed, if it did (the loop then runs eagerly)
         if runner.graphs is not None and not runner.config.enable_sleep_mode:
-            self.graphs = self.make_graphs(runner.config.max_num_seqs)
-            self.graphs.capture()
+            self._capture(runner.config.max_num_seqs)
         self.use_graphs = self.graphs is not None  # bench/eagle3_gpu.py turns them off to compare
+
+    def _capture(self, max_num_seqs: int) -> None:
+        graphs = self.make_graphs(max_num_seqs)
+        try:
+            graphs.capture()
+        except Exception as e:  # a kernel that cannot be captured: the eager loop drafts the same tokens, slower
+            graphs.release()
+            self.graph_error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"EAGLE-3 head: no CUDA graphs, drafting eagerly: {self.graph_error}", stacklevel=2)
+            return
+        self.graphs = graphs
 
     def make_graphs(self, max_num_seqs: int) -> Eagle3Graphs:
         """The head's graph buffers for calls of up to ``max_num_seqs`` sequences and ``num_speculative_tokens``

@@ -120,3 +120,20 @@ def test_a_broken_handoff_in_the_graph_functions_is_seen(target_dir: Path, head_
     broken.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert len(eager_calls) >= 2 * len(PROMPTS)
     assert sum(a != b for a, b in zip(calls, eager_calls, strict=False)) >= len(PROMPTS)
+
+
+def test_a_failed_capture_leaves_the_eager_loop_and_says_why(target_dir: Path, head_dir: Path, monkeypatch) -> None:
+    llm = _llm(target_dir, head_dir, k=2, max_num_seqs=MAX_SEQS)
+    drafter = llm.engine.drafter
+    assert drafter.graphs is None and drafter.graph_error is None and not drafter.use_graphs  # the CPU: none
+
+    def fail(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(Eagle3Graphs, "capture", fail)
+    with pytest.warns(UserWarning, match="drafting eagerly: RuntimeError: operation not permitted"):
+        drafter._capture(MAX_SEQS)
+    assert drafter.graphs is None and "not permitted" in drafter.graph_error
+    monkeypatch.setattr(Eagle3Graphs, "capture", lambda self: None)
+    drafter._capture(MAX_SEQS)
+    assert isinstance(drafter.graphs, Eagle3Graphs) and drafter.graphs.max_drafts == 2
