@@ -7,9 +7,9 @@ step's accepted rows), then k - 1 one-row forwards, each fed the previous draft 
 argmax over the draft vocabulary after each. Three graphs per bucket, over static buffers:
 
 - ``first`` (per bucket of fed rows): the head over the fed rows laid out as one-token rows (``expand_rows``, as the
-  target's decode graphs run a short chunk). It needs every sequence to feed at most ``MAX_GRAPH_CHUNK`` rows and
-  all of them to fit the largest bucket; otherwise that forward runs eagerly (a prompt's first call) and the rest of
-  the call still replays graphs.
+  target's decode graphs run a short chunk), and each sequence's last row selected into the step buffers. It needs
+  every sequence to feed at most ``MAX_GRAPH_CHUNK`` rows and all of them to fit the largest bucket; otherwise that
+  forward runs eagerly (a prompt's first call) and the rest of the call still replays graphs.
 - ``step`` (per bucket of sequences): the draft from each sequence's current row (LM head, argmax, ``d2t``), then
   the head at the next position, fed that draft.
 - ``last`` (per bucket of sequences): the draft alone.
@@ -65,6 +65,7 @@ class Eagle3Graphs:
         self.fed[3].fill_(1)
         self.fed_tables = torch.zeros((R, max_blocks), dtype=torch.int32, device=device)
         self.fed_hidden = torch.zeros((R, H), dtype=dtype, device=device)
+        self.last_rows = torch.zeros(B, **ints)  # each sequence's last fed row (0 for the padding sequences)
         self.step_meta = torch.zeros((_STEP, B), **ints)  # positions, slots, lengths of the next one-row forward
         self.step_meta[1].fill_(-1)
         self.step_meta[2].fill_(1)
@@ -75,7 +76,6 @@ class Eagle3Graphs:
         self.drafts = torch.zeros((max_drafts, B), **ints)
         self.query_start_loc = torch.arange(max(R, B) + 1, dtype=torch.int32, device=device)  # one token a row
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[str, int], Rows | None] = {}
 
     # -- what the graphs capture -----------------------------------------------------------------------------------
 
@@ -88,11 +88,18 @@ class Eagle3Graphs:
             kv_caches=self.kv_caches,
         )
 
-    def first(self, size: int) -> Rows:
-        """The head over the first ``size`` fed rows (``self.fed``, ``fed_tables``, ``fed_hidden``)."""
+    def first(self, size: int) -> None:
+        """The head over the first ``size`` fed rows (``self.fed``, ``fed_tables``, ``fed_hidden``), each
+        sequence's last row selected (``select``). Its outputs are not kept: a graph per bucket holds no rows."""
         ids, positions, slots, lengths = self.fed[:, :size]
         attn = self._attn(slots, self.fed_tables[:size], lengths, size)
-        return self.head(ids, positions, self.fed_hidden[:size], attn)
+        self.select(*self.head(ids, positions, self.fed_hidden[:size], attn))
+
+    def select(self, normed: torch.Tensor, prenorm: torch.Tensor) -> None:
+        """Rows ``last_rows`` of the fed rows' ``(normed, prenorm)`` into ``normed`` and ``hidden`` (every buffer row:
+        the padding sequences take row 0)."""
+        torch.index_select(normed, 0, self.last_rows, out=self.normed)
+        torch.index_select(prenorm, 0, self.last_rows, out=self.hidden)
 
     def last(self, size: int) -> None:
         """Each row's draft from ``normed`` (the draft-vocabulary argmax, mapped to target ids) into ``ids``."""
@@ -109,12 +116,12 @@ class Eagle3Graphs:
         self.normed[:size].copy_(normed)
         self.hidden[:size].copy_(prenorm)
 
-    def _call(self, name: str, size: int) -> Rows | None:
+    def _call(self, name: str, size: int) -> None:
         graph = self.graphs.get((name, size))
         if graph is None:  # not captured (the CPU): the function itself
-            return getattr(self, name)(size)
-        graph.replay()
-        return self.outputs[(name, size)]
+            getattr(self, name)(size)
+        else:
+            graph.replay()
 
     # -- capture and run ------------------------------------------------------------------------------------------
 
@@ -133,7 +140,7 @@ class Eagle3Graphs:
                     getattr(self, name)(size)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self.outputs[(name, size)] = getattr(self, name)(size)
+                        getattr(self, name)(size)
                     pool = graph.pool()
                     self.graphs[(name, size)] = graph
         torch.cuda.current_stream(device).wait_stream(stream)
@@ -146,7 +153,6 @@ class Eagle3Graphs:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
-        self.outputs.clear()
 
     def can_run(self, num_seqs: int, num_drafts: int, table_width: int) -> bool:
         """Whether a call for ``num_seqs`` sequences of at most ``num_drafts`` drafts, whose block tables are
@@ -181,6 +187,8 @@ class Eagle3Graphs:
         device = self.ids.device
         tables = device_tensor(tables, torch.int32, device)  # [b, width]
         width = tables.shape[1]
+        last = [s - 1 for s in flat.query_start_loc[1:]]
+        self.last_rows.copy_(device_tensor(last + [0] * (len(self.last_rows) - b), torch.int64, device))
         if self.fits_first(flat):
             n = flat.num_tokens
             size = bucket(self.row_sizes, n)
@@ -192,12 +200,9 @@ class Eagle3Graphs:
             self.fed[3, n:size].fill_(1)
             self.fed_tables[:n, :width].copy_(tables.index_select(0, rows[_FED]))
             torch.cat(features, out=self.fed_hidden[:n])
-            normed, prenorm = self._call("first", size)
+            self._call("first", size)
         else:
-            normed, prenorm = eager_first()
-        last = device_tensor([s - 1 for s in flat.query_start_loc[1:]], torch.int64, device)
-        torch.index_select(normed, 0, last, out=self.normed[:b])
-        torch.index_select(prenorm, 0, last, out=self.hidden[:b])
+            self.select(*eager_first())
         size = bucket(self.seq_sizes, b)
         self.tables[:b, :width].copy_(tables)
         pad = [(0, -1, 1)] * (size - b)
