@@ -180,9 +180,9 @@ class Eagle3Graphs:
         """One call's drafts ``[k, num_seqs]`` on the device (row j: every sequence's draft j; past a sequence's
         own count, values to ignore). ``flat``: the fed rows, one chunk per sequence (real positions); ``tables``:
         each sequence's whole block table (its drafts' blocks too), padded to one width; ``features``: the fed rows'
-        hidden states, in order; ``steps``: for
-        each later forward j = 1 .. k - 1, each sequence's ``(position, slot, length)`` (slot -1 and length 1 for a
-        sequence with no draft j); ``eager_first``: the fed rows' forward, eagerly, for rows ``first`` cannot take."""
+        hidden states, in order; ``steps``: for each later forward j = 1 .. k - 1, each sequence's ``(position, slot,
+        length)`` (slot -1 and length 1 for a sequence with no draft j); ``eager_first``: the fed rows' forward,
+        eagerly, for rows ``first`` cannot take."""
         b, k = len(flat.seq_lens), len(steps) + 1
         device = self.ids.device
         tables = device_tensor(tables, torch.int32, device)  # [b, width]
