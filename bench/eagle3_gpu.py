@@ -12,11 +12,16 @@ verifies them (with random weights nothing is accepted, so every step is a (k + 
 step is split, each part synced: the head's ``propose`` call (the draft step: one forward over the new target
 rows and k - 1 one-row forwards), ``observe`` (``fc`` over the step's aux hidden states) and the rest (the verify
 forward, sampling, acceptance: "verify"). The plain decode step is the same engine with the drafter off (CUDA
-graphs; the target still keeps its three aux streams, three adds a step). Also printed: tok/s one sequence would
-get if each draft were accepted with probability a, E(a) = (1 - a^(k+1)) / (1 - a) tokens per measured step,
-and whether one greedy request's proposals and output are the same with the target's CUDA graphs on and off (the
-graphs hand the head their own aux buffers), and whether four requests give the same bits under async scheduling
-(the head observing each step as it is launched), synchronously and without the drafter. JSON to ``--out``.
+graphs; the target still keeps its three aux streams, three adds a step). Each k is timed twice: with the head's
+own CUDA graphs for its draft loop (``spec/eagle3_graphs.py``) and with its eager loop, and the draft cost of both
+is printed side by side. Also printed: tok/s one sequence would get if each draft were accepted with probability
+a, E(a) = (1 - a^(k+1)) / (1 - a) tokens per measured step (from the steps with the head's graphs), and whether
+one greedy request's proposals and output are the same with the target's CUDA graphs on and off (the graphs hand
+the head their own aux buffers), whether four requests (greedy and seeded) get the same proposals, call for call,
+and the same bits with the head's graphs and with its eager loop (asserted), and whether four requests give the
+same bits under async scheduling (the head observing each step as it is launched), synchronously and without the
+drafter. On the CPU (``--tiny``) nothing is captured: the graph functions run uncaptured, over the same buffers.
+JSON to ``--out``.
 """
 
 import argparse
@@ -249,6 +254,51 @@ def async_equal_sync(llm: LLM, timed: Timed, args) -> dict:
     return {"equal": runs["async"] == runs["sync"] == runs["plain"], "fed_steps": fed}
 
 
+def draft_graphs_equal_eager(llm: LLM, timed: Timed, args) -> dict:
+    """Four requests (greedy and seeded, logprobs) with the head's draft loop replayed from its graphs, then run
+    eagerly, then without a drafter: the proposals of every call and the output bits must be the same (asserted),
+    and the graph run must have gone through the graphs."""
+    engine = llm.engine
+    timed.install()
+    drafter = timed.drafter
+    propose, run = drafter.propose, drafter.graphs.run
+    rng = random.Random(4)
+    prompts = [[rng.randrange(10, args.vocab - 10) for _ in range(args.input_len + 3 * i)] for i in range(4)]
+    params = [SamplingParams(temperature=t, seed=11, top_k=50, max_tokens=32, ignore_eos=True, logprobs=1)
+              for t in (0.0, 0.8, 0.0, 0.8)]  # fmt: skip
+    graph_runs = [0]
+
+    def counted(*a):
+        graph_runs[0] += 1
+        return run(*a)
+
+    drafter.graphs.run = counted
+    runs = {}
+    for name, graphs in (("graphs", True), ("eager", False)):
+        drafter.use_graphs = graphs
+        calls = []
+
+        def recorded(requests, calls=calls):
+            out = propose(requests)
+            calls.append(out)
+            return out
+
+        drafter.propose = recorded
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[name] = ([(list(o.outputs[0].token_ids), [x.hex() for x in o.outputs[0].token_logprobs]) for o in outs],
+                      calls)  # fmt: skip
+    drafter.propose, drafter.graphs.run, drafter.use_graphs = propose, run, True
+    engine.drafter, observe = None, engine._observe
+    engine._observe = None
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    engine.drafter, engine._observe = drafter, observe
+    plain = [(list(o.outputs[0].token_ids), [x.hex() for x in o.outputs[0].token_logprobs]) for o in plain]
+    equal = runs["graphs"] == runs["eager"] and runs["graphs"][0] == plain
+    calls = len(runs["graphs"][1])
+    assert equal and calls > 0 and graph_runs[0] > 0, (equal, calls, graph_runs)
+    return {"equal": equal, "calls": calls, "graph_runs": graph_runs[0]}
+
+
 def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
@@ -285,20 +335,33 @@ def main(argv: list[str] | None = None) -> dict:
         max_model_len=4096 if cuda else 1024, enable_prefix_caching=False, gpu_memory_utilization=0.8,
         load_format="dummy", speculative_config=spec,
     )  # fmt: skip
+    drafter = llm.engine.drafter
+    if drafter.graphs is None:  # the CPU: no capture, the graph functions run uncaptured over the same buffers
+        drafter.graphs, drafter.use_graphs = drafter.make_graphs(llm.engine.config.max_num_seqs), True
     timed = Timed(llm.engine)
     report = {"args": vars(args), "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-              "target_layers": layers, "head": head, "rows": []}  # fmt: skip
+              "target_layers": layers, "head": head, "head_graphs_captured": bool(drafter.graphs.graphs),
+              "rows": []}  # fmt: skip
     plain = time_steps(llm, None, args, "plain")
     report["plain"] = plain
     print(f"{args.shape} target, {layers} layers, head {head['params'] / 1e6:.0f}M params, batch 1, "
           f"{args.input_len}-token prompt; plain decode step {plain['step_ms']:.2f} ms")  # fmt: skip
-    print("\n| k | step ms | draft ms (per draft) | observe ms | verify ms | verify vs plain | drafts/step |")
-    print("|---|---|---|---|---|---|---|")
+    report["head_graph_error"] = drafter.graph_error
+    print(f"head's draft-loop graphs captured: {report['head_graphs_captured']}"
+          + (f" (capture failed: {drafter.graph_error})" if drafter.graph_error else ""))  # fmt: skip
+    print("\n| k | step ms | draft ms, graphs (per draft) | draft ms, eager (per draft) | eager / graphs | observe ms "
+          "| verify ms | verify vs plain | drafts/step |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for k in ks:
         llm.engine.config.speculative_config.num_speculative_tokens = k
+        drafter.use_graphs = False
+        eager = time_steps(llm, timed, args, f"k{k}-eager")
+        drafter.use_graphs = True
         row = {"k": k} | time_steps(llm, timed, args, f"k{k}")
+        row |= {"draft_ms_eager": eager["draft_ms"], "step_ms_eager": eager["step_ms"]}
         report["rows"].append(row)
         print(f"| {k} | {row['step_ms']:.2f} | {row['draft_ms']:.2f} ({row['draft_ms'] / k:.2f}) | "
+              f"{eager['draft_ms']:.2f} ({eager['draft_ms'] / k:.2f}) | {eager['draft_ms'] / row['draft_ms']:.2f}x | "
               f"{row['observe_ms']:.2f} | {row['verify_ms']:.2f} | {row['verify_ms'] / plain['step_ms']:.2f}x | "
               f"{row['drafts_per_step']:.1f} |", flush=True)  # fmt: skip
     print("\ntok/s at batch 1 from the measured steps, each draft accepted with probability a")
@@ -311,6 +374,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {k} | {1e3 / plain['step_ms']:.1f} | {cells} |")
     report["graphs_equal_eager"] = graphs_equal_eager(llm, timed, args)
     print(f"\nproposals and output with the target's CUDA graphs == without: {report['graphs_equal_eager']}")
+    d = report["draft_graphs_equal_eager"] = draft_graphs_equal_eager(llm, timed, args)
+    print(
+        f"head's graphs == its eager loop (4 requests, greedy and seeded: every proposal, ids and logprob bits) "
+        f"== plain decoding: {d['equal']} ({d['calls']} calls, {d['graph_runs']} through the graphs)"
+    )
     report["async_equal_sync"] = async_equal_sync(llm, timed, args)
     a = report["async_equal_sync"]
     print(f"async scheduling + EAGLE-3 (4 requests, drafts at every other step) == synchronous == plain decoding: "

@@ -45,7 +45,8 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         "--speculative-config", type=_json_object, default=None, metavar="JSON",
         help='speculative decoding, vLLM\'s dict: \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
         '\'{"model": PATH, "num_speculative_tokens": 3}\' (a draft model) or \'{"method": "eagle3", "model": PATH, '
-        '"num_speculative_tokens": 3}\' (an EAGLE-3 head); the same bits as without, only faster or slower',
+        '"num_speculative_tokens": 3}\' (an EAGLE-3 head, also in vLLM\'s speculators format); the same bits as '
+        'without, only faster or slower',
     )  # fmt: skip
 
 

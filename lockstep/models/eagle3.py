@@ -15,6 +15,10 @@ post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``
 optionally ``embed_tokens.weight``; in safetensors, or in a ``pytorch_model.bin`` read tensors-only
 (``models/torch_bin.py``), as many published heads ship. The layer runs on the kernel set it is given, like any
 lockstep layer.
+
+The same heads in vLLM's "speculators" format (``models/speculators.py``: the layer's config nested in
+``transformer_layer_config``, the layer's tensors under ``layers.0.``) load into the same ``Eagle3Head``; a layer
+of ``model_type`` "qwen3" adds Qwen3's ``self_attn.q_norm`` / ``k_norm``.
 """
 
 from dataclasses import dataclass
@@ -32,8 +36,9 @@ from lockstep.layers.linear import Linear
 from lockstep.layers.norm import RMSNorm
 from lockstep.layers.rotary import RotaryEmbedding
 from lockstep.models.llama import LlamaAttention, LlamaMLP, ModelConfig
+from lockstep.models.speculators import EAGLE3_ARCHITECTURES, is_speculators, published_name, speculators_name
+from lockstep.models.speculators import eagle3_config as speculators_eagle3_config
 
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _OPTIONAL = ("embed_tokens.weight", "d2t", "t2d")
 
 
@@ -45,6 +50,7 @@ class Eagle3Config:
     draft_vocab_size: int
     aux_layers: tuple[int, ...]  # the target layers whose input streams feed fc, in fc's input order
     norm_before_residual: bool = False  # the residual is hidden_norm(hidden) rather than hidden
+    speculators: bool = False  # vLLM's "speculators" format: its layer's tensors are named layers.0.*
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -60,12 +66,21 @@ def read_eagle3_config(path: str | Path, target: ModelConfig) -> Eagle3Config:
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found")
     hf = json.loads(file.read_text())
-    archs = hf.get("architectures") or []
-    if not any(a in EAGLE3_ARCHITECTURES for a in archs):
-        raise ValueError(f"{path}: an EAGLE-3 head names architecture {EAGLE3_ARCHITECTURES[0]!r}, this one {archs!r}")
+    speculators = is_speculators(hf)
+    if speculators:
+        hf = speculators_eagle3_config(hf, path)  # the flat published layout; its architecture is the layer's
+        layer_arch = hf["architectures"][0]
+    else:
+        archs = hf.get("architectures") or []
+        if not any(a in EAGLE3_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"{path}: an EAGLE-3 head names architecture {EAGLE3_ARCHITECTURES[0]!r} (or is in vLLM's "
+                f"speculators format, with speculators_model_type), this one {archs!r}"
+            )
+        layer_arch = "LlamaForCausalLM"
     if hf.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"{path}: EAGLE-3 heads of {hf['num_hidden_layers']} layers are not supported (only 1)")
-    layer = ModelConfig.from_hf(hf | {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
+    layer = ModelConfig.from_hf(hf | {"architectures": [layer_arch], "num_hidden_layers": 1})
     H = target.hidden_size
     target_hidden = hf.get("target_hidden_size") or layer.hidden_size
     if layer.hidden_size != H or target_hidden != H:
@@ -86,7 +101,7 @@ def read_eagle3_config(path: str | Path, target: ModelConfig) -> Eagle3Config:
             f"{path}: the aux hidden-state layers {aux} must be 3 layers of the target's {target.num_layers} "
             f"(set eagle_aux_hidden_state_layer_ids)"
         )
-    return Eagle3Config(layer, draft_vocab, aux, bool(hf.get("norm_before_residual", False)))
+    return Eagle3Config(layer, draft_vocab, aux, bool(hf.get("norm_before_residual", False)), speculators)
 
 
 class Eagle3Head(nn.Module):
@@ -180,8 +195,17 @@ class Eagle3Head(nn.Module):
             slots[f"midlayer.self_attn.{leaf}.weight"] = attn.qkv_proj.weight[attn.qkv_proj.part_slice(part)]
             if attn.qkv_proj.bias is not None:
                 slots[f"midlayer.self_attn.{leaf}.bias"] = attn.qkv_proj.bias[attn.qkv_proj.part_slice(part)]
+        if attn.o_proj.bias is not None:
+            slots["midlayer.self_attn.o_proj.bias"] = attn.o_proj.bias
+        if attn.q_norm is not None:  # a Qwen3 layer (speculators' model_type "qwen3")
+            slots["midlayer.self_attn.q_norm.weight"] = attn.q_norm.weight
+            slots["midlayer.self_attn.k_norm.weight"] = attn.k_norm.weight
         for part, leaf in enumerate(("gate_proj", "up_proj")):
             slots[f"midlayer.mlp.{leaf}.weight"] = mlp.gate_up_proj.weight[mlp.gate_up_proj.part_slice(part)]
+            if mlp.gate_up_proj.bias is not None:
+                slots[f"midlayer.mlp.{leaf}.bias"] = mlp.gate_up_proj.bias[mlp.gate_up_proj.part_slice(part)]
+        if mlp.down_proj.bias is not None:
+            slots["midlayer.mlp.down_proj.bias"] = mlp.down_proj.bias
         if self.own_embed:
             slots["embed_tokens.weight"] = self.embed_tokens.weight
         return {name: t.detach() for name, t in slots.items()}
@@ -244,6 +268,14 @@ def load_eagle3(
     folder, read for its embedding when the head has none and the target's is sharded (tensor parallelism)."""
     config = read_eagle3_config(path, target.config)
     tensors = read_tensors(path)
+    shown = str  # a tensor's name in the checkpoint's own format, for the errors
+    if config.speculators:
+        stray = sorted(n for n in tensors if n.startswith("midlayer."))
+        if stray:
+            names = ", ".join(stray)
+            raise ValueError(f"{path}: unexpected tensor(s) {names} in a speculators checkpoint (layers.0.*)")
+        tensors = {published_name(name): t for name, t in tensors.items()}
+        shown = speculators_name
     embed = None if "embed_tokens.weight" in tensors else shared_embedding(target)
     if embed is None and "embed_tokens.weight" not in tensors:
         if target_path is None:
@@ -262,13 +294,14 @@ def load_eagle3(
     if "d2t" not in tensors and Vd != V:
         missing.append("d2t")
     if missing:
-        raise ValueError(f"{path}: the EAGLE-3 checkpoint lacks {', '.join(missing)}")
+        raise ValueError(f"{path}: the EAGLE-3 checkpoint lacks {', '.join(map(shown, missing))}")
     unexpected = sorted(set(tensors) - set(slots) - {"t2d"})
     if unexpected:
-        raise ValueError(f"{path}: unexpected tensor(s) {', '.join(unexpected)} in an EAGLE-3 checkpoint")
+        raise ValueError(f"{path}: unexpected tensor(s) {', '.join(map(shown, unexpected))} in an EAGLE-3 checkpoint")
     for name, dest in slots.items():
         if name in tensors and tuple(tensors[name].shape) != tuple(dest.shape):
-            raise ValueError(f"{path}: {name} has shape {list(tensors[name].shape)}, expected {list(dest.shape)}")
+            got, want = list(tensors[name].shape), list(dest.shape)
+            raise ValueError(f"{path}: {shown(name)} has shape {got}, expected {want}")
     _check_vocab_maps(path, tensors.get("d2t"), tensors.get("t2d"), V, Vd)
     for name, dest in slots.items():
         if name in tensors:

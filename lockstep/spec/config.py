@@ -23,8 +23,9 @@ class SpeculativeConfig:
 
     ``method`` "ngram" looks the tokens up in the sequence itself (``prompt_lookup_min`` to ``prompt_lookup_max``
     long suffix n-grams); "draft_model" runs ``model`` (a smaller checkpoint with the target's tokenizer);
-    "eagle3" runs the EAGLE-3 head at ``model`` on the target's hidden states. Left out, ``method`` is
-    "draft_model" when ``model`` is given (and "ngram" when ``model`` is vLLM's "ngram"/"[ngram]" spelling).
+    "eagle3" runs the EAGLE-3 head at ``model`` on the target's hidden states. Left out, ``method`` is read from
+    ``model``'s ``config.json``, as vLLM does: "eagle3" for an EAGLE-3 head (``LlamaForCausalLMEagle3``, or vLLM's
+    "speculators" format), else "draft_model" (and "ngram" when ``model`` is vLLM's "ngram"/"[ngram]" spelling).
     """
 
     num_speculative_tokens: int
@@ -43,7 +44,7 @@ class SpeculativeConfig:
             if self.model in ("ngram", "[ngram]"):
                 self.method, self.model = "ngram", None
             elif self.model is not None:
-                self.method = "draft_model"
+                self.method = "eagle3" if _is_eagle3_head(self.model) else "draft_model"
             else:
                 raise ValueError('speculative_config needs "method" (ngram, draft_model, eagle3) or "model"')
         if self.method == "[ngram]":
@@ -53,6 +54,11 @@ class SpeculativeConfig:
         if self.method in ("draft_model", "eagle3") and self.model is None:
             what = "the draft checkpoint" if self.method == "draft_model" else "the EAGLE-3 head's checkpoint"
             raise ValueError(f'speculative_config: method "{self.method}" needs "model", {what}')
+        if self.method == "draft_model" and _is_eagle3_head(self.model):
+            raise ValueError(
+                f'speculative_config: {self.model} is an EAGLE-3 head, not a draft model: use method "eagle3" (or '
+                f'leave "method" out)'
+            )
         if self.method == "ngram":
             self._resolve_lookup()
         elif self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
@@ -86,5 +92,31 @@ class SpeculativeConfig:
                 f"{', '.join(sorted(known))}"
             )
         if "num_speculative_tokens" not in config:
-            raise ValueError("speculative_config needs num_speculative_tokens")
+            k = _speculators_tokens(config.get("model")) if config.get("method") in (None, "eagle3") else None
+            if k is None:
+                raise ValueError("speculative_config needs num_speculative_tokens")
+            config = config | {"num_speculative_tokens": k}
         return cls(**config)
+
+
+def _is_eagle3_head(model: str) -> bool:
+    """Whether ``model``'s ``config.json`` (where there is one to read) is an EAGLE-3 head's."""
+    if model in ("ngram", "[ngram]"):
+        return False
+    from lockstep.models.speculators import is_eagle3_head, read_checkpoint_config
+
+    hf = read_checkpoint_config(model)
+    return hf is not None and is_eagle3_head(hf)
+
+
+def _speculators_tokens(model) -> int | None:
+    """vLLM's default ``num_speculative_tokens`` for a head in the speculators format: its proposal method's
+    ``speculative_tokens`` (None for any other checkpoint)."""
+    if not isinstance(model, str):
+        return None
+    from lockstep.models.speculators import is_speculators, read_checkpoint_config, speculative_tokens
+
+    hf = read_checkpoint_config(model)
+    if hf is None or not is_speculators(hf):
+        return None
+    return speculative_tokens(hf, model)

@@ -28,6 +28,7 @@ small fraction of the target's cache); the pending features of a prompt live fro
 first draft (``[prompt_len, hidden]`` in the target dtype).
 """
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -35,11 +36,12 @@ import torch
 from lockstep.config import EngineConfig
 from lockstep.engine.model_runner import _table_width
 from lockstep.engine.scheduler import ScheduledBatch
-from lockstep.layers.batch import flatten_batch
+from lockstep.layers.batch import FlatBatch, flatten_batch
 from lockstep.layers.sampler import device_tensor
 from lockstep.models.eagle3 import Eagle3Head, load_eagle3, resolve_head
 from lockstep.spec.config import SpeculativeConfig
 from lockstep.spec.drafter import DraftRequest
+from lockstep.spec.eagle3_graphs import Eagle3Graphs
 
 
 @dataclass
@@ -117,6 +119,30 @@ class Eagle3Drafter:
         self.num_kv_blocks = blocks
         self._free: list[int] = list(range(blocks))[::-1]  # a stack: lowest ids first
         self._states: dict[int, _State] = {}  # seq_id -> state; lookup only, never iterated for order
+        # CUDA graphs for the draft loop where the target's runner has them; not with sleep mode, which moves the
+        # storages (the shared embedding's among them) that a graph would have captured.
+        self.graphs: Eagle3Graphs | None = None
+        self.graph_error: str | None = None  # why the capture failed, if it did (the loop then runs eagerly)
+        if runner.graphs is not None and not runner.config.enable_sleep_mode:
+            self._capture(runner.config.max_num_seqs)
+        self.use_graphs = self.graphs is not None  # bench/eagle3_gpu.py turns them off to compare
+
+    def _capture(self, max_num_seqs: int) -> None:
+        graphs = self.make_graphs(max_num_seqs)
+        try:
+            graphs.capture()
+        except Exception as e:  # a kernel that cannot be captured: the eager loop drafts the same tokens, slower
+            graphs.release()
+            self.graph_error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"EAGLE-3 head: no CUDA graphs, drafting eagerly: {self.graph_error}", stacklevel=2)
+            return
+        self.graphs = graphs
+
+    def make_graphs(self, max_num_seqs: int) -> Eagle3Graphs:
+        """The head's graph buffers for calls of up to ``max_num_seqs`` sequences and ``num_speculative_tokens``
+        drafts (not captured yet: ``Eagle3Graphs.capture``)."""
+        max_blocks = _table_width(-(-self.max_model_len // self.block_size))
+        return Eagle3Graphs(self.head, self.kv_caches, max_num_seqs, self.config.num_speculative_tokens, max_blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -203,30 +229,50 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def _run(self, work: list[_Work]) -> None:
-        """The fed rows of every sequence in one forward, then one-row draft steps, fed on the device."""
+        """The fed rows of every sequence in one forward, then one-row draft steps, fed on the device: replayed from
+        the head's CUDA graphs when there are some (``spec/eagle3_graphs.py``), else eagerly."""
+        k = max(w.num_tokens for w in work)
+        width = _table_width(max(len(w.state.block_table) for w in work))
+        if self.use_graphs and self.graphs is not None and self.graphs.can_run(len(work), k, width):
+            self._run_graphs(work, k, width)
+        else:
+            self._run_eager(work, k)
+
+    def _first_batch(self, work: list[_Work]) -> FlatBatch:
+        """The fed rows of every sequence: one chunk each, at its real positions (the cache index is the position
+        less the sequence's ``offset``)."""
+        flat = flatten_batch([(w.tokens, w.first - w.state.offset, w.state.block_table) for w in work], self.block_size)
+        flat.positions = [p for w in work for p in range(w.first, w.last + 1)]
+        return flat
+
+    def _forward(self, flat: FlatBatch, hidden: torch.Tensor, input_ids: torch.Tensor | None = None):
+        """The head over ``flat`` eagerly (``input_ids``: the step's tokens on the device, instead of ``flat``'s)."""
+        width = _table_width(len(flat.block_tables[0]))  # as the target's runner: no compile per new width
+        flat.block_tables = [t + [0] * (width - len(t)) for t in flat.block_tables]
+        fed_ids, pos, attn = flat.to(self.device, self.kv_caches)
+        return self.head(fed_ids if input_ids is None else input_ids, pos, hidden, attn)
+
+    def _run_eager(self, work: list[_Work], k: int) -> None:
         head = self.head
-        chunks = [(w.tokens, w.first - w.state.offset, w.state.block_table) for w in work]
-        positions = [p for w in work for p in range(w.first, w.last + 1)]
         input_ids, hidden = None, torch.cat([w.features for w in work])
         active = work
         steps: list[tuple[list[_Work], torch.Tensor]] = []
-        for j in range(max(w.num_tokens for w in work)):
-            if j > 0:
+        for j in range(k):
+            if j == 0:
+                flat = self._first_batch(work)
+            else:
                 keep = [i for i, w in enumerate(active) if w.num_tokens > j]
                 if len(keep) < len(active):
                     sel = device_tensor(keep, torch.int64, self.device)
                     input_ids, hidden = input_ids[sel], hidden[sel]
                     active = [active[i] for i in keep]
                 chunks = [([0], w.last + j - w.state.offset, w.state.block_table) for w in active]
-                positions = [w.last + j for w in active]
-            flat = flatten_batch(chunks, self.block_size)
-            flat.positions = positions
-            width = _table_width(len(flat.block_tables[0]))  # as the target's runner: no compile per new width
-            flat.block_tables = [t + [0] * (width - len(t)) for t in flat.block_tables]
-            fed_ids, pos, attn = flat.to(self.device, self.kv_caches)
-            normed, prenorm = head(fed_ids if input_ids is None else input_ids, pos, hidden, attn)
+                flat = flatten_batch(chunks, self.block_size)
+                flat.positions = [w.last + j for w in active]
+            starts = flat.query_start_loc
+            normed, prenorm = self._forward(flat, hidden, input_ids)
             if j == 0:  # the last fed row of each sequence
-                rows = device_tensor([s - 1 for s in flat.query_start_loc[1:]], torch.int64, self.device)
+                rows = device_tensor([s - 1 for s in starts[1:]], torch.int64, self.device)
                 normed, prenorm = normed[rows], prenorm[rows]
             input_ids = head.to_target(head.compute_logits(normed).argmax(dim=-1))
             hidden = prenorm
@@ -234,3 +280,27 @@ class Eagle3Drafter:
         for ws, tokens in steps:  # one read-back: the first waits for the device
             for w, t in zip(ws, tokens.tolist(), strict=True):
                 w.drafts.append(t)
+
+    def _run_graphs(self, work: list[_Work], k: int, width: int) -> None:
+        flat = self._first_batch(work)
+        tables = [w.state.block_table + [0] * (width - len(w.state.block_table)) for w in work]
+        bs = self.block_size
+        steps = []
+        for j in range(1, k):  # forward j: position last + j, fed draft j - 1; none for a sequence done drafting
+            row = []
+            for w in work:
+                if w.num_tokens > j:
+                    c, table = w.last + j - w.state.offset, w.state.block_table
+                    row.append((w.last + j, table[c // bs] * bs + c % bs, c + 1))
+                else:
+                    row.append((0, -1, 1))
+            steps.append(row)
+
+        def eager_first():
+            return self._forward(self._first_batch(work), torch.cat([w.features for w in work]))
+
+        drafts = self.graphs.run(flat, tables, [w.features for w in work], steps, eager_first)
+        for j, row in enumerate(drafts.tolist()):  # one read-back
+            for w, t in zip(work, row, strict=True):
+                if j < w.num_tokens:
+                    w.drafts.append(t)

@@ -198,9 +198,12 @@ def test_bad_checkpoint_fails_the_llm_with_a_value_error(target_dir: Path, tmp_p
 # -- the head's forward against a torch reference ---------------------------------------------------------------
 
 
-def _reference_drafts(target_hf, w: dict[str, torch.Tensor], tokens: list[int], k: int) -> list[int]:
+def _reference_drafts(
+    target_hf, w: dict[str, torch.Tensor], tokens: list[int], k: int, norm_before_residual: bool = False
+) -> list[int]:
     """An fp32 torch forward of the EAGLE-3 head, written out: the target's streams entering layers AUX (hooks on
-    transformers' Llama), fc, then the head over every row at once with causal attention (no cache), k times."""
+    transformers' Llama), fc, then the head over every row at once with causal attention (no cache), k times
+    (``w``: the published tensor names; with ``q_norm`` / ``k_norm`` a Qwen3 layer's)."""
     streams: dict[int, torch.Tensor] = {}
 
     def grab(i):
@@ -220,7 +223,8 @@ def _reference_drafts(target_hf, w: dict[str, torch.Tensor], tokens: list[int], 
     positions = list(range(len(tokens) - 1))
     drafts = []
     for _ in range(k):
-        normed, prenorm = _reference_head(w, E[torch.tensor(ids)], hidden, torch.tensor(positions))
+        embeds, where = E[torch.tensor(ids)], torch.tensor(positions)
+        normed, prenorm = _reference_head(w, embeds, hidden, where, norm_before_residual)
         d = int((normed[-1] @ w["lm_head.weight"].T).argmax())
         drafts.append(d + int(w["d2t"][d]))
         ids.append(drafts[-1])
@@ -229,13 +233,15 @@ def _reference_drafts(target_hf, w: dict[str, torch.Tensor], tokens: list[int], 
     return drafts
 
 
-def _reference_head(w, embeds, hidden, positions) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference_head(w, embeds, hidden, positions, norm_before_residual=False) -> tuple[torch.Tensor, torch.Tensor]:
     eps, n = 1e-6, embeds.shape[0]
     e, h = _rms(embeds, w["midlayer.input_layernorm.weight"], eps), _rms(hidden, w["midlayer.hidden_norm.weight"], eps)
     x = torch.cat([e, h], -1)  # [n, 2H]: the token's embedding, then the hidden state
     q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM)
     k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM)
     v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM)
+    if "midlayer.self_attn.q_norm.weight" in w:  # Qwen3: each head's q and k normed, before the rotation
+        q, k = _rms(q, w["midlayer.self_attn.q_norm.weight"], eps), _rms(k, w["midlayer.self_attn.k_norm.weight"], eps)
     inv = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
     angles = positions.float()[:, None] * inv[None]
     cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
@@ -249,7 +255,7 @@ def _reference_head(w, embeds, hidden, positions) -> tuple[torch.Tensor, torch.T
     scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
     scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, HEADS * HEAD_DIM)
-    residual = attn @ w["midlayer.self_attn.o_proj.weight"].T + hidden
+    residual = attn @ w["midlayer.self_attn.o_proj.weight"].T + (h if norm_before_residual else hidden)
     y = _rms(residual, w["midlayer.post_attention_layernorm.weight"], eps)
     gate, up = y @ w["midlayer.mlp.gate_proj.weight"].T, y @ w["midlayer.mlp.up_proj.weight"].T
     out = (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T + residual
