@@ -577,7 +577,7 @@ def main():
                    decode_samples=40, wide=40960, speed_ctx=[4096, 32768], speed_batches=[1, 8, 64],
                    speed_prefill=[(1, 4096), (1, 16384), (8, 1024)], fast_ctx=[1024, 8192, 32768],
                    fast_batches=[1, 16, 64], fast_fixed_splits=[256, 512, 1024, 2048, 4096],
-                   merge_ctx=[4096, 8192, 32768], merge_batches=[1, 4, 16, 64, 256])  # fmt: skip
+                   merge_ctx=[4096, 8192, 32768], merge_batches=[1, 4, 16])  # fmt: skip
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)'}, "
           f"torch {torch.__version__}, heads {cfg['hq']}/{cfg['hkv']}, head_dim {cfg['d']}, {cfg['dtype']}, "
           f"TILE {TILE}, split {cfg['split']}")  # fmt: skip
