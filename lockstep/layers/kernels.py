@@ -2,9 +2,9 @@
 
 ``invariant`` is lockstep's contract: every reduction in ``lockstep.ops`` combines one output element's terms in
 an order fixed by the reduction length alone. ``default`` (what ``batch_invariant=False`` runs) is the fast mode a
-non-deterministic engine would be: cuBLAS, torch's norms, and on CUDA a paged attention whose KV split follows the
-batch; CUDA graphs capture it like the invariant set. It is the negative control that shows the batch changing the
-bits, and the speed baseline. ``torch`` runs torch's own ops only (SDPA over K/V gathered from the cache; for MoE,
+non-deterministic engine would be: cuBLAS, torch's norms on the CPU and fused ones on CUDA, and on CUDA a paged
+attention whose KV split follows the batch; CUDA graphs capture it like the invariant set. It is the negative
+control that shows the batch changing the bits, and the speed baseline. ``torch`` runs torch's own ops only (SDPA over K/V gathered from the cache; for MoE,
 a loop over the experts), differentiable: the usual RL trainer. ``torch-linear`` mixes (torch's matmul, norm and
 activation, lockstep's attention) to price invariance outside attention. Layers call ``self.kernels.<op>``; nothing
 in the forward pass branches on the set.
@@ -195,6 +195,8 @@ DEFAULT = register_kernels(
     dataclasses.replace(
         TORCH,
         name="default",
+        rms_norm=torch_kernels.fast_rms_norm,
+        rms_norm_qk=torch_kernels.fast_rms_norm_qk,
         write_kv=ops.write_kv,  # a copy: exact on every path, and it skips graph padding rows (slot -1)
         rotary=ops.rotary,
         rotary_write_kv=ops.rotary_write_kv,
@@ -206,6 +208,11 @@ DEFAULT = register_kernels(
 )
 TORCH_LINEAR = register_kernels(
     dataclasses.replace(
-        DEFAULT, name="torch-linear", attention=INVARIANT.attention, vision_attention=INVARIANT.vision_attention
+        DEFAULT,
+        name="torch-linear",
+        rms_norm=TORCH.rms_norm,
+        rms_norm_qk=None,
+        attention=INVARIANT.attention,
+        vision_attention=INVARIANT.vision_attention,
     )
 )

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.layers.batch import HOST_MAX_QUERY_LEN, HOST_SEQ_LENS, AttentionMetadata
+from lockstep import ops
 from lockstep.ops import gated, moe
 from lockstep.ops._common import num_sms
 from lockstep.ops.attention import fa4
@@ -41,6 +42,26 @@ def torch_rms_norm(
         x = x + residual
     out = weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     return out if residual is None else (out, x)
+
+
+def fast_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The ``default`` set's RMSNorm: on CUDA one launch with the residual add fused, a program per row (lockstep's
+    kernel; vLLM's ``fused_add_rms_norm`` is the same shape of kernel), where ``torch_rms_norm`` takes five; torch's
+    on the CPU."""
+    if x.is_cuda:
+        return ops.rms_norm(x, weight, eps, residual)
+    return torch_rms_norm(x, weight, eps, residual)
+
+
+def fast_rms_norm_qk(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head q and k norms for the ``default`` set: one launch for both on CUDA, as ``fast_rms_norm``."""
+    if q.is_cuda:
+        return ops.rms_norm_qk(q, k, q_weight, k_weight, eps)
+    return torch_rms_norm(q, q_weight, eps), torch_rms_norm(k, k_weight, eps)
 
 
 def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
