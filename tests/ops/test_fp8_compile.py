@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
         return kernel.asm["ptx"]
 
     def divisions(ptx):  # the fp32 division instructions a kernel's quantization compiles to
-        return set(re.findall(r"div\.[a-z]+\.f32", ptx))
+        return set(re.findall(r"div[.][a-z]+[.]f32", ptx))
 
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
            **{p: "i32" for p in ("K", "stride_xm", "stride_qm", "stride_sm")}}
