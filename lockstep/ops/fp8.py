@@ -15,6 +15,10 @@ bits on the GPU for every M bucket and tile of the table). Promoting to fp32 onc
 Hopper's FP8 tensor cores, whose own accumulator keeps fewer bits than fp32.
 
 CUDA runs a persistent-tile Triton kernel (tile from ``fp8_config``: a fixed table keyed by N and a bucket of M).
+With per-(token, GROUP_K) activation scales ``fp8_linear`` gives the kernel the unquantized activations where the
+table says so: each K block's A tile is quantized where it is loaded, with the quantization kernel's formulas and
+operations (the same e4m3 values and scales, so the same output bits), which saves a launch and a write + read of
+the activations. Per-token scales need the row's max over all of K before its first block, and stay two kernels.
 The CPU (the interpreter has no FP8 MMA) runs the same blocks: each block's ``part`` is an fp32 oneDNN matmul of the
 exactly converted e4m3 values on fixed row tiles (``_common.map_row_tiles``), then the same scale-and-add in the
 same block order. CPU and GPU bits differ (the order inside a block's dot, and the GPU fuses the multiply-add);
