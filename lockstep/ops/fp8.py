@@ -260,7 +260,7 @@ class Fp8Config:
     # tl.dot's max_num_imprecise_acc: None is Triton's default (on sm_90 a block's wgmma chain accumulates in the
     # tensor core's reduced-precision accumulator until the block's fp32 add); 0 asks for a precise dot, which
     # Triton 3.9 compiles to mma.sync instead of wgmma (seen in the PTX). Not part of the tile: it can change the
-    # bits, so every entry of the table must use one value (bench/fp8_check.py --sweep times both).
+    # bits, so every entry of the table must use one value (precise tiles are not in the sweep since session 14).
     imprecise_acc: int | None = None
     # fp8_linear with per-(token, GROUP_K) activation scales: quantize the activations in this tile's A load
     # (_fp8_linear_triton) rather than in a kernel of their own first. The same bits either way; the fused kernel
