@@ -218,6 +218,31 @@ def sweep_time(fn) -> float | None:
         return None
 
 
+class _LastKernel:
+    """Stands in for ``fp8._fp8_mm_kernel`` around one call: keeps the compiled kernel that call launched (its
+    registers and spills: a tile that spills is slow for that reason)."""
+
+    def __init__(self):
+        self.kernel, self.last = fp8._fp8_mm_kernel, None
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.last = self.kernel[grid](*args, **kwargs)
+            return self.last
+
+        return launch
+
+    def __enter__(self):
+        fp8._fp8_mm_kernel = self
+        return self
+
+    def __exit__(self, *exc):
+        fp8._fp8_mm_kernel = self.kernel
+
+    def resources(self) -> dict:
+        return {"regs": getattr(self.last, "n_regs", None), "spills": getattr(self.last, "n_spills", None)}
+
+
 def sweep_tiles(m: int, n: int, k: int, tiny: bool) -> list[Fp8Config]:
     """The tiles the sweep runs at M: the table's (fused, whatever the table says), then the candidates."""
     candidates = SMALL_TILES if m <= 64 else LARGE_TILES
@@ -296,7 +321,8 @@ def sweep(k: int, n: int, ms: list[int], tiny: bool) -> list[dict]:
                     return _fp8_mm_triton(*fp8.quantize_rows(x, 128), w, s, None, torch.bfloat16, cfg)
 
                 try:
-                    bits = same(linear(*block[0]), want)
+                    with _LastKernel() as launched:
+                        bits = same(linear(*block[0]), want)
                 except Exception as e:  # noqa: BLE001  (a tile that does not build: shared memory, registers)
                     print(f"    {tile_name(cfg)} {variant}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
                     cell[variant] = {"us": None, "bits_equal": None}
@@ -306,7 +332,8 @@ def sweep(k: int, n: int, ms: list[int], tiny: bool) -> list[dict]:
                 if cfg.bm >= 64 and not bits:
                     fail(f"sweep K={k} N={n} M={m} {tile_name(cfg)} {variant}: other bits than the table's tile")
                 us = sweep_time(lambda linear=linear: [linear(w, s) for w, s in block])
-                cell[variant] = {"us": None if us is None else us / copies, "bits_equal": bits}
+                cell[variant] = {"us": None if us is None else us / copies, "bits_equal": bits,
+                                 **launched.resources()}  # fmt: skip
             row["tiles"][tile_name(cfg)] = cell
         for key in ("scaled_mm_us", "table_gemm_us"):
             if row.get(key) is not None:
@@ -320,7 +347,7 @@ def print_sweep(k: int, n: int, rows: list[dict]) -> None:
     """One block per shape: a row per tile, a column per M; a cell is fused/unfused microseconds, '!' after a time
     whose bits differ from the table tile's (unfused), '-' where the tile was not run or did not build."""
     ms = [r["M"] for r in rows]
-    width = 15
+    width = 17
 
     def us(v):
         return "-" if v is None else f"{v:.1f}"
@@ -344,9 +371,11 @@ def print_sweep(k: int, n: int, rows: list[dict]) -> None:
             mark = lambda v: "" if v["bits_equal"] in (True, None) else "!"  # noqa: E731
             cells.append(f"{us(f['us'])}{mark(f)}/{us(u['us'])}{mark(u)}")
         tables = [r["M"] for r in rows if r["table"] == name]
-        label = name + (" T" if tables else "")
+        spills = [r["tiles"][name][v].get("spills") for r in rows if name in r["tiles"] for v in ("fused", "unfused")]
+        spilled = max((x for x in spills if x is not None), default=0)
+        label = name + (" T" if tables else "") + (f" S{spilled}" if spilled else "")
         print(f"    {label:34}" + "".join(f" {c:>{width - 1}}" for c in cells))
-    print("    T: the table's tile at some M (fp8_config); the table fuses at M " +
+    print("    T: the table's tile at some M (fp8_config); S: the most registers it spilled; the table fuses at M " +
           ", ".join(str(r["M"]) for r in rows if r["table_fuses"]))  # fmt: skip
     for r in rows:
         best = min(((c[v]["us"], f"{name} {v}") for name, c in r["tiles"].items() for v in ("fused", "unfused")
