@@ -248,7 +248,8 @@ def sweep_tiles(m: int, n: int, k: int, tiny: bool) -> list[Fp8Config]:
     candidates = SMALL_TILES if m <= 64 else LARGE_TILES
     if tiny:  # the interpreter's dot sums a whole BK slice at once: only BK 128 keeps the table's bits there
         candidates = [c for c in candidates if c.bk == fp8.GROUP_K][:2]
-    return list(dict.fromkeys([replace(fp8_config(m, n, k), fuse_quantization=True), *candidates]))
+    tiles = [fp8_config(m, n, k), *candidates]
+    return list(dict.fromkeys(replace(c, fuse_quantization=False) for c in tiles))  # the tile: both are timed
 
 
 def _compile_worker(shapes: list[tuple[int, int]], ms: list[int], part: int, parts: int) -> int:

@@ -169,12 +169,22 @@ def _e4m3_values(q):
 
 
 @triton.jit
-def _quantize_tile(x, scale, UPCAST: tl.constexpr):
-    # x: [BM, BK] fp32, scale: [BM] -> e4m3 (the interpreter: its values in fp32), _quantize_kernel's formulas.
+def _quantize_tile(x, scale, UPCAST: tl.constexpr, BM: tl.constexpr, ROWS: tl.constexpr):
+    # x: [ROWS, BK] fp32, scale: [ROWS] -> [BM, BK] e4m3 (the interpreter: its values in fp32) by _quantize_kernel's
+    # formulas; ROWS 1: one row, repeated BM times. One return (Triton's code generator goes on past a return in an
+    # if).
     q = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
     if UPCAST:
-        return _e4m3_values(q)
-    return q.to(tl.float8e4nv)
+        out = _e4m3_values(q)
+    else:
+        if ROWS == 1:
+            # An identity the compiler may not duplicate (not pure): without it Triton 3.9 moves the division into
+            # the repeated rows' layout and computes it once per copy (sm_90 PTX; Triton 3.6 does not).
+            q = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [q], dtype=tl.float32, is_pure=False, pack=1)
+        out = q.to(tl.float8e4nv)
+    if ROWS != BM:
+        out = tl.broadcast_to(out, (BM, x.shape[1]))
+    return out
 
 
 @triton.jit
@@ -184,14 +194,18 @@ def _fp8_mm_kernel(
     stride_am, stride_ak, stride_asm, stride_asg,
     stride_bk, stride_bn, stride_bsn, stride_bsg,
     stride_cm, stride_cn, num_programs,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IMPRECISE_ACC: tl.constexpr, QUANTIZE_A: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+    QUANTIZE_A: tl.constexpr, A_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Persistent: program p computes tiles p, p + num_programs, ...; which program owns a tile never changes it.
     # QUANTIZE_A: A is the unquantized activations (any float dtype) and each K block's A tile is quantized where it
     # is loaded, per row and block, with _quantize_kernel's formulas (as_ptr unused): the same e4m3 values and
-    # scales as quantize_rows(a, GROUP_K), so the same bits as the two kernels.
+    # scales as quantize_rows(a, GROUP_K), so the same bits as the two kernels. A_ROWS: the rows of a tile that are
+    # quantized, BM, or 1 where M = 1: the tile's other rows are then copies of row 0, whose outputs are past M and
+    # never stored (a decode step quantizes its one row, not BM). Fewer rows than BM but more than 1 do not help:
+    # Triton 3.6 computes them in the repeated layout (sm_90 PTX read on the CPU).
     pdl_wait(USE_PDL)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -203,22 +217,26 @@ def _fp8_mm_kernel(
         m_ok = offs_m < M
         n_ok = offs_n < N
         a_rows = a_ptr + offs_m[:, None] * stride_am
+        offs_q = pid_m * BM + tl.arange(0, A_ROWS)  # the rows quantized (QUANTIZE_A)
+        q_rows = a_ptr + offs_q[:, None] * stride_am
+        q_ok = offs_q < M
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for g in range(0, tl.cdiv(K, GROUP_K)):
             # One K block: its e4m3 products summed in fp32 from zero, then scaled and added (the block order).
             if QUANTIZE_A:  # the block's scale per row: max |x| over its GROUP_K columns (exact in any order)
                 if BK == GROUP_K:
                     k = g * GROUP_K + offs_k
-                    x = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+                    x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & (k < K)[None, :], other=0.0)
                     x = x.to(tl.float32)
-                    sa = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
+                    sq = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
                 else:
-                    amax = tl.zeros((BM,), dtype=tl.float32)
+                    amax = tl.zeros((A_ROWS,), dtype=tl.float32)
                     for kk in tl.static_range(0, GROUP_K, BK):
                         k = g * GROUP_K + kk + offs_k
-                        x = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+                        x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & (k < K)[None, :], other=0.0)
                         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
-                    sa = tl.maximum(amax, 1e-12) / 448.0
+                    sq = tl.maximum(amax, 1e-12) / 448.0
+                sa = sq if A_ROWS == BM else tl.broadcast_to(sq, (BM,))
             else:
                 sa = tl.load(as_ptr + offs_m * stride_asm + g * stride_asg, mask=m_ok, other=0.0)
             part = tl.zeros((BM, BN), dtype=tl.float32)
@@ -227,9 +245,9 @@ def _fp8_mm_kernel(
                 k_ok = k < K  # the tail of K (and of a block) loads zeros: exact
                 if QUANTIZE_A:
                     if BK != GROUP_K:  # the slice again (from cache), now that the block's scale is known
-                        x = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                        x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & k_ok[None, :], other=0.0)
                         x = x.to(tl.float32)
-                    a = _quantize_tile(x, sa, UPCAST)
+                    a = _quantize_tile(x, sq, UPCAST, BM, A_ROWS)
                 else:
                     a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(
@@ -265,7 +283,7 @@ class Fp8Config:
     # fp8_linear with per-(token, GROUP_K) activation scales: quantize the activations in this tile's A load
     # (_fp8_linear_triton) rather than in a kernel of their own first. The same bits either way; the fused kernel
     # saves a launch and a write + read of A but quantizes each A tile once per N tile. Not part of the GEMM's tile.
-    fuse_quantization: bool = True
+    fuse_quantization: bool = False
 
 
 def fp8_config(m: int, n: int, k: int) -> Fp8Config:
@@ -280,12 +298,14 @@ def fp8_config(m: int, n: int, k: int) -> Fp8Config:
     """
     C = Fp8Config
     if m <= 64:
-        return C(64, 32 if n <= 4096 else 64, num_stages=5 if m <= 16 else 4)
+        # Fused at M = 1 only, where a tile quantizes its one row (_fp8_mm_kernel's A_ROWS). Above, every tile would
+        # quantize all its BM rows again for each of the N / BN tiles: about 800 more sm_90 instructions a warp and
+        # K block (SASS of 64 x 32 and 64 x 64, read on the CPU), more than the weights' load takes at these M.
+        # Not yet timed on the H200 (bench/fp8_check.py --sweep times both at every M).
+        return C(64, 32 if n <= 4096 else 64, num_stages=5 if m <= 16 else 4, fuse_quantization=m == 1)
     if m <= 256:
         return C(64, 128)
-    # Not fused from 257 rows: there the matmul dominates, and a fused tile would quantize each A tile N / 128
-    # times (a guess, not measured: bench/fp8_check.py --sweep times both).
-    return C(128, 128, num_warps=8, num_stages=4, fuse_quantization=False)
+    return C(128, 128, num_warps=8, num_stages=4)
 
 
 # Every tile the table can pick, for the bit checks (bench/fp8_check.py, tests).
@@ -329,6 +349,7 @@ def _launch(a, a_scale, w8, w_scale, bias, out_dtype, config, quantize_a: bool) 
     if GROUP_K % cfg.bk:
         raise ValueError(f"BK={cfg.bk} must divide the scale block {GROUP_K}")
     programs = max(1, min(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), num_sms(a.device)))
+    a_rows = 1 if quantize_a and m == 1 else cfg.bm  # the rows a fused tile quantizes (_fp8_mm_kernel)
     scale_strides = (0, 0) if quantize_a else (a_scale.stride(0), a_scale.stride(1) if a_scale.shape[1] > 1 else 0)
     _fp8_mm_kernel[(programs,)](
         a, a_scale, w8, w_scale, bias if bias is not None else c, c,
@@ -336,7 +357,8 @@ def _launch(a, a_scale, w8, w_scale, bias, out_dtype, config, quantize_a: bool) 
         a.stride(0), a.stride(1), *scale_strides,
         w8.stride(1), w8.stride(0), w_scale.stride(0), w_scale.stride(1) if w_scale.shape[1] > 1 else 0,
         c.stride(0), c.stride(1), programs,
-        HAS_BIAS=bias is not None, UPCAST=interpreting(), IMPRECISE_ACC=cfg.imprecise_acc, QUANTIZE_A=quantize_a,
+        HAS_BIAS=bias is not None, UPCAST=interpreting(), IMPRECISE_ACC=cfg.imprecise_acc,
+        QUANTIZE_A=quantize_a, A_ROWS=a_rows,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
     )  # fmt: skip

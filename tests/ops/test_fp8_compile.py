@@ -53,21 +53,26 @@ SCRIPT = textwrap.dedent(
     configs = [*fp8.FP8_CONFIGS, fp8.Fp8Config(16, 64, 64, imprecise_acc=0), fp8.Fp8Config(128, 128, imprecise_acc=0)]
     for cfg in configs:
         flags = {"HAS_BIAS": cfg.bm == 16, "UPCAST": False, "IMPRECISE_ACC": cfg.imprecise_acc, "QUANTIZE_A": False,
-                 "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_K": fp8.GROUP_K, "GROUP_M": cfg.group_m,
-                 "USE_PDL": True}
+                 "A_ROWS": cfg.bm, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_K": fp8.GROUP_K,
+                 "GROUP_M": cfg.group_m, "USE_PDL": True}
         ptx = compile_(fp8._fp8_mm_kernel, sig, flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         assert "e4m3" in ptx, cfg  # an e4m3 MMA, not an upcast
         # 16-row tiles run mma.sync, and so does max_num_imprecise_acc=0 (Triton's precise e4m3 dot on sm_90)
         assert ("wgmma" in ptx) == (cfg.bm >= 64 and cfg.imprecise_acc is None), cfg
-    # The fused quantization (bf16 activations quantized in the A load), every table tile and a BK-64 one: still an
-    # e4m3 wgmma, converting with the quantization kernel's instruction and dividing with its divisions.
+    # The fused quantization (bf16 activations quantized in the A load), every table tile and a BK-64 one, whole
+    # tiles and one row (M = 1): still an e4m3 wgmma, converting with the quantization kernel's instruction and
+    # dividing with its divisions. One row quantizes one row: a handful of divisions, not one per element of the tile.
     for cfg in [*fp8.FP8_CONFIGS, fp8.Fp8Config(64, 64, 64)]:
-        flags = {"HAS_BIAS": False, "UPCAST": False, "IMPRECISE_ACC": None, "QUANTIZE_A": True, "BM": cfg.bm,
-                 "BN": cfg.bn, "BK": cfg.bk, "GROUP_K": fp8.GROUP_K, "GROUP_M": cfg.group_m, "USE_PDL": True}
-        ptx = compile_(fp8._fp8_mm_kernel, {**sig, "a_ptr": "*bf16"}, flags, num_warps=cfg.num_warps,
-                       num_stages=cfg.num_stages)
-        assert "wgmma" in ptx and "e4m3" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx, cfg
-        assert divisions(ptx) == quantize_divisions, (cfg, divisions(ptx), quantize_divisions)
+        for rows in (cfg.bm, 1):
+            flags = {"HAS_BIAS": False, "UPCAST": False, "IMPRECISE_ACC": None, "QUANTIZE_A": True, "A_ROWS": rows,
+                     "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_K": fp8.GROUP_K, "GROUP_M": cfg.group_m,
+                     "USE_PDL": True}
+            ptx = compile_(fp8._fp8_mm_kernel, {**sig, "a_ptr": "*bf16"}, flags, num_warps=cfg.num_warps,
+                           num_stages=cfg.num_stages)
+            assert "wgmma" in ptx and "e4m3" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx, (cfg, rows)
+            assert divisions(ptx) == quantize_divisions, (cfg, rows, divisions(ptx), quantize_divisions)
+            count = len(re.findall(r"div[.]full[.]f32", ptx))
+            assert count <= 8 if rows == 1 else count >= cfg.bm * cfg.bk // (32 * cfg.num_warps), (cfg, rows, count)
     sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "a_rows_ptr": "*i64", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
            "c_ptr": "*bf16", **{p: "*i32" for p in ("tile_expert_ptr", "tile_start_ptr", "tile_end_ptr")},
            **{p: "i32" for p in ("N", "K", "num_experts")},
