@@ -377,7 +377,7 @@ def print_sweep(k: int, n: int, rows: list[dict]) -> None:
         label = name + (" T" if tables else "") + (f" S{spilled}" if spilled else "")
         print(f"    {label:34}" + "".join(f" {c:>{width - 1}}" for c in cells))
     print("    T: the table's tile at some M (fp8_config); S: the most registers it spilled; the table fuses at M " +
-          ", ".join(str(r["M"]) for r in rows if r["table_fuses"]))  # fmt: skip
+          (", ".join(str(r["M"]) for r in rows if r["table_fuses"]) or "none"))  # fmt: skip
     for r in rows:
         best = min(((c[v]["us"], f"{name} {v}") for name, c in r["tiles"].items() for v in ("fused", "unfused")
                     if c[v]["us"] is not None and c[v]["bits_equal"]), default=(None, "-"))  # fmt: skip
