@@ -449,7 +449,7 @@ def fp8_linear(
     m, k = x2.shape
     if x2.is_cuda and act_group == GROUP_K and fp8_config(m, w8.shape[0], k).fuse_quantization:
         out = _fp8_linear_triton(x2, w8, w_scale, bias, x.dtype)  # the same bits as the two kernels below
-    else:  # per-token scales need the whole row's max before the first block: their own kernel first
+    else:  # per-token scales (the row's max over all of K comes first), the CPU, the M the table does not fuse
         a8, a_scale = quantize_rows(x2, act_group)
         out = scaled_mm(a8, a_scale, w8, w_scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], w8.shape[0])
