@@ -36,7 +36,6 @@ import math
 import os
 import sys
 import time
-import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -252,26 +251,25 @@ def sweep_tiles(m: int, n: int, k: int, tiny: bool) -> list[Fp8Config]:
     return list(dict.fromkeys(replace(c, fuse_quantization=False) for c in tiles))  # the tile: both are timed
 
 
-def _compile_worker(shapes: list[tuple[int, int]], ms: list[int], part: int, parts: int) -> int:
-    # A child process: one call of every (shape, M, tile, fused or not) whose tile falls to this part, so Triton's
-    # disk cache holds each kernel (with the launch's own specialization) before the sweep times it.
+def _compile_worker(shapes: list[tuple[int, int]], ms: list[int], jobs: list[tuple[str, str]]) -> int:
+    # A child process: one call of every (shape, M) that the sweep runs each (tile, fused or not) of ``jobs`` at,
+    # so Triton's disk cache holds each kernel, with the launch's own specialization, before the sweep times it.
     count = 0
     for k, n in shapes:
         w8, ws = weight(n, k, "block")
         for m in ms:
             x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-            tiles = sweep_tiles(m, n, k, False)
-            for cfg in tiles:
-                if zlib.crc32(tile_name(cfg).encode()) % parts != part:
-                    continue
-                for fn in (
-                    lambda: _fp8_linear_triton(x, w8, ws, None, torch.bfloat16, cfg),
-                    lambda: _fp8_mm_triton(*fp8.quantize_rows(x, 128), w8, ws, None, torch.bfloat16, cfg),
-                ):
+            for cfg in sweep_tiles(m, n, k, False):
+                for variant in ("fused", "unfused"):
+                    if (tile_name(cfg), variant) not in jobs:
+                        continue
                     try:
-                        fn()
+                        if variant == "fused":
+                            _fp8_linear_triton(x, w8, ws, None, torch.bfloat16, cfg)
+                        else:
+                            _fp8_mm_triton(*fp8.quantize_rows(x, 128), w8, ws, None, torch.bfloat16, cfg)
                         count += 1
-                    except Exception:  # noqa: BLE001  (the sweep reports it)
+                    except Exception:  # noqa: BLE001  (a tile that does not build: the sweep reports it)
                         pass
     if CUDA:
         torch.cuda.synchronize()
@@ -279,14 +277,17 @@ def _compile_worker(shapes: list[tuple[int, int]], ms: list[int], part: int, par
 
 
 def precompile(shapes: list[tuple[int, int]], ms: list[int]) -> None:
-    """Compile the sweep's kernels in parallel processes (Triton compiles one kernel at a time in a process)."""
+    """Compile the sweep's kernels in parallel processes (Triton compiles one kernel at a time in a process); each
+    process takes every parts-th (tile, fused or not), so the slow large tiles spread over them."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     t0 = time.perf_counter()
     parts = max(1, min(8, (os.cpu_count() or 2) // 2))
+    tiles = {tile_name(c) for k, n in shapes for m in ms for c in sweep_tiles(m, n, k, False)}
+    jobs = [(t, v) for t in sorted(tiles) for v in ("fused", "unfused")]
     with ProcessPoolExecutor(parts, mp_context=mp.get_context("spawn")) as pool:
-        counts = list(pool.map(_compile_worker, [shapes] * parts, [ms] * parts, range(parts), [parts] * parts))
+        counts = list(pool.map(_compile_worker, [shapes] * parts, [ms] * parts, [jobs[i::parts] for i in range(parts)]))
     print(f"  compiled {sum(counts)} launches' kernels in {parts} processes in {time.perf_counter() - t0:.0f} s")
 
 
