@@ -2,7 +2,7 @@
 
     python bench/fp8_check.py --out DIR          # H200: Qwen3-8B shapes (3 min in session 13, before the fused checks)
     python bench/fp8_check.py --tiny --out DIR   # small shapes; without a GPU the checks run on the CPU path
-    python bench/fp8_check.py --sweep --out DIR  # only the tile sweep, for fp8_config (under 4 minutes)
+    python bench/fp8_check.py --sweep --out DIR  # only the tile sweep, for fp8_config (aimed at < 4 min, untimed)
 
 (a) Bits: ``ops.fp8.fp8_linear`` row m of an M-row call must equal row m of the 512-row call for every M in
     1..512, with 128 x 128 block weights (activations per 128-column group) and per-channel weights (activations
