@@ -166,6 +166,20 @@ def build_checkpoint(
     return info | {"load_format": "auto"}
 
 
+# Qwen3-FP8's quantization_config: 128 x 128 block weight scales, activations per token and 128 columns.
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}  # fmt: skip
+
+
+def mark_fp8_block(folder: Path) -> None:
+    """Make a ``build_checkpoint(weights=False)`` folder a Qwen3-FP8-style checkpoint: its dummy weights are then
+    drawn and quantized in that layout (the FP8 linear with per-128-column activations), not online FP8's."""
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = FP8_BLOCK_CONFIG
+    path.write_text(json.dumps(config, indent=2))
+
+
 # -- comparing outputs -------------------------------------------------------------------------------------------
 
 

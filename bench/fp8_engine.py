@@ -4,6 +4,7 @@
     python bench/fp8_engine.py                      # H200: Qwen3-8B shape, 36 layers, random weights (dummy load)
     python bench/fp8_engine.py --thousand           # also 1000 x 1000/1000 (a few more minutes)
     python bench/fp8_engine.py --tiny               # CPU: toy shape, seconds (what CI runs)
+    python bench/fp8_engine.py --configs fp8,fp8-block --requests 16   # online FP8 against a block-FP8 checkpoint
 
 Each config loads one ``LLM`` (``load_format="dummy"``: random weights; online FP8 quantizes them per channel) and:
 - times ``--steps`` batch-1 decode steps of the whole engine after ``--warm`` (CUDA graphs where the set has them,
@@ -30,12 +31,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import QWEN3_8B, QWEN3_TINY, build_checkpoint  # noqa: E402
+from engine import QWEN3_8B, QWEN3_TINY, build_checkpoint, mark_fp8_block  # noqa: E402
 
 from lockstep import LLM, SamplingParams  # noqa: E402
 from lockstep.outputs import OutputKind  # noqa: E402
 
 CONFIGS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+# Opt-in (--configs): a Qwen3-FP8-style checkpoint (128 x 128 block weights, activations per 128 columns, whose
+# quantization is fused into the matmul at M = 1) instead of online FP8 (per-channel weights, per-token activations).
+BLOCK_CONFIGS = {"fp8-block": {}, "fp8-block+kv": {"kv_cache_dtype": "fp8"}}
 GOALS = {"decode_ms": 2.5, "s256": 22.0, "tok_s_1000": 14_000.0}
 CHECK_TOKENS = 32
 
@@ -116,7 +120,7 @@ def run_config(name: str, folder: Path, args, device: torch.device, vocab: int, 
     llm = LLM(
         str(folder), device=device.type, dtype="bfloat16" if device.type == "cuda" else "float32",
         load_format="dummy", max_num_seqs=largest, max_model_len=longest + 16, max_num_batched_tokens=8192,
-        enable_prefix_caching=False, gpu_memory_utilization=0.85, seed=0, **CONFIGS[name],
+        enable_prefix_caching=False, gpu_memory_utilization=0.85, seed=0, **(CONFIGS | BLOCK_CONFIGS)[name],
     )  # fmt: skip
     r = {"config": name, "startup_s": round(time.perf_counter() - t0, 1)}
     model = llm.engine.runner.model
@@ -146,13 +150,13 @@ def run_config(name: str, folder: Path, args, device: torch.device, vocab: int, 
 
 
 def print_table(rows: list[dict], args) -> None:
-    print(f"\n{'config':8} {'weights GB':>10} {'floor ms':>8} {'decode ms':>9} {'graph=eager':>11} "
+    print(f"\n{'config':12} {'weights GB':>10} {'floor ms':>8} {'decode ms':>9} {'graph=eager':>11} "
           f"{f'{args.requests}x{args.input_len}/{args.output_len} s':>18} {'out tok/s':>10} {'alone=batch':>11}"
           + ("  1000x1000/1000 tok/s" if args.thousand else ""))  # fmt: skip
     for r in rows:
         decode = r["decode_graph_ms"] if r["decode_graph_ms"] is not None else r["decode_eager_ms"]
         floor = f"{r['floor_ms']:.2f}" if r["floor_ms"] else "-"
-        line = (f"{r['config']:8} {r['weight_gb']:10.2f} {floor:>8} {decode:9.3f} {str(r['graph_equals_eager']):>11} "
+        line = (f"{r['config']:12} {r['weight_gb']:10.2f} {floor:>8} {decode:9.3f} {str(r['graph_equals_eager']):>11} "
                 f"{r['run']['seconds']:18.2f} {r['run']['output_tok_s']:10.1f} "
                 f"{str(r['run']['alone_equals_batched']):>11}")  # fmt: skip
         if "thousand" in r:
@@ -166,7 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="toy shape on the CPU (the default without a GPU)")
     ap.add_argument("--layers", type=int, default=36)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS | BLOCK_CONFIGS)}")
     ap.add_argument("--requests", type=int, default=None, help="default 256 (tiny: 6)")
     ap.add_argument("--input-len", type=int, default=None, help="default 1024 (tiny: 24)")
     ap.add_argument("--output-len", type=int, default=None, help="default 1024 (tiny: 12)")
@@ -185,17 +189,22 @@ def main() -> None:
     if tiny:
         args.decode_prompt, args.warm = min(args.decode_prompt, 16), min(args.warm, 2)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    if set(configs) - set(CONFIGS):
-        ap.error(f"--configs: choose from {', '.join(CONFIGS)}")
+    if set(configs) - set(CONFIGS) - set(BLOCK_CONFIGS):
+        ap.error(f"--configs: choose from {', '.join(CONFIGS | BLOCK_CONFIGS)}")
     shape = QWEN3_TINY if tiny else QWEN3_8B
     folder = Path(tempfile.mkdtemp(prefix="lockstep-fp8-engine-"))
     build_checkpoint(folder, shape, None if tiny else args.layers, device, weights=False)
+    block_folder = Path(tempfile.mkdtemp(prefix="lockstep-fp8-block-engine-"))
+    if set(configs) & set(BLOCK_CONFIGS):
+        build_checkpoint(block_folder, shape, None if tiny else args.layers, device, weights=False)
+        mark_fp8_block(block_folder)
     bandwidth = copy_bandwidth(device)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "args": vars(args),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "copy_bandwidth": bandwidth, "goals": GOALS, "results": []}  # fmt: skip
     for name in configs:
-        r = run_config(name, folder, args, device, shape["vocab_size"], bandwidth)
+        where = block_folder if name in BLOCK_CONFIGS else folder
+        r = run_config(name, where, args, device, shape["vocab_size"], bandwidth)
         report["results"].append(r)
         print(json.dumps(r), flush=True)
     print_table(report["results"], args)

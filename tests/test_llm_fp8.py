@@ -141,6 +141,22 @@ def test_bench_fp8_check_runs_on_the_cpu(tmp_path) -> None:
     assert tree and all(not t["tp_sizes_differing"] and t["all_reduce_control_differs"] for t in tree)
 
 
+def test_bench_fp8_sweep_runs_on_the_cpu(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "fp8_check.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--sweep", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "fp8_sweep.json").read_text())
+    assert report["failures"] == [] and [r["M"] for r in report["sweep"]] == [3, 130]
+    cells = [c for r in report["sweep"] for tile in r["tiles"].values() for c in tile.values()]
+    assert len(cells) >= 8 and all(c["bits_equal"] for c in cells)  # the fused and unfused linear, every tile
+    assert "fp8_check.json" not in [p.name for p in tmp_path.iterdir()]  # --sweep runs the sweep alone
+
+
 def test_bench_fp8_engine_runs_on_the_cpu(tmp_path) -> None:
     import json
     import subprocess

@@ -15,6 +15,10 @@ bits on the GPU for every M bucket and tile of the table). Promoting to fp32 onc
 Hopper's FP8 tensor cores, whose own accumulator keeps fewer bits than fp32.
 
 CUDA runs a persistent-tile Triton kernel (tile from ``fp8_config``: a fixed table keyed by N and a bucket of M).
+With per-(token, GROUP_K) activation scales ``fp8_linear`` gives the kernel the unquantized activations where the
+table says so: each K block's A tile is quantized where it is loaded, with the quantization kernel's formulas and
+operations (the same e4m3 values and scales, so the same output bits), which saves a launch and a write + read of
+the activations. Per-token scales need the row's max over all of K before its first block, and stay two kernels.
 The CPU (the interpreter has no FP8 MMA) runs the same blocks: each block's ``part`` is an fp32 oneDNN matmul of the
 exactly converted e4m3 values on fixed row tiles (``_common.map_row_tiles``), then the same scale-and-add in the
 same block order. CPU and GPU bits differ (the order inside a block's dot, and the GPU fuses the multiply-add);
@@ -154,6 +158,36 @@ def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
 
 
 @triton.jit
+def _e4m3_values(q):
+    # q: fp32 in [-448, 448] -> the nearest-even e4m3 value, in fp32; for the interpreter, whose fp32 -> e4m3 cast
+    # rounds wrongly. Adding 1.5 * 2^(u + 23), u the exponent of q's e4m3 step (3 mantissa bits, 2^-9 at least:
+    # the subnormals), rounds q to a multiple of 2^u in one fp32 add (nearest even); subtracting it is exact.
+    e = (q.to(tl.int32, bitcast=True) >> 23) & 0xFF  # q's biased fp32 exponent
+    step = tl.maximum(e - 3, 127 - 9)  # the biased exponent of 2^u
+    c = (((step + 23) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+    return (q + c) - c
+
+
+@triton.jit
+def _quantize_tile(x, scale, UPCAST: tl.constexpr, BM: tl.constexpr, ROWS: tl.constexpr):
+    # x: [ROWS, BK] fp32, scale: [ROWS] -> [BM, BK] e4m3 (the interpreter: its values in fp32) by _quantize_kernel's
+    # formulas; ROWS 1: one row, repeated BM times. One return (Triton's code generator goes on past a return in an
+    # if).
+    q = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    if UPCAST:
+        out = _e4m3_values(q)
+    else:
+        if ROWS == 1:
+            # An identity the compiler may not duplicate (not pure): without it Triton 3.9 moves the division into
+            # the repeated rows' layout and computes it once per copy (sm_90 PTX; Triton 3.6 does not).
+            q = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [q], dtype=tl.float32, is_pure=False, pack=1)
+        out = q.to(tl.float8e4nv)
+    if ROWS != BM:
+        out = tl.broadcast_to(out, (BM, x.shape[1]))
+    return out
+
+
+@triton.jit
 def _fp8_mm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
     M, N, K,
@@ -161,10 +195,17 @@ def _fp8_mm_kernel(
     stride_bk, stride_bn, stride_bsn, stride_bsg,
     stride_cm, stride_cn, num_programs,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+    QUANTIZE_A: tl.constexpr, A_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Persistent: program p computes tiles p, p + num_programs, ...; which program owns a tile never changes it.
+    # QUANTIZE_A: A is the unquantized activations (any float dtype) and each K block's A tile is quantized where it
+    # is loaded, per row and block, with _quantize_kernel's formulas (as_ptr unused): the same e4m3 values and
+    # scales as quantize_rows(a, GROUP_K), so the same bits as the two kernels. A_ROWS: the rows of a tile that are
+    # quantized, BM, or 1 where M = 1: the tile's other rows are then copies of row 0, whose outputs are past M and
+    # never stored (a decode step quantizes its one row, not BM). Fewer rows than BM but more than 1 do not help:
+    # Triton 3.6 computes them in the repeated layout (sm_90 PTX read on the CPU).
     pdl_wait(USE_PDL)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -175,18 +216,40 @@ def _fp8_mm_kernel(
         offs_n = pid_n * BN + tl.arange(0, BN)
         m_ok = offs_m < M
         n_ok = offs_n < N
+        a_rows = a_ptr + offs_m[:, None] * stride_am
+        offs_q = pid_m * BM + tl.arange(0, A_ROWS)  # the rows quantized (QUANTIZE_A)
+        q_rows = a_ptr + offs_q[:, None] * stride_am
+        q_ok = offs_q < M
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for g in range(0, tl.cdiv(K, GROUP_K)):
             # One K block: its e4m3 products summed in fp32 from zero, then scaled and added (the block order).
+            if QUANTIZE_A:  # the block's scale per row: max |x| over its GROUP_K columns (exact in any order)
+                if BK == GROUP_K:
+                    k = g * GROUP_K + offs_k
+                    x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & (k < K)[None, :], other=0.0)
+                    x = x.to(tl.float32)
+                    sq = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
+                else:
+                    amax = tl.zeros((A_ROWS,), dtype=tl.float32)
+                    for kk in tl.static_range(0, GROUP_K, BK):
+                        k = g * GROUP_K + kk + offs_k
+                        x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & (k < K)[None, :], other=0.0)
+                        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
+                    sq = tl.maximum(amax, 1e-12) / 448.0
+                sa = sq if A_ROWS == BM else tl.broadcast_to(sq, (BM,))
+            else:
+                sa = tl.load(as_ptr + offs_m * stride_asm + g * stride_asg, mask=m_ok, other=0.0)
             part = tl.zeros((BM, BN), dtype=tl.float32)
             for kk in tl.static_range(0, GROUP_K, BK):
                 k = g * GROUP_K + kk + offs_k
                 k_ok = k < K  # the tail of K (and of a block) loads zeros: exact
-                a = tl.load(
-                    a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
-                    mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
+                if QUANTIZE_A:
+                    if BK != GROUP_K:  # the slice again (from cache), now that the block's scale is known
+                        x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & k_ok[None, :], other=0.0)
+                        x = x.to(tl.float32)
+                    a = _quantize_tile(x, sq, UPCAST, BM, A_ROWS)
+                else:
+                    a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(
                     b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                     mask=n_ok[None, :] & k_ok[:, None],
@@ -196,7 +259,6 @@ def _fp8_mm_kernel(
                     part = tl.dot(a.to(tl.float32), b.to(tl.float32), part, input_precision="ieee")
                 else:
                     part = tl.dot(a, b, part, max_num_imprecise_acc=IMPRECISE_ACC)
-            sa = tl.load(as_ptr + offs_m * stride_asm + g * stride_asg, mask=m_ok, other=0.0)
             sb = tl.load(bs_ptr + offs_n * stride_bsn + g * stride_bsg, mask=n_ok, other=0.0)
             acc += part * (sa[:, None] * sb[None, :])
         if HAS_BIAS:
@@ -216,8 +278,12 @@ class Fp8Config:
     # tl.dot's max_num_imprecise_acc: None is Triton's default (on sm_90 a block's wgmma chain accumulates in the
     # tensor core's reduced-precision accumulator until the block's fp32 add); 0 asks for a precise dot, which
     # Triton 3.9 compiles to mma.sync instead of wgmma (seen in the PTX). Not part of the tile: it can change the
-    # bits, so every entry of the table must use one value (bench/fp8_check.py --sweep times both).
+    # bits, so every entry of the table must use one value (precise tiles are not in the sweep since session 14).
     imprecise_acc: int | None = None
+    # fp8_linear with per-(token, GROUP_K) activation scales: quantize the activations in this tile's A load
+    # (_fp8_linear_triton) rather than in a kernel of their own first. The same bits either way; the fused kernel
+    # saves a launch and a write + read of A but quantizes each A tile once per N tile. Not part of the GEMM's tile.
+    fuse_quantization: bool = False
 
 
 def fp8_config(m: int, n: int, k: int) -> Fp8Config:
@@ -232,7 +298,12 @@ def fp8_config(m: int, n: int, k: int) -> Fp8Config:
     """
     C = Fp8Config
     if m <= 64:
-        return C(64, 32 if n <= 4096 else 64, num_stages=5 if m <= 16 else 4)
+        # Fused at M = 1 only, where a tile quantizes its one row (_fp8_mm_kernel's A_ROWS). Above, every tile would
+        # quantize all its BM rows again for each of the N / BN tiles: the 64 x 32 kernel's sm_90 SASS grows from 600
+        # to 1384 instructions (static count, Triton 3.6, read on the CPU; the quantization sits in the K-block
+        # loop), likely more than the weights' load takes at these M. Not yet timed on the H200
+        # (bench/fp8_check.py --sweep times both at every M).
+        return C(64, 32 if n <= 4096 else 64, num_stages=5 if m <= 16 else 4, fuse_quantization=m == 1)
     if m <= 256:
         return C(64, 128)
     return C(128, 128, num_warps=8, num_stages=4)
@@ -252,24 +323,45 @@ def _fp8_mm_triton(
     config: Fp8Config | None = None,
 ) -> torch.Tensor:
     # a8: [M, K] e4m3, a_scale: [M, KBa], w8: [N, K] e4m3, w_scale: [N, KBw] (KB* = 1: one scale for the row)
-    m, k = a8.shape
+    return _launch(a8, a_scale, w8, w_scale, bias, out_dtype, config, quantize_a=False)
+
+
+def _fp8_linear_triton(
+    x: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
+    """``_fp8_mm_triton(*quantize_rows(x, GROUP_K), ...)`` in one kernel: ``x: [M, K]`` (any float dtype) is
+    quantized per row and ``GROUP_K`` columns where the matmul loads it, with the quantization kernel's formulas, so
+    the output has the same bits and neither the e4m3 activations nor their scales are written."""
+    return _launch(x, x, w8, w_scale, bias, out_dtype, config, quantize_a=True)
+
+
+def _launch(a, a_scale, w8, w_scale, bias, out_dtype, config, quantize_a: bool) -> torch.Tensor:
+    m, k = a.shape
     n = w8.shape[0]
-    c = torch.empty((m, n), device=a8.device, dtype=out_dtype)
+    c = torch.empty((m, n), device=a.device, dtype=out_dtype)
     if m == 0 or n == 0:
         return c
     cfg = config or fp8_config(m, n, k)
     if GROUP_K % cfg.bk:
         raise ValueError(f"BK={cfg.bk} must divide the scale block {GROUP_K}")
-    programs = max(1, min(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), num_sms(a8.device)))
+    programs = max(1, min(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), num_sms(a.device)))
+    a_rows = 1 if quantize_a and m == 1 else cfg.bm  # the rows a fused tile quantizes (_fp8_mm_kernel)
+    scale_strides = (0, 0) if quantize_a else (a_scale.stride(0), a_scale.stride(1) if a_scale.shape[1] > 1 else 0)
     _fp8_mm_kernel[(programs,)](
-        a8, a_scale, w8, w_scale, bias if bias is not None else c, c,
+        a, a_scale, w8, w_scale, bias if bias is not None else c, c,
         m, n, k,
-        a8.stride(0), a8.stride(1), a_scale.stride(0), a_scale.stride(1) if a_scale.shape[1] > 1 else 0,
+        a.stride(0), a.stride(1), *scale_strides,
         w8.stride(1), w8.stride(0), w_scale.stride(0), w_scale.stride(1) if w_scale.shape[1] > 1 else 0,
         c.stride(0), c.stride(1), programs,
         HAS_BIAS=bias is not None, UPCAST=interpreting(), IMPRECISE_ACC=cfg.imprecise_acc,
+        QUANTIZE_A=quantize_a, A_ROWS=a_rows,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a8),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
     )  # fmt: skip
     return c
 
@@ -355,6 +447,10 @@ def fp8_linear(
     if act_group not in (None, GROUP_K):
         raise ValueError(f"act_group must be {GROUP_K} or None, got {act_group}")
     x2 = x.reshape(-1, x.shape[-1])
-    a8, a_scale = quantize_rows(x2, act_group)
-    out = scaled_mm(a8, a_scale, w8, w_scale, bias, x.dtype)
+    m, k = x2.shape
+    if x2.is_cuda and act_group == GROUP_K and fp8_config(m, w8.shape[0], k).fuse_quantization:
+        out = _fp8_linear_triton(x2, w8, w_scale, bias, x.dtype)  # the same bits as the two kernels below
+    else:  # per-token scales (the row's max over all of K comes first), the CPU, the M the table does not fuse
+        a8, a_scale = quantize_rows(x2, act_group)
+        out = scaled_mm(a8, a_scale, w8, w_scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], w8.shape[0])

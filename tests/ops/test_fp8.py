@@ -3,10 +3,20 @@ CPU path and on the Triton kernel (interpreter, every tile of the table), and a 
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from invariance import MOVES, SIZES, check_moved_row, check_prefixes, randn, same_bits
 
 from lockstep.ops import fp8
-from lockstep.ops.fp8 import FP8, FP8_CONFIGS, Fp8Config, _fp8_mm_triton, _quantize_torch, _quantize_triton
+from lockstep.ops.fp8 import (
+    FP8,
+    FP8_CONFIGS,
+    Fp8Config,
+    _fp8_linear_triton,
+    _fp8_mm_triton,
+    _quantize_torch,
+    _quantize_triton,
+)
 
 
 def bits8(t: torch.Tensor) -> torch.Tensor:
@@ -139,3 +149,91 @@ def test_negative_control_a_per_batch_activation_scale_moves_rows():
 
     full = per_batch(x)
     assert any(not same_bits(per_batch(x[:m]), full[:m]) for m in [1, 2, 3, 17])
+
+
+# The fused kernel: the activations quantized per (row, 128 columns) in the matmul's A load must give the bits of
+# the quantization kernel followed by the matmul (under the interpreter; bench/fp8_check.py compares them on the
+# GPU for every tile it times).
+@triton.jit
+def _e4m3_values_kernel(q_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    q = tl.load(q_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, fp8._e4m3_values(q), mask=offs < n)
+
+
+def test_interpreter_e4m3_rounding_is_torchs():
+    # Every e4m3 value, the midpoints between neighbours (ties to even), one fp32 step either side of them, and
+    # random values over the whole range: the interpreter's rounding (fp8._e4m3_values) must be torch's cast.
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([mid.nextafter(torch.tensor(0.0)), mid.nextafter(torch.tensor(1e9))])
+    rand = randn(4000, seed=9) * torch.logspace(-4, 2.6, 4000)
+    q = torch.cat([grid, mid, near, -grid, -mid, -near, rand]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX)
+    out = torch.empty_like(q)
+    _e4m3_values_kernel[(triton.cdiv(q.numel(), 1024),)](q, out, q.numel(), BLOCK=1024)
+    want = q.to(FP8).float()
+    assert torch.equal(out, want), q[out != want][:8]
+    # The grid is what it should be: the ties went to even, some up and some down.
+    assert (want[len(grid) : 2 * len(grid) - 1] > mid).any() and (want[len(grid) : 2 * len(grid) - 1] < mid).any()
+
+
+FUSED_SHAPES = [(1, 300, 45, torch.float32), (3, 260, 17, torch.bfloat16), (17, 390, 33, torch.float32),
+                (130, 200, 7, torch.bfloat16)]  # fmt: skip
+FUSED_CONFIGS = [Fp8Config(16, 32), Fp8Config(64, 64, 64), Fp8Config(32, 16, 32, group_m=2)]
+
+
+def activations(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    # Rows of very different ranges, a zero row, and one row whose largest value sits in the tail block.
+    x = randn(m, k, seed=seed) * torch.logspace(-3, 2, m)[:, None]
+    x[m // 2] = 0.0
+    x[-1, -1] = 300.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("m,k,n,dtype", FUSED_SHAPES)
+def test_fused_quantization_gives_the_two_kernels_bits(m, k, n, dtype):
+    x, bias = activations(m, k, dtype), randn(n, seed=3)
+    w8, ws = weights("block", n, k)
+    a8, a_s = _quantize_triton(x, 128)  # the CUDA path's quantization kernel, through the interpreter
+    q, s = fp8.quantize_rows(x, 128)  # the CPU path's torch formulas: the same bytes and scales
+    assert torch.equal(bits8(a8), bits8(q)) and torch.equal(a_s, s)
+    for cfg in FUSED_CONFIGS:
+        for b in (None, bias):
+            want = _fp8_mm_triton(a8, a_s, w8, ws, b, torch.float32, cfg)
+            assert same_bits(_fp8_linear_triton(x, w8, ws, b, torch.float32, cfg), want), (cfg, b is None)
+    out = _fp8_linear_triton(x, w8, ws, bias, torch.float32, FUSED_CONFIGS[0])
+    assert rel_err(out, reference(x, w8, ws, bias, 128)) < 1e-5
+    # Per-channel weight scales take the same fused activations.
+    c8, cs = weights("channel", n, k)
+    assert same_bits(_fp8_linear_triton(x, c8, cs, None, torch.float32, FUSED_CONFIGS[1]),
+                     _fp8_mm_triton(a8, a_s, c8, cs, None, torch.float32, FUSED_CONFIGS[1]))  # fmt: skip
+
+
+def test_fused_rows_do_not_depend_on_m_the_tile_or_their_neighbours():
+    x = activations(130, 390, torch.bfloat16)
+    w8, ws = weights("block", 33, 390)
+    full = _fp8_linear_triton(x, w8, ws, None, torch.float32, FUSED_CONFIGS[0])
+    for cfg, ms in [(FUSED_CONFIGS[0], [1, 3, 17, 129]), (FUSED_CONFIGS[2], [1, 17])]:  # BK 32: other bits here
+        ref = full if cfg is FUSED_CONFIGS[0] else _fp8_linear_triton(x, w8, ws, None, torch.float32, cfg)
+        for m in ms:
+            assert same_bits(_fp8_linear_triton(x[:m], w8, ws, None, torch.float32, cfg), ref[:m]), (cfg, m)
+    assert same_bits(_fp8_linear_triton(x, w8, ws, None, torch.float32, Fp8Config(64, 16)), full)  # another tile
+    batch = activations(40, 390, torch.bfloat16, seed=7)
+    batch[23] = x[101]
+    assert same_bits(_fp8_linear_triton(batch, w8, ws, None, torch.float32, FUSED_CONFIGS[0])[23], full[101])
+
+
+def test_negative_control_a_scale_one_step_off_changes_the_bits():
+    # The comparison above sees a difference where there is one: the quantization kernel's scales moved by one fp32
+    # step (a division rounded otherwise, say), or one scale per token instead of per 128 columns, change the bits.
+    m, k, n = 17, 390, 33
+    x = activations(m, k, torch.float32)
+    w8, ws = weights("block", n, k)
+    fused = _fp8_linear_triton(x, w8, ws, None, torch.float32, FUSED_CONFIGS[0])
+    a8, a_s = _quantize_triton(x, 128)
+    nudged = a_s.nextafter(torch.tensor(1.0))
+    q = (x.float() / nudged.repeat_interleave(128, 1)[:, :k]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(FP8)
+    assert not same_bits(_fp8_mm_triton(q, nudged, w8, ws, None, torch.float32, FUSED_CONFIGS[0]), fused)
+    t8, ts = _quantize_triton(x, None)  # one scale per token: other rounding points
+    assert not same_bits(_fp8_mm_triton(t8, ts, w8, ws, None, torch.float32, FUSED_CONFIGS[0]), fused)

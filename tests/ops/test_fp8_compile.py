@@ -1,6 +1,7 @@
 """The FP8 kernels compile for Hopper (sm_90) on this CPU machine, as tests/ops/test_hopper_compile.py does for the
 others: the activation quantization, the FP8 matmul for every tile of its table (all wgmma; a 16-row tile and
-max_num_imprecise_acc=0 give mma.sync),
+max_num_imprecise_acc=0 give mma.sync) and with the activation quantization fused into it (still wgmma, and the
+quantization kernel's division and e4m3 conversion instructions),
 the grouped FP8 expert matmul, and the KV paths with e4m3 caches (write_kv, the fused rotary write, attention). The
 interpreter compiles nothing, so without this a kernel only a GPU build rejects would first fail on the GPU."""
 
@@ -13,6 +14,8 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
+    import re
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -32,11 +35,16 @@ SCRIPT = textwrap.dedent(
         assert "cubin" in kernel.asm, fn
         return kernel.asm["ptx"]
 
+    def divisions(ptx):  # the fp32 division instructions a kernel's quantization compiles to
+        return set(re.findall(r"div[.][a-z]+[.]f32", ptx))
+
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
            **{p: "i32" for p in ("K", "stride_xm", "stride_qm", "stride_sm")}}
     for per_token in (True, False):
-        compile_(fp8._quantize_kernel, sig, {"GROUP": 1024 if per_token else 128, "PER_TOKEN": per_token,
-                                             "USE_PDL": per_token})
+        ptx = compile_(fp8._quantize_kernel, sig, {"GROUP": 1024 if per_token else 128, "PER_TOKEN": per_token,
+                                                   "USE_PDL": per_token})
+    quantize_divisions = divisions(ptx)  # the per-group kernel's, which the fused matmul must share
+    assert quantize_divisions, ptx[-2000:]
     sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
            "c_ptr": "*bf16", **{p: "i32" for p in ("M", "N", "K")},
            **{"stride_" + p: "i32" for p in ("am", "ak", "asm", "asg", "bk", "bn", "bsn", "bsg", "cm", "cn")},
@@ -44,12 +52,27 @@ SCRIPT = textwrap.dedent(
     assert all(c.bm >= 64 for c in fp8.FP8_CONFIGS)  # the table stays on wgmma (ops.fp8.fp8_config says why)
     configs = [*fp8.FP8_CONFIGS, fp8.Fp8Config(16, 64, 64, imprecise_acc=0), fp8.Fp8Config(128, 128, imprecise_acc=0)]
     for cfg in configs:
-        flags = {"HAS_BIAS": cfg.bm == 16, "UPCAST": False, "IMPRECISE_ACC": cfg.imprecise_acc, "BM": cfg.bm,
-                 "BN": cfg.bn, "BK": cfg.bk, "GROUP_K": fp8.GROUP_K, "GROUP_M": cfg.group_m, "USE_PDL": True}
+        flags = {"HAS_BIAS": cfg.bm == 16, "UPCAST": False, "IMPRECISE_ACC": cfg.imprecise_acc, "QUANTIZE_A": False,
+                 "A_ROWS": cfg.bm, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_K": fp8.GROUP_K,
+                 "GROUP_M": cfg.group_m, "USE_PDL": True}
         ptx = compile_(fp8._fp8_mm_kernel, sig, flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         assert "e4m3" in ptx, cfg  # an e4m3 MMA, not an upcast
         # 16-row tiles run mma.sync, and so does max_num_imprecise_acc=0 (Triton's precise e4m3 dot on sm_90)
         assert ("wgmma" in ptx) == (cfg.bm >= 64 and cfg.imprecise_acc is None), cfg
+    # The fused quantization (bf16 activations quantized in the A load), every table tile and a BK-64 one, whole
+    # tiles and one row (M = 1): still an e4m3 wgmma, converting with the quantization kernel's instruction and
+    # dividing with its divisions. One row quantizes one row: a handful of divisions, not one per element of the tile.
+    for cfg in [*fp8.FP8_CONFIGS, fp8.Fp8Config(64, 64, 64)]:
+        for rows in (cfg.bm, 1):
+            flags = {"HAS_BIAS": False, "UPCAST": False, "IMPRECISE_ACC": None, "QUANTIZE_A": True, "A_ROWS": rows,
+                     "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_K": fp8.GROUP_K, "GROUP_M": cfg.group_m,
+                     "USE_PDL": True}
+            ptx = compile_(fp8._fp8_mm_kernel, {**sig, "a_ptr": "*bf16"}, flags, num_warps=cfg.num_warps,
+                           num_stages=cfg.num_stages)
+            assert "wgmma" in ptx and "e4m3" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx, (cfg, rows)
+            assert divisions(ptx) == quantize_divisions, (cfg, rows, divisions(ptx), quantize_divisions)
+            count = len(re.findall(r"div[.]full[.]f32", ptx))
+            assert count <= 8 if rows == 1 else count >= cfg.bm * cfg.bk // (32 * cfg.num_warps), (cfg, rows, count)
     sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "a_rows_ptr": "*i64", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
            "c_ptr": "*bf16", **{p: "*i32" for p in ("tile_expert_ptr", "tile_start_ptr", "tile_end_ptr")},
            **{p: "i32" for p in ("N", "K", "num_experts")},
