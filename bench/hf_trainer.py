@@ -3,9 +3,12 @@ bit, per family in bf16, and its forward + backward time against the same model 
 
     python bench/hf_trainer.py --check                 # bits: every family, padded left/right and packed
     python bench/hf_trainer.py --time --layers 4       # Qwen3-8B shape cut to 4 layers, 16 x 1024 tokens
+    python bench/hf_trainer.py --time --profile --components   # and why: kernels by kind, pieces of a layer alone
+    python bench/hf_trainer.py --time --profile --components --tiny   # the same on a tiny Qwen3, on the CPU
 """
 
 import argparse
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -104,48 +107,273 @@ def _max_diff(model, samples, layout: str, device: str) -> float:
     return max(float((r - want).abs().max()) for r, (_, _, want) in zip(rows, samples, strict=True))
 
 
-def timing(device: str, layers: int, seqs: int, seq_len: int, profile: bool = False) -> None:
+QWEN3_8B_SHAPE = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6)  # fmt: skip
+TINY_SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6)  # fmt: skip
+
+
+class _Clock:
+    """Wall time of device work: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ms(self, start, end) -> float:
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+
+def _best(fn, repeats: int = 3) -> tuple[float, float]:
+    """The fastest of ``repeats`` runs (after one warm-up) of ``fn() -> (forward ms, backward ms)``, by their sum."""
+    fn()
+    return min((fn() for _ in range(repeats)), key=sum)
+
+
+def _trainer_model(device: torch.device, layers: int, tiny: bool):
     import transformers
 
-    from lockstep.rl.hf import patch_model
-
-    config = transformers.Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                                      num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-                                      head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6)  # fmt: skip
+    shape = TINY_SHAPE if tiny else QWEN3_8B_SHAPE
+    config = transformers.Qwen3Config(num_hidden_layers=layers, **shape)
+    torch.manual_seed(0)
     with torch.device(device):
         model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
-    ids = torch.randint(0, config.vocab_size, (seqs, seq_len), device=device)
-    packed = ids.reshape(1, -1)
-    pos = torch.arange(seq_len, device=device).repeat(seqs)[None]
+    return model, config
 
-    def step(patched: bool) -> float:
+
+def timing(device: str, layers: int, seqs: int, seq_len: int, profile: bool = False, tiny: bool = False) -> None:
+    """Forward and backward of the base model (no head), transformers' kernels (SDPA, a padded [seqs, seq_len]
+    batch) against the patched model (a packed [1, seqs * seq_len] batch), each timed on its own; ``profile``: the
+    kernels of one step of each, by device time, forward and backward apart."""
+    from lockstep.rl.hf import patch_model
+
+    dev = torch.device(device)
+    model, config = _trainer_model(dev, layers, tiny)
+    clock = _Clock(dev)
+    ids = torch.randint(0, config.vocab_size, (seqs, seq_len), device=dev)
+    packed = ids.reshape(1, -1)
+    pos = torch.arange(seq_len, device=dev).repeat(seqs)[None]
+
+    def forward(patched: bool) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
         if patched:
             hidden = model.model(input_ids=packed, position_ids=pos).last_hidden_state
         else:
             hidden = model.model(input_ids=ids).last_hidden_state  # sdpa, causal: the same attention work
-        hidden.float().square().mean().backward()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
+        return hidden.float().square().mean()
+
+    def step(patched: bool) -> tuple[float, float]:
+        t0 = clock.mark()
+        loss = forward(patched)
+        t1 = clock.mark()
+        loss.backward()
+        t2 = clock.mark()
+        return clock.ms(t0, t1), clock.ms(t1, t2)
 
     results = {}
     for patched in (False, True):
         if patched:
             patch_model(model)
-        step(patched)
-        results[patched] = min(step(patched) for _ in range(3))
-    base, ours = results[False] * 1e3, results[True] * 1e3
-    if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
+        results[patched] = _best(lambda p=patched: step(p))
+        if profile:
+            _profile_step(lambda p=patched: forward(p), dev, "lockstep (patched)" if patched else "transformers (SDPA)")
+    (bf, bb), (of, ob) = results[False], results[True]
+    name = "tiny Qwen3" if tiny else "Qwen3-8B shape"
+    print(f"{name}, {layers} layers, {seqs} x {seq_len} tokens, bf16, {dev.type}, no head: "
+          f"transformers forward {bf:.1f} + backward {bb:.1f} = {bf + bb:.1f} ms; "
+          f"patched forward {of:.1f} + backward {ob:.1f} = {of + ob:.1f} ms; "
+          f"ratio forward {of / bf:.2f}, backward {ob / bb:.2f}, step {(of + ob) / (bf + bb):.2f}",
+          flush=True)  # fmt: skip
 
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step(True)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
-    print(f"Qwen3-8B shape, {layers} layers, {seqs} x {seq_len} tokens, bf16, forward + backward (no head): "
-          f"transformers {base:.1f} ms, patched {ours:.1f} ms, ratio {ours / base:.2f}", flush=True)  # fmt: skip
+
+# Kernel names -> what they compute (first match wins), for the profile's summary.
+_KINDS = [
+    ("attention", ("attention", "attn", "flash", "fmha", "sdpa", "softmax")),
+    ("matmul", ("gemm", "mm", "matmul", "cutlass", "xmma", "nvjet", "linear")),
+    ("norm", ("rms", "norm")),
+    ("copy / index", ("copy", "memcpy", "memset", "cat", "index", "scatter", "gather", "fill", "zero")),
+    ("reduce", ("reduce", "sum", "mean")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "silu", "sigmoid", "mul", "add", "rsqrt", "exp", "pow")),
+]
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in _KINDS if any(k in low for k in keys)), "other")
+
+
+def _profile_step(forward, device: torch.device, label: str, top: int = 12) -> None:
+    """One step, ``forward()`` (-> the loss) and its backward, each under a torch.profiler of its own: the device time
+    of each kind of kernel and the top kernels by self device time (on the CPU: the aten ops by self CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof_forward:
+        loss = forward()
+        if cuda:
+            torch.cuda.synchronize()
+    with profile(activities=activities) as prof_backward:
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+    for phase, prof in (("forward", prof_forward), ("backward", prof_backward)):
+        _print_profile(prof, cuda, f"{label}, {phase}", top)
+
+
+def _print_profile(prof, cuda: bool, title: str, top: int) -> None:
+    from torch.autograd import DeviceType
+
+    rows = []
+    for evt in prof.key_averages():
+        if cuda:
+            if evt.device_type != DeviceType.CUDA:
+                continue
+            us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        else:
+            if not evt.key.startswith("aten::"):
+                continue
+            us = evt.self_cpu_time_total
+        if us > 0:
+            rows.append((us, evt.count, evt.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows) or 1.0
+    kinds: dict[str, float] = {}
+    for us, _, key in rows:
+        kinds[_kind(key)] = kinds.get(_kind(key), 0.0) + us
+    by_time = sorted(kinds.items(), key=lambda kv: -kv[1])
+    summary = ", ".join(f"{k} {v / 1e3:.1f} ms ({v / total:.0%})" for k, v in by_time)
+    what = "kernels" if cuda else "aten ops, CPU self time"
+    print(f"-- {title}: {total / 1e3:.1f} ms of {what}; {summary}", flush=True)
+    for us, count, key in rows[:top]:
+        print(f"   {us / 1e3:9.2f} ms {us / total:5.1%} x{count:<5d} [{_kind(key)}] {key[:110]}", flush=True)
+
+
+def components(device: str, seqs: int, seq_len: int, tiny: bool = False) -> None:
+    """Each piece of a decoder layer alone, forward and backward, at the step's token count: lockstep's trainer
+    kernels (what the patched layer calls) against what transformers' layer calls, so a ratio above 1 points at the
+    piece that makes the step slower."""
+    import torch.nn.functional as F
+    import transformers
+    from torch import nn
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+    from lockstep.layers.rotary import RotaryEmbedding
+    from lockstep.rl.hf.batch import PAGE, flat_layout
+    from lockstep.rl.hf.layers import K, linear, stacked_linear
+
+    dev = torch.device(device)
+    shape = TINY_SHAPE if tiny else QWEN3_8B_SHAPE
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    tokens = seqs * seq_len
+    dtype = torch.bfloat16
+    clock = _Clock(dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(*size, grad: bool = True) -> torch.Tensor:
+        return torch.randn(size, generator=gen, device=dev, dtype=dtype).requires_grad_(grad)
+
+    def lin(n: int, k: int) -> nn.Linear:
+        m = nn.Linear(k, n, bias=False, device=dev, dtype=dtype)
+        with torch.no_grad():
+            m.weight.normal_(0, k**-0.5, generator=gen)
+        return m
+
+    q, kp, vp, o = lin(heads * head_dim, hidden), lin(kv_heads * head_dim, hidden), lin(kv_heads * head_dim, hidden), \
+        lin(hidden, heads * head_dim)  # fmt: skip
+    gate, up, down = lin(inter, hidden), lin(inter, hidden), lin(hidden, inter)
+    x, res = rand(tokens, hidden), rand(tokens, hidden)
+    act, attn_out = rand(tokens, inter), rand(tokens, heads * head_dim)
+    norm = Qwen3RMSNorm(hidden, eps=1e-6).to(dev, dtype)
+    qh, kh, vh = rand(tokens, heads, head_dim), rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads, head_dim)
+    pos = torch.arange(seq_len, device=dev).repeat(seqs)
+    layout = flat_layout((1, tokens), None, pos[None], dev)
+    table = RotaryEmbedding(head_dim, shape["max_position_embeddings"], 1000000.0, None, dtype, dev)
+    rope = table(layout.positions)
+    hf_config = transformers.Qwen3Config(**shape, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    hf_rope = Qwen3RotaryEmbedding(hf_config).to(dev)
+    cos, sin = hf_rope(vh, pos.view(seqs, seq_len))
+
+    def ours_attention():
+        cache_shape = (layout.num_blocks, PAGE, kv_heads, head_dim)
+        k_cache, v_cache = kh.new_zeros(cache_shape), vh.new_zeros(cache_shape)
+        qr = K.rotary_and_write_kv(qh, kh, vh, *rope, k_cache, v_cache, layout.attn.slot_mapping)
+        return K.attention(qr, k_cache, v_cache, layout.attn, head_dim**-0.5)
+
+    def torch_attention():
+        def split(t):  # [tokens, h, d] -> [seqs, h, seq_len, d]
+            return t.view(seqs, seq_len, t.shape[1], head_dim).transpose(1, 2)
+
+        qr, kr = apply_rotary_pos_emb(split(qh), split(kh), cos, sin)
+        out = F.scaled_dot_product_attention(qr, kr, split(vh), is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(tokens, heads, head_dim)
+
+    pieces = {
+        "qkv projection": (lambda: stacked_linear(x, [q, kp, vp]), lambda: torch.cat([q(x), kp(x), vp(x)], -1)),
+        "rotary + attention": (ours_attention, torch_attention),
+        # its backward's matmuls in full fp32, as before TF32 (rl.attention; the CPU's are fp32 either way)
+        "  ... fp32 backward": (ours_attention, torch_attention),
+        "o_proj": (lambda: linear(attn_out, o), lambda: o(attn_out)),
+        "rms_norm + residual": (lambda: K.rms_norm(x, norm.weight, 1e-6, res)[0], lambda: norm(x + res)),
+        "gate_up + silu_and_mul": (
+            lambda: K.silu_and_mul(stacked_linear(x, [gate, up])),
+            lambda: F.silu(gate(x)) * up(x),
+        ),
+        "down_proj": (lambda: linear(act, down), lambda: down(act)),
+    }
+    print(f"{'piece':<24} {'lockstep fwd':>12} {'bwd':>8} {'torch fwd':>10} {'bwd':>8}  ratio fwd / bwd / both "
+          f"({tokens} tokens, {dev.type})", flush=True)  # fmt: skip
+    total = [0.0, 0.0, 0.0, 0.0]
+    for name, (ours, theirs) in pieces.items():
+        in_layer = not name.startswith(" ")  # an indented row: a variant of the row above, not in the sum
+        row = []
+        for fn in (ours, theirs):
+            grad = None
+
+            def run(fn=fn):
+                nonlocal grad
+                t0 = clock.mark()
+                out = fn()
+                t1 = clock.mark()
+                if grad is None:
+                    grad = torch.randn(out.shape, generator=gen, device=dev, dtype=out.dtype)
+                out.backward(grad)
+                t2 = clock.mark()
+                return clock.ms(t0, t1), clock.ms(t1, t2)
+
+            with contextlib.nullcontext() if in_layer else _fp32_attention_backward():
+                row += list(_best(run))
+        for i, v in enumerate(row):
+            total[i] += v if in_layer else 0.0
+        print(f"{name:<24} {row[0]:>12.2f} {row[1]:>8.2f} {row[2]:>10.2f} {row[3]:>8.2f}  "
+              f"{row[0] / row[2]:.2f} / {row[1] / row[3]:.2f} / {(row[0] + row[1]) / (row[2] + row[3]):.2f}",
+              flush=True)  # fmt: skip
+    print(f"{'a layer (sum, ms)':<24} {total[0]:>12.2f} {total[1]:>8.2f} {total[2]:>10.2f} {total[3]:>8.2f}  "
+          f"{total[0] / total[2]:.2f} / {total[1] / total[3]:.2f} / {sum(total[:2]) / sum(total[2:]):.2f}",
+          flush=True)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _fp32_attention_backward():
+    """The patched attention's backward with full-fp32 matmuls (``rl.attention``'s setting, TF32 by default)."""
+    from lockstep.rl import attention
+
+    saved = attention.BACKWARD_MATMUL_PRECISION
+    attention.BACKWARD_MATMUL_PRECISION = "highest"
+    try:
+        yield
+    finally:
+        attention.BACKWARD_MATMUL_PRECISION = saved
 
 
 def main() -> None:
@@ -156,12 +384,18 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--profile", action="store_true", help="with --time: the patched step's top kernels")
+    ap.add_argument("--profile", action="store_true", help="with --time: each step's kernels, forward and backward")
+    ap.add_argument("--components", action="store_true", help="each piece of a layer alone, lockstep vs torch")
+    ap.add_argument("--tiny", action="store_true", help="a tiny Qwen3 on the CPU (checks that the bench runs)")
     args = ap.parse_args()
+    if args.tiny:
+        args.device, args.seqs, args.seq_len, args.layers = "cpu", 2, 48, 2
     if args.check:
         print("bits:", "all equal" if check(args.device) else "MISMATCH", flush=True)
     if args.time:
-        timing(args.device, args.layers, args.seqs, args.seq_len, args.profile)
+        timing(args.device, args.layers, args.seqs, args.seq_len, args.profile, args.tiny)
+    if args.components:
+        components(args.device, args.seqs, args.seq_len, args.tiny)
 
 
 if __name__ == "__main__":

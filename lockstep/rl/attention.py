@@ -8,13 +8,38 @@ back to ``k`` and ``v``.
 The trainer gives every micro-batch a fresh zeroed cache, so the caches are ordinary tensors in its graph.
 
 The backward is deterministic run to run: per sequence, dense matmuls and a softmax over a fixed shape, and the
-gradient of each cache slot is added in sequence order (gather, add, scatter), never with atomics.
+gradient of each cache slot is added in sequence order (gather, add, scatter), never with atomics. On CUDA the
+recomputation's fp32 matmuls run on TF32 tensor cores (``BACKWARD_MATMUL_PRECISION``, torch's
+``float32_matmul_precision``, process-wide for the duration of the backward): full-precision fp32 matmuls run on
+the CUDA cores, about 7x below TF32's rate on an H100/H200, and at the Qwen3-8B shape with 1k-token sequences the
+recomputation is ~0.8 TFLOP a layer, the order of the layer's bf16 projections (arithmetic, not yet measured:
+``bench/hf_trainer.py --components``). TF32 keeps a 10-bit mantissa in the products (FlashAttention's bf16 backward
+keeps 7) with fp32 sums; cuBLAS's TF32 GEMMs are as deterministic as its fp32 ones; the forward, and so the
+logprobs, are untouched.
 """
+
+from contextlib import contextmanager
 
 import torch
 
 from lockstep import ops
 from lockstep.layers.batch import AttentionMetadata
+
+# torch's float32_matmul_precision inside the backward's recomputation on CUDA ("high": TF32; "highest": fp32).
+BACKWARD_MATMUL_PRECISION = "high"
+
+
+@contextmanager
+def _matmul_precision(device: torch.device):
+    if device.type != "cuda":  # the CPU's matmuls stay fp32
+        yield
+        return
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(BACKWARD_MATMUL_PRECISION)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -48,21 +73,22 @@ class _PagedAttention(torch.autograd.Function):
         grad_k = torch.zeros_like(k_flat, dtype=torch.float32)
         grad_v = torch.zeros_like(v_flat, dtype=torch.float32)
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-        for i, seq_len in enumerate(lens):
-            q0, q1 = starts[i], starts[i + 1]
-            if q1 == q0:
-                continue
-            pos = torch.arange(seq_len, device=q.device)
-            slots = block_tables[i].long()[pos // page] * page + pos % page  # [seq_len]
-            with torch.enable_grad():
-                qi = q[q0:q1].float().requires_grad_()
-                ki = k_flat[slots].float().requires_grad_()
-                vi = v_flat[slots].float().requires_grad_()
-                out = _reference(qi, ki, vi, ctx.scale)
-                dq, dk, dv = torch.autograd.grad(out, (qi, ki, vi), grad_out[q0:q1].float())
-            grad_q[q0:q1] = dq
-            grad_k[slots] = grad_k[slots] + dk
-            grad_v[slots] = grad_v[slots] + dv
+        with _matmul_precision(q.device):
+            for i, seq_len in enumerate(lens):
+                q0, q1 = starts[i], starts[i + 1]
+                if q1 == q0:
+                    continue
+                pos = torch.arange(seq_len, device=q.device)
+                slots = block_tables[i].long()[pos // page] * page + pos % page  # [seq_len]
+                with torch.enable_grad():
+                    qi = q[q0:q1].float().requires_grad_()
+                    ki = k_flat[slots].float().requires_grad_()
+                    vi = v_flat[slots].float().requires_grad_()
+                    out = _reference(qi, ki, vi, ctx.scale)
+                    dq, dk, dv = torch.autograd.grad(out, (qi, ki, vi), grad_out[q0:q1].float())
+                grad_q[q0:q1] = dq
+                grad_k[slots] = grad_k[slots] + dk
+                grad_v[slots] = grad_v[slots] + dv
         grad_k = grad_k.view(k_cache.shape).to(k_cache.dtype)
         grad_v = grad_v.view(v_cache.shape).to(v_cache.dtype)
         return grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
