@@ -1,5 +1,5 @@
 """``patch_model`` on an FSDP2 (``fully_shard``) transformers model, two gloo ranks: patched before or after the
-wrapping, its logprobs are the engine's bits (FSDP2 gathers each layer's full weights in its pre-forward hook, and
+wrapping, and under FSDP2's bf16 mixed precision against a bf16 engine, its logprobs are the engine's bits (FSDP2 gathers each layer's full weights in its pre-forward hook, and
 the patched forwards run inside those hooks); a backward through the sharded model gives the gradients of the
 unwrapped patched model; ``sampler_weights`` gathers the sharded weights into the tensors an engine loads. The
 unpatched FSDP2 model misses the bits (the negative control)."""
@@ -17,8 +17,9 @@ from lockstep.rl.hf import patch_model, sampler_weights, selective_log_softmax
 PROMPTS = [[(5 * j + 3) % 95 for j in range(20)], [40], [(7 * j) % 95 for j in range(70)], [1, 2, 3]]
 
 
-def _sample(folder: Path, weights: dict | None = None) -> list[tuple[list[int], list[int], list[float]]]:
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64)
+def _sample(folder: Path, weights: dict | None = None, dtype: str = "float32") -> list:
+    """(prompt, completion, the engine's token_logprobs) of each of PROMPTS."""
+    llm = LLM(str(folder), dtype=dtype, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64)
     if weights is not None:
         llm.load_weights(weights)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=9, ignore_eos=True) for i in range(len(PROMPTS))]
@@ -58,16 +59,16 @@ def _load(folder: str):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def _shard(model, mesh):
+def _shard(model, mesh, **kwargs):
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model.lm_head, mesh=mesh)  # as verl wraps it: an FSDPLinear
-    return fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model.lm_head, mesh=mesh, **kwargs)  # as verl wraps it: an FSDPLinear
+    return fully_shard(model, mesh=mesh, **kwargs)
 
 
-def _fsdp_rank(group, folder: str, samples: list) -> dict:
+def _fsdp_rank(group, folder: str, samples: list, bf16_samples: list) -> dict:
     """Two FSDP2 models over the ranks' gloo mesh, one patched after ``fully_shard`` (first run unpatched: the
     negative control) and one before; each rank's logprobs of every sample, then a backward on its half and an
     optimizer step on the model patched after."""
@@ -88,6 +89,14 @@ def _fsdp_rank(group, folder: str, samples: list) -> dict:
     before = _shard(patch_model(_load(folder)), mesh)
     with torch.no_grad():
         result["before"] = _max_diff(_logprobs(before, samples), samples)
+    # Mixed precision (verl's default): bf16 compute on the fp32 masters, as a bf16 sampler of the fp32 checkpoint.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mixed = patch_model(_shard(_load(folder), mesh, mp_policy=policy))
+    with torch.no_grad():
+        result["mixed"] = _max_diff(_logprobs(mixed, bf16_samples), bf16_samples)
+    del mixed
     mine = samples[group.rank :: group.size]
     lps = _logprobs(after, mine)
     result["after"] = _max_diff(lps, mine)
@@ -116,7 +125,8 @@ def qwen3(tmp_path_factory) -> tuple[Path, list]:
 
 def test_fsdp2_patched_model_has_the_engine_bits_and_gradients(qwen3):
     folder, samples = qwen3
-    ranks = run_ranks(_fsdp_rank, 2, str(folder), samples, timeout=120)
+    bf16 = _sample(folder, dtype="bfloat16")
+    ranks = run_ranks(_fsdp_rank, 2, str(folder), samples, bf16, timeout=120)
     assert ranks[0]["classes"] == ("FSDPQwen3ForCausalLM", "FSDPLinear")
     # Inside the hooks the patched layer reads plain full weights; outside, FSDP2 keeps them as DTensor shards.
     (plain, full), (sharded, local, total) = ranks[0]["seen"]
@@ -124,7 +134,7 @@ def test_fsdp2_patched_model_has_the_engine_bits_and_gradients(qwen3):
     assert full == total and local[0] * 2 == total[0]
     for r in ranks:
         assert r["unpatched"] > 0  # the negative control: transformers' kernels through FSDP2
-        assert r["before"] == 0.0 and r["after"] == 0.0
+        assert r["before"] == 0.0 and r["after"] == 0.0 and r["mixed"] == 0.0
     # The gradients the FSDP2 ranks reduced equal the unwrapped patched model's over both halves (to rounding:
     # FSDP2 sums the halves' gradients in another order).
     model = patch_model(_load(str(folder)))

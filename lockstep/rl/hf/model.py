@@ -22,8 +22,9 @@ the parameters as DTensor shards between calls. Its pre-forward hook gathers a w
 plain tensors before ``forward`` runs (the instance-attribute forwards here run inside ``Module.__call__``, hooks
 around them), so the kernels read whole weights; the backward re-gathers them before the Functions' backward
 reads their saved weights, and reduce-scatters the gradients after. ``sampler_weights`` gathers each DTensor in
-turn (every rank walks it). Under FSDP2's mixed precision (``MixedPrecisionPolicy(param_dtype=...)``, not tested)
-the model computes in the cast weights, so the sampler must get those (``WeightSender(dtype=...)``), not the masters.
+turn (every rank walks it). Under FSDP2's mixed precision (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``,
+verl's default) the model computes in the bf16 casts of its fp32 masters: the bits of a bf16 sampler of the fp32
+weights (``LLM(dtype="bfloat16")``, or ``WeightSender(dtype=torch.bfloat16)``), tests/rl/test_hf_fsdp.py.
 
 ``torch.compile``: the patched forwards are marked ``torch.compiler.disable``, so compiling a patched model runs
 them eagerly, the same bits. Compiling them would let Inductor generate its own code for the elementwise ops
