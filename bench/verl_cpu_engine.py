@@ -149,8 +149,9 @@ def main() -> None:
     print(f"verl's FSDP2 model, patched: max |trainer - sampler ({dtype})| logprob {diff!r}")
     lps.sum().backward()
     norms = [float(p.grad.full_tensor().float().norm()) for p in module.parameters() if p.grad is not None]
-    print(f"backward through verl's FSDP2 model: {len(norms)} gradients, all finite "
-          f"{all(n == n and n != float('inf') for n in norms)}, norm {sum(n * n for n in norms) ** 0.5:.4g}")  # fmt: skip
+    finite = all(n == n and n != float("inf") for n in norms)
+    total = sum(n * n for n in norms) ** 0.5
+    print(f"backward through verl's FSDP2 model: {len(norms)} gradients, all finite {finite}, norm {total:.4g}")
 
 
 if __name__ == "__main__":

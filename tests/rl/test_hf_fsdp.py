@@ -1,8 +1,9 @@
 """``patch_model`` on an FSDP2 (``fully_shard``) transformers model, two gloo ranks: patched before or after the
-wrapping, and under FSDP2's bf16 mixed precision against a bf16 engine, its logprobs are the engine's bits (FSDP2 gathers each layer's full weights in its pre-forward hook, and
-the patched forwards run inside those hooks); a backward through the sharded model gives the gradients of the
-unwrapped patched model; ``sampler_weights`` gathers the sharded weights into the tensors an engine loads. The
-unpatched FSDP2 model misses the bits (the negative control)."""
+wrapping, and under FSDP2's bf16 mixed precision against a bf16 engine, its logprobs are the engine's bits (FSDP2
+gathers each layer's full weights in its pre-forward hook, and the patched forwards run inside those hooks); a
+backward through the sharded model gives the gradients of the unwrapped patched model; ``sampler_weights`` gathers
+the sharded weights into the tensors an engine loads. The unpatched FSDP2 model misses the bits (the negative
+control)."""
 
 from pathlib import Path
 
