@@ -108,7 +108,8 @@ def _max_diff(model, samples, layout: str, device: str) -> float:
 
 
 QWEN3_8B_SHAPE = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6)  # fmt: skip
+                      num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                      rms_norm_eps=1e-6)  # fmt: skip
 TINY_SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6)  # fmt: skip
 
@@ -361,6 +362,41 @@ def components(device: str, seqs: int, seq_len: int, tiny: bool = False) -> None
     print(f"{'a layer (sum, ms)':<24} {total[0]:>12.2f} {total[1]:>8.2f} {total[2]:>10.2f} {total[3]:>8.2f}  "
           f"{total[0] / total[2]:.2f} / {total[1] / total[3]:.2f} / {sum(total[:2]) / sum(total[2:]):.2f}",
           flush=True)  # fmt: skip
+    _weight_gradients(dev, tokens, shape, clock)
+
+
+def _weight_gradients(dev: torch.device, tokens: int, shape: dict, clock: _Clock) -> None:
+    """The backward's weight-gradient matmuls alone, ``grad_W = x^T @ grad`` as ``ops.autograd`` computes it (the
+    transposed operand read through its strides) and with that operand copied to row-major first (the copy timed
+    in), against ``torch.mm`` of the same strided operands."""
+    from lockstep.ops.matmul import mm
+
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    q_out = (shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) * shape["head_dim"]
+    o_in = shape["num_attention_heads"] * shape["head_dim"]
+    gen = torch.Generator(device=dev).manual_seed(1)
+    # (name, N, K): weight [N, K]; autograd.linear takes mm(x^T, g)^T where N > K, else mm(g^T, x)
+    cases = [("qkv", q_out, hidden), ("o_proj", hidden, o_in), ("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
+    print(f"{'grad_W matmul':<14} {'strided ms':>10} {'copied ms':>10} {'torch.mm ms':>11}  TFLOP/s strided / copied / "
+          f"torch ({tokens} tokens)", flush=True)  # fmt: skip
+    for name, n, k in cases:
+        x = torch.randn(tokens, k, generator=gen, device=dev, dtype=torch.bfloat16)
+        g = torch.randn(tokens, n, generator=gen, device=dev, dtype=torch.bfloat16)
+        a, b = (x, g) if n > k else (g, x)  # the left operand transposed: [rows, tokens] with unit stride down
+
+        def timed(fn) -> float:
+            fn()
+            best = float("inf")
+            for _ in range(3):
+                t0 = clock.mark()
+                fn()
+                best = min(best, clock.ms(t0, clock.mark()))
+            return best
+
+        ms = [timed(lambda: mm(a.t(), b)), timed(lambda: mm(a.t().contiguous(), b)), timed(lambda: torch.mm(a.t(), b))]
+        flop = 2 * tokens * n * k
+        print(f"{name:<14} {ms[0]:>10.2f} {ms[1]:>10.2f} {ms[2]:>11.2f}  "
+              + " / ".join(f"{flop / t / 1e9:.1f}" for t in ms), flush=True)  # fmt: skip
 
 
 @contextlib.contextmanager
