@@ -17,6 +17,20 @@ def test_silu_and_mul_grad():
     check_directional(silu_and_mul, silu_ref, [3 * randn(13, 140)])
 
 
+def test_silu_and_mul_backward_has_the_expressions_values():
+    """The in-place backward rounds as the textbook expressions do, bit for bit, in fp32 and bf16 (odd widths)."""
+    for dtype, shape in ((torch.float32, (13, 142)), (torch.bfloat16, (17, 2 * 129)), (torch.bfloat16, (1, 6))):
+        gate_up = (3 * torch.randn(shape, generator=torch.Generator().manual_seed(shape[0]))).to(dtype)
+        grad = torch.randn(shape[0], shape[1] // 2, generator=torch.Generator().manual_seed(7)).to(dtype)
+        x = gate_up.clone().requires_grad_()
+        silu_and_mul(x).backward(grad)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        g, sig = grad.float(), torch.sigmoid(gate)
+        want = torch.cat((g * up * sig * (1.0 + gate * (1.0 - sig)), g * gate * sig), dim=-1).to(dtype)
+        assert x.grad.dtype == dtype and torch.equal(x.grad, want), dtype
+        assert not torch.equal(x.grad, torch.zeros_like(want))
+
+
 def _named_grads(policy) -> dict[str, torch.Tensor]:
     """Each Hugging Face tensor name's gradient (slices of the stacked weights' gradients)."""
     saved = [(p, p.data) for p in policy.parameters()]
