@@ -155,7 +155,7 @@ def timing(device: str, layers: int, seqs: int, seq_len: int, profile: bool = Fa
     """Forward and backward of the base model (no head), transformers' kernels (SDPA, a padded [seqs, seq_len]
     batch) against the patched model (a packed [1, seqs * seq_len] batch), each timed on its own; ``profile``: the
     kernels of one step of each, by device time, forward and backward apart."""
-    from lockstep.rl.hf import patch_model
+    from lockstep.rl.hf import is_patched, patch_model
 
     dev = torch.device(device)
     model, config = _trainer_model(dev, layers, tiny)
@@ -180,20 +180,29 @@ def timing(device: str, layers: int, seqs: int, seq_len: int, profile: bool = Fa
         t2 = clock.mark()
         return clock.ms(t0, t1), clock.ms(t1, t2)
 
-    results = {}
-    for patched in (False, True):
-        if patched:
-            patch_model(model)
-        results[patched] = _best(lambda p=patched: step(p))
-        if profile:
-            _profile_step(lambda p=patched: forward(p), dev, "lockstep (patched)" if patched else "transformers (SDPA)")
-    (bf, bb), (of, ob) = results[False], results[True]
+    from lockstep.rl import attention
+
     name = "tiny Qwen3" if tiny else "Qwen3-8B shape"
-    print(f"{name}, {layers} layers, {seqs} x {seq_len} tokens, bf16, {dev.type}, no head: "
-          f"transformers forward {bf:.1f} + backward {bb:.1f} = {bf + bb:.1f} ms; "
-          f"patched forward {of:.1f} + backward {ob:.1f} = {of + ob:.1f} ms; "
-          f"ratio forward {of / bf:.2f}, backward {ob / bb:.2f}, step {(of + ob) / (bf + bb):.2f}",
-          flush=True)  # fmt: skip
+    print(f"{name}, {layers} layers, {seqs} x {seq_len} tokens, bf16, {dev.type}, forward + backward of the "
+          "backbone (no head):", flush=True)  # fmt: skip
+    base = None
+    # transformers' kernels; the patched model with each attention backward (rl.attention.BACKWARD)
+    for label, backward in (("transformers (SDPA)", None), ("lockstep, reference attention backward", "reference"),
+                            ("lockstep, Triton attention backward", "triton")):  # fmt: skip
+        patched = backward is not None
+        if patched and not is_patched(model):
+            patch_model(model)
+        saved, attention.BACKWARD = attention.BACKWARD, backward or attention.BACKWARD
+        try:
+            fwd, bwd = _best(lambda p=patched: step(p))
+            if profile:
+                _profile_step(lambda p=patched: forward(p), dev, label)
+        finally:
+            attention.BACKWARD = saved
+        base = base or (fwd, bwd)
+        print(f"  {label:<40} forward {fwd:8.1f} + backward {bwd:8.1f} = {fwd + bwd:8.1f} ms; against transformers: "
+              f"forward {fwd / base[0]:.2f}, backward {bwd / base[1]:.2f}, step {(fwd + bwd) / sum(base):.2f}",
+              flush=True)  # fmt: skip
 
 
 # Kernel names -> what they compute (first match wins), for the profile's summary.
@@ -322,8 +331,9 @@ def components(device: str, seqs: int, seq_len: int, tiny: bool = False) -> None
     pieces = {
         "qkv projection": (lambda: stacked_linear(x, [q, kp, vp]), lambda: torch.cat([q(x), kp(x), vp(x)], -1)),
         "rotary + attention": (ours_attention, torch_attention),
-        # its backward's matmuls in full fp32, as before TF32 (rl.attention; the CPU's are fp32 either way)
-        "  ... fp32 backward": (ours_attention, torch_attention),
+        # variants (indented: not in the layer's sum), with rl.attention's settings for the row
+        "  ... fp32 backward": (ours_attention, torch_attention),  # full-fp32 matmuls (the CPU's are either way)
+        "  ... Triton backward": (ours_attention, torch_attention),  # ops.attention.backward
         "o_proj": (lambda: linear(attn_out, o), lambda: o(attn_out)),
         "rms_norm + residual": (lambda: K.rms_norm(x, norm.weight, 1e-6, res)[0], lambda: norm(x + res)),
         "gate_up + silu_and_mul": (
@@ -352,7 +362,7 @@ def components(device: str, seqs: int, seq_len: int, tiny: bool = False) -> None
                 t2 = clock.mark()
                 return clock.ms(t0, t1), clock.ms(t1, t2)
 
-            with contextlib.nullcontext() if in_layer else _fp32_attention_backward():
+            with _attention_settings(name):
                 row += list(_best(run))
         for i, v in enumerate(row):
             total[i] += v if in_layer else 0.0
@@ -362,6 +372,7 @@ def components(device: str, seqs: int, seq_len: int, tiny: bool = False) -> None
     print(f"{'a layer (sum, ms)':<24} {total[0]:>12.2f} {total[1]:>8.2f} {total[2]:>10.2f} {total[3]:>8.2f}  "
           f"{total[0] / total[2]:.2f} / {total[1] / total[3]:.2f} / {sum(total[:2]) / sum(total[2:]):.2f}",
           flush=True)  # fmt: skip
+    _compare_attention_backwards(ours_attention, [qh, kh, vh], dev)
     _weight_gradients(dev, tokens, shape, clock)
 
 
@@ -400,16 +411,45 @@ def _weight_gradients(dev: torch.device, tokens: int, shape: dict, clock: _Clock
 
 
 @contextlib.contextmanager
-def _fp32_attention_backward():
-    """The patched attention's backward with full-fp32 matmuls (``rl.attention``'s setting, TF32 by default)."""
+def _attention_settings(row: str):
+    """``rl.attention``'s backward settings for a row of the components table: full-fp32 matmuls in the reference
+    backward for "... fp32 backward", the Triton backward for "... Triton backward", the defaults otherwise."""
     from lockstep.rl import attention
 
-    saved = attention.BACKWARD_MATMUL_PRECISION
-    attention.BACKWARD_MATMUL_PRECISION = "highest"
+    saved = attention.BACKWARD_MATMUL_PRECISION, attention.BACKWARD
+    if "fp32" in row:
+        attention.BACKWARD_MATMUL_PRECISION = "highest"
+    if "Triton" in row:
+        attention.BACKWARD = "triton"
     try:
         yield
     finally:
-        attention.BACKWARD_MATMUL_PRECISION = saved
+        attention.BACKWARD_MATMUL_PRECISION, attention.BACKWARD = saved
+
+
+def _compare_attention_backwards(attend, inputs: list[torch.Tensor], device: torch.device) -> None:
+    """The largest difference of each input's gradient between the backward settings, relative to its largest
+    magnitude under full fp32 (the reference backward without TF32), and whether a second run repeats each bit."""
+    grads = {}
+    gen = torch.Generator(device=device).manual_seed(5)
+    out_grad = None
+    for row in ("  ... fp32 backward", "rotary + attention", "  ... Triton backward", "  ... Triton backward again"):
+        for t in inputs:
+            t.grad = None
+        with _attention_settings(row):
+            out = attend()
+            out_grad = torch.randn(out.shape, generator=gen, device=device, dtype=out.dtype) if out_grad is None \
+                else out_grad  # fmt: skip
+            out.backward(out_grad)
+        grads[row] = [t.grad.float().clone() for t in inputs]
+    ref = grads["  ... fp32 backward"]
+    for row, label in (("rotary + attention", "reference TF32"), ("  ... Triton backward", "Triton")):
+        errs = [float((g - r).abs().max() / r.abs().max()) for g, r in zip(grads[row], ref, strict=True)]
+        print(f"attention gradients, {label} against fp32: max |diff| / max |fp32| for q, k, v: "
+              + ", ".join(f"{e:.2e}" for e in errs), flush=True)  # fmt: skip
+    same = all(torch.equal(a, b) for a, b in zip(grads["  ... Triton backward"], grads["  ... Triton backward again"],
+                                                  strict=True))  # fmt: skip
+    print(f"attention gradients, Triton: a second run gives the same bits: {same}", flush=True)
 
 
 def main() -> None:

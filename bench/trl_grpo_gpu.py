@@ -6,6 +6,7 @@ in-process sync alone, timed again.
 
     python bench/trl_grpo_gpu.py                     # Qwen3-8B shape, 36 layers, bf16, 20 steps
     python bench/trl_grpo_gpu.py --layers 4 --steps 5
+    python bench/trl_grpo_gpu.py --attention-backward triton   # the trainer on ops.attention.backward
     python bench/trl_grpo_gpu.py --tiny              # a tiny Qwen3 on the CPU, fp32, 3 steps (checks the bench runs)
 
 The trainer's model is built in memory (transformers' own random init) and the engine starts from dummy weights:
@@ -50,6 +51,8 @@ def main() -> int:
     ap.add_argument("--max-completion-length", type=int, default=128)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.15, help="of the memory free after the trainer")
     ap.add_argument("--no-batch-invariant", action="store_true", help="the engine on torch's kernels (control)")
+    ap.add_argument("--attention-backward", default="reference", choices=["reference", "triton"],
+                    help="the trainer's attention backward (lockstep.rl.attention.BACKWARD)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="a tiny Qwen3 on the CPU, fp32, 3 steps")
     args = ap.parse_args()
     if args.tiny:
@@ -64,9 +67,11 @@ def main() -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from lockstep import LLM
+    from lockstep.rl import attention
     from lockstep.rl.hf import sampler_weights
     from lockstep.rl.trl import use_lockstep
 
+    attention.BACKWARD = args.attention_backward
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         info = build_checkpoint(Path(tmp), shape, args.layers, device, weights=False)  # config + tokenizer
@@ -96,7 +101,8 @@ def main() -> int:
         generation = use_lockstep(trainer, llm)
         print(f"{info['num_hidden_layers']} layers, {weight_bytes / 1e9:.2f} GB of {dtype} weights, {device}; "
               f"{args.batch_size} completions a step ({args.num_generations} per prompt) of up to "
-              f"{args.max_completion_length} tokens after {args.prompt_len}-token prompts; set up in "
+              f"{args.max_completion_length} tokens after {args.prompt_len}-token prompts; attention backward "
+              f"{args.attention_backward}; set up in "
               f"{time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
 
         spent: dict[str, float] = {"sampling": 0.0, "sync": 0.0}
