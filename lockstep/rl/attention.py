@@ -77,10 +77,11 @@ class _PagedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = ctx.saved_tensors[:6]
+        saved = ctx.saved_tensors  # once: a checkpointed layer's saved tensors unpack once
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = saved[:6]
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         if ctx.fused and all(b - a == n for a, b, n in zip(starts, starts[1:], lens, strict=False)):  # whole seqs
-            return _fused_backward(ctx, grad_out, lens)
+            return _fused_backward(saved, ctx.scale, grad_out, lens)
         page = k_cache.shape[1]
         k_flat = k_cache.reshape(-1, *k_cache.shape[2:])  # [num_slots, Hkv, D]
         v_flat = v_cache.reshape(-1, *v_cache.shape[2:])
@@ -113,10 +114,10 @@ def _takes_triton(q: torch.Tensor) -> bool:
     return BACKWARD == "triton" and (gpu or interpreting())
 
 
-def _fused_backward(ctx, grad_out: torch.Tensor, lens: list[int]):
+def _fused_backward(saved: tuple, scale: float, grad_out: torch.Tensor, lens: list[int]):
     """``ops.attention.backward`` on the whole sequences' K and V gathered from the cache; the caches' gradients
     are those rows scattered back to their slots (each slot holds one token)."""
-    q, k_cache, v_cache, block_tables, _, query_start_loc, out = ctx.saved_tensors
+    q, k_cache, v_cache, block_tables, _, query_start_loc, out = saved
     page = k_cache.shape[1]
     lens_t = torch.tensor(lens, device=q.device)
     seq = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens_t)  # [total]
@@ -125,7 +126,7 @@ def _fused_backward(ctx, grad_out: torch.Tensor, lens: list[int]):
     k_flat = k_cache.reshape(-1, *k_cache.shape[2:])  # [num_slots, Hkv, D]
     v_flat = v_cache.reshape(-1, *v_cache.shape[2:])
     dq, dk, dv = causal_attention_backward(
-        q.contiguous(), k_flat[slots], v_flat[slots], out, grad_out.contiguous(), query_start_loc.tolist(), ctx.scale
+        q.contiguous(), k_flat[slots], v_flat[slots], out, grad_out.contiguous(), query_start_loc.tolist(), scale
     )
     grad_k = torch.zeros_like(k_flat).index_copy_(0, slots, dk).view(k_cache.shape)
     grad_v = torch.zeros_like(v_flat).index_copy_(0, slots, dv).view(v_cache.shape)

@@ -60,21 +60,29 @@ def _packed_case(lens, hq, hkv, d, page, dtype=torch.float32):
     return q, k, v, meta
 
 
-def _grads(q, k, v, meta, page, grad):
+def _grads(q, k, v, meta, page, grad, checkpointed: bool = False):
     slots, tables, seq_lens, starts, num_blocks = meta
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     shape = (num_blocks, page, k.shape[1], k.shape[2])
-    caches = (k.new_zeros(shape), v.new_zeros(shape))
-    torch_write_kv(k, v, *caches, slots)
-    out = attention.paged_attention(q, *caches, AttentionMetadata(slots, tables, seq_lens, starts, [caches]),
-                                    q.shape[-1] ** -0.5)  # fmt: skip
+
+    def attend(q, k, v):
+        caches = (k.new_zeros(shape), v.new_zeros(shape))
+        torch_write_kv(k, v, *caches, slots)
+        meta = AttentionMetadata(slots, tables, seq_lens, starts, [caches])
+        return attention.paged_attention(q, *caches, meta, q.shape[-1] ** -0.5)
+
+    if checkpointed:  # saved tensors unpack once there
+        out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
+    else:
+        out = attend(q, k, v)
     out.backward(grad)
     return out.detach(), q.grad, k.grad, v.grad
 
 
 def test_triton_backward_matches_the_reference(monkeypatch):
     """BACKWARD = "triton" (ops.attention.backward, through Triton's interpreter here): the same forward bits, the
-    reference's gradients to fp32 rounding, the same bits run to run; it really runs (calls counted)."""
+    reference's gradients to fp32 rounding, the same bits run to run and under gradient checkpointing; it really runs
+    (calls counted)."""
     import lockstep.rl.attention as module
 
     lens, hq, hkv, d, page = [70, 1, 17, 64], 4, 2, 16, 16
@@ -86,7 +94,7 @@ def test_triton_backward_matches_the_reference(monkeypatch):
     monkeypatch.setattr(module, "causal_attention_backward", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(module, "BACKWARD", "triton")
     fused = _grads(q, k, v, meta, page, grad)
-    again = _grads(q, k, v, meta, page, grad)
+    again = _grads(q, k, v, meta, page, grad, checkpointed=True)  # and under gradient checkpointing
     assert len(calls) == 2
     assert torch.equal(fused[0], ref[0])  # the forward is the engine's either way
     for name, a, b, c in zip(("dq", "dk", "dv"), fused[1:], ref[1:], again[1:], strict=True):
