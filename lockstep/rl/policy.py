@@ -18,6 +18,7 @@ from lockstep.models.llama import LlamaForCausalLM
 from lockstep.models.loader import load_model
 from lockstep.models.quantization import fp8_scheme, train_fp8
 from lockstep.ops import autograd
+from lockstep.ops.gated_backward import silu_and_mul_backward
 from lockstep.rl import attention
 
 __all__ = ["TRAINABLE", "load_policy", "make_trainable"]
@@ -36,6 +37,8 @@ class _SiluAndMul(torch.autograd.Function):
         # expressions), with in-place steps on fresh temporaries and both halves rounded straight into one output:
         # fewer passes over [tokens, intermediate] than the expressions and an fp32 concatenation took.
         (gate_up,) = ctx.saved_tensors
+        if gate_up.is_cuda and gate_up.dim() == 2:  # the same formula in one Triton pass (ops.gated_backward)
+            return silu_and_mul_backward(gate_up, grad)
         gate, up = gate_up.float().chunk(2, dim=-1)  # [n, I] each
         g = grad.float()
         sig = torch.sigmoid(gate)

@@ -1,6 +1,7 @@
-"""The trainer's attention backward kernels (ops.attention.backward) compile for Hopper (sm_90) at Qwen3's head_dim
-128 in bf16, with the launch's 8 warps and without spilling registers (4 warps spilled), on this CPU machine: the
-other tests run them through the interpreter, which compiles nothing. In a process of its own without
+"""The trainer's backward kernels compile for Hopper (sm_90) on this CPU machine: the attention backward
+(ops.attention.backward) at Qwen3's head_dim 128 in bf16 with the launch's 8 warps and without spilling registers
+(4 warps spilled), and the SiLU-and-mul backward (ops.gated_backward). The other tests run them through the
+interpreter, which compiles nothing. In a process of its own without
 ``TRITON_INTERPRET``; skips without ptxas."""
 
 import os
@@ -21,17 +22,21 @@ SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
 
     from lockstep.ops.attention import backward as B
+    from lockstep.ops.gated_backward import _silu_and_mul_backward_kernel
 
     CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
-    def compile_(fn, pointers, ints, floats, blocks):
-        signature = {**{p: "*bf16" for p in pointers}, "lse_ptr": "*fp32", "delta_ptr": "*fp32",
-                     "blocks_ptr": "*i32", **{i: "i32" for i in ints}, **{f: "fp32" for f in floats}}
-        constexprs = dict(GROUP=4, HEAD_DIM=128, D_PAD=128, UPCAST=False, PRECISION="tf32", **blocks)
+    def compile_(fn, pointers, ints, floats, blocks, attention=True, warps=B._WARPS):
+        signature = {**{p: "*bf16" for p in pointers}, **{i: "i32" for i in ints}, **{f: "fp32" for f in floats}}
+        constexprs = dict(blocks)
+        if attention:
+            signature |= {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "blocks_ptr": "*i32"}
+            constexprs |= dict(GROUP=4, HEAD_DIM=128, D_PAD=128, UPCAST=False, PRECISION="tf32")
         signature |= {name: "constexpr" for name in constexprs}
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        options = {"num_warps": warps, "launch_pdl": "USE_PDL" in constexprs}
         try:
-            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": B._WARPS})
+            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         except FileNotFoundError as e:  # no ptxas
             raise SystemExit(f"SKIP {e}")
         assert "cubin" in kernel.asm, fn
@@ -52,12 +57,14 @@ SCRIPT = textwrap.dedent(
     compile_(B._dq_kernel, ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr"),
              ["total", *strides("q", "k", "v", "do", "dq")], ["qk_scale", "scale"],
              {"BLOCK_M": B._DQ_M, "BLOCK_N": B._DQ_N})
+    compile_(_silu_and_mul_backward_kernel, ("x_ptr", "g_ptr", "out_ptr"), ["width", "stride_x", "stride_g",
+             "stride_o"], [], {"BLOCK": 1024, "USE_PDL": True}, attention=False, warps=4)
     print("COMPILED")
     """
 )
 
 
-def test_attention_backward_kernels_compile_for_sm90() -> None:
+def test_trainer_backward_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     if done.stdout.startswith("SKIP") or done.stderr.startswith("SKIP"):
