@@ -1,7 +1,7 @@
 """The trainer's backward kernels compile for Hopper (sm_90) on this CPU machine: the attention backward
 (ops.attention.backward) at Qwen3's head_dim 128 in bf16 with the launch's 8 warps and without spilling registers
-(4 warps spilled), and the SiLU-and-mul backward (ops.gated_backward). The other tests run them through the
-interpreter, which compiles nothing. In a process of its own without
+(4 warps spilled), the SiLU-and-mul backward (ops.gated_backward) and RMSNorm's (ops.rms_norm_backward). The other
+tests run them through the interpreter, which compiles nothing. In a process of its own without
 ``TRITON_INTERPRET``; skips without ptxas."""
 
 import os
@@ -23,11 +23,13 @@ SCRIPT = textwrap.dedent(
 
     from lockstep.ops.attention import backward as B
     from lockstep.ops.gated_backward import _silu_and_mul_backward_kernel
+    from lockstep.ops.rms_norm_backward import _rms_norm_backward_kernel
 
     CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
-    def compile_(fn, pointers, ints, floats, blocks, attention=True, warps=B._WARPS):
-        signature = {**{p: "*bf16" for p in pointers}, **{i: "i32" for i in ints}, **{f: "fp32" for f in floats}}
+    def compile_(fn, pointers, ints, floats, blocks, attention=True, warps=B._WARPS, extra=None):
+        signature = {**{p: "*bf16" for p in pointers}, **{i: "i32" for i in ints}, **{f: "fp32" for f in floats},
+                     **(extra or {})}
         constexprs = dict(blocks)
         if attention:
             signature |= {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "blocks_ptr": "*i32"}
@@ -59,6 +61,10 @@ SCRIPT = textwrap.dedent(
              {"BLOCK_M": B._DQ_M, "BLOCK_N": B._DQ_N})
     compile_(_silu_and_mul_backward_kernel, ("x_ptr", "g_ptr", "out_ptr"), ["width", "stride_x", "stride_g",
              "stride_o"], [], {"BLOCK": 1024, "USE_PDL": True}, attention=False, warps=4)
+    for width, has_gh in ((4096, True), (128, False)):  # the decoder's norms, Qwen3's per-head q/k norms
+        compile_(_rms_norm_backward_kernel, ("h_ptr", "g_ptr", "gh_ptr", "w_ptr", "dh_ptr"), ["rows", "n"], ["eps"],
+                 {"HAS_WEIGHT": True, "HAS_GH": has_gh, "ROWS": 16, "BLOCK": width}, attention=False,
+                 warps=8 if width >= 2048 else 4, extra={"dw_ptr": "*fp32"})
     print("COMPILED")
     """
 )
