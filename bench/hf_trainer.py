@@ -373,6 +373,7 @@ def components(device: str, seqs: int, seq_len: int, tiny: bool = False) -> None
           f"{total[0] / total[2]:.2f} / {total[1] / total[3]:.2f} / {sum(total[:2]) / sum(total[2:]):.2f}",
           flush=True)  # fmt: skip
     _compare_attention_backwards(ours_attention, [qh, kh, vh], dev)
+    _compare_pointwise_backwards(x, res, norm.weight, act, dev, clock)
     _weight_gradients(dev, tokens, shape, clock)
 
 
@@ -450,6 +451,43 @@ def _compare_attention_backwards(attend, inputs: list[torch.Tensor], device: tor
     same = all(torch.equal(a, b) for a, b in zip(grads["  ... Triton backward"], grads["  ... Triton backward again"],
                                                   strict=True))  # fmt: skip
     print(f"attention gradients, Triton: a second run gives the same bits: {same}", flush=True)
+
+
+def _compare_pointwise_backwards(x, res, weight, act, dev: torch.device, clock: _Clock) -> None:
+    """RMSNorm's and SiLU-and-mul's backward: the Triton passes (CUDA's path) against the torch formulas (the CPU's)
+    on the step's shapes, values (max |diff| / max |formula|) and time."""
+    from lockstep.ops.autograd import rms_norm_backward_reference
+    from lockstep.ops.gated_backward import silu_and_mul_backward
+    from lockstep.ops.rms_norm_backward import rms_norm_backward
+    from lockstep.rl.policy import silu_and_mul_backward_reference
+
+    if dev.type != "cuda":
+        from lockstep.ops._common import interpreting
+
+        if not interpreting():  # the Triton passes run on CUDA, or the interpreter
+            print("pointwise backwards: Triton passes not compared (no CUDA; TRITON_INTERPRET=1 runs them)")
+            return
+    h = (x + res).detach()
+    g = torch.randn_like(h)
+    gate_up = torch.cat([act, act.flip(0)], dim=-1).detach()
+    g_act = torch.randn_like(act)
+    cases = {
+        "rms_norm backward": (lambda: rms_norm_backward(h, weight.detach(), 1e-6, g, g)[0],
+                              lambda: rms_norm_backward_reference(h, weight.detach(), 1e-6, g, g)[0]),
+        "silu_and_mul backward": (lambda: silu_and_mul_backward(gate_up, g_act),
+                                  lambda: silu_and_mul_backward_reference(gate_up, g_act)),
+    }  # fmt: skip
+    for name, (triton_fn, torch_fn) in cases.items():
+        ours, ref = triton_fn(), torch_fn()
+        err = float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+        times = []
+        for fn in (triton_fn, torch_fn):
+            fn()
+            t0 = clock.mark()
+            fn()
+            times.append(clock.ms(t0, clock.mark()))
+        print(f"{name}: Triton {times[0]:.2f} ms, torch formula {times[1]:.2f} ms; max |diff| / max |formula| "
+              f"{err:.2e}; a second run the same bits: {torch.equal(ours, triton_fn())}", flush=True)  # fmt: skip
 
 
 def main() -> None:

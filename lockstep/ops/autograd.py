@@ -132,6 +132,29 @@ def _linear_backward(ctx, grad: torch.Tensor):
     return grad_x, grad_w, grad_b
 
 
+def rms_norm_backward_reference(
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    grad_out: torch.Tensor,
+    grad_h: torch.Tensor | None,
+    weight_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm's ``(dh, dw)`` in torch ops, fp32 (the CPU's path; CUDA's is ``ops.rms_norm_backward``)."""
+    # h: [..., N]; y = (h * rstd) * w, rstd = 1 / sqrt(mean(h^2) + eps)
+    hf, g = h.float(), grad_out.float()
+    rstd = torch.rsqrt((hf * hf).mean(-1, keepdim=True) + eps)
+    normed = hf * rstd
+    grad_normed = g * weight.float() if weight is not None else g
+    grad_hf = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+    if grad_h is not None:
+        grad_hf = grad_hf + grad_h.float()
+    grad_w = None
+    if weight is not None and weight_grad:
+        grad_w = (g * normed).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+    return grad_hf.to(h.dtype), grad_w
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, eps: float):
@@ -151,18 +174,7 @@ class _RMSNorm(torch.autograd.Function):
             if not ctx.needs_input_grad[1]:
                 grad_w = None
             return grad_x, grad_w, grad_x if ctx.has_residual else None, None
-        # h: [..., N]; y = (h * rstd) * w, rstd = 1 / sqrt(mean(h^2) + eps)
-        hf, g = h.float(), grad_out.float()
-        rstd = torch.rsqrt((hf * hf).mean(-1, keepdim=True) + ctx.eps)
-        normed = hf * rstd
-        grad_normed = g * weight.float() if weight is not None else g
-        grad_hf = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
-        if grad_h is not None:
-            grad_hf = grad_hf + grad_h.float()
-        grad_x = grad_hf.to(h.dtype)
-        grad_w = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            grad_w = (g * normed).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+        grad_x, grad_w = rms_norm_backward_reference(h, weight, ctx.eps, grad_out, grad_h, ctx.needs_input_grad[1])
         return grad_x, grad_w, grad_x if ctx.has_residual else None, None
 
 

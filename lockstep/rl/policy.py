@@ -32,24 +32,29 @@ class _SiluAndMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        # The textbook gradient in fp32: grad_gate = g * up * sig * (1 + gate * (1 - sig)), grad_up = g * gate * sig,
-        # each product evaluated left to right (the same IEEE op per element, so the same values as those
-        # expressions), with in-place steps on fresh temporaries and both halves rounded straight into one output:
-        # fewer passes over [tokens, intermediate] than the expressions and an fp32 concatenation took.
         (gate_up,) = ctx.saved_tensors
         if gate_up.is_cuda and gate_up.dim() == 2:  # the same formula in one Triton pass (ops.gated_backward)
             return silu_and_mul_backward(gate_up, grad)
-        gate, up = gate_up.float().chunk(2, dim=-1)  # [n, I] each
-        g = grad.float()
-        sig = torch.sigmoid(gate)
-        out = torch.empty_like(gate_up)  # [n, 2I]
-        width = gate.shape[-1]
-        grad_up = g * gate
-        out[..., width:] = grad_up.mul_(sig)
-        del grad_up
-        slope = (1.0 - sig).mul_(gate).add_(1.0)  # 1 + gate * (1 - sig)
-        out[..., :width] = (g * up).mul_(sig).mul_(slope)
-        return out
+        return silu_and_mul_backward_reference(gate_up, grad)
+
+
+def silu_and_mul_backward_reference(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """SiLU-and-mul's gradient in torch ops, fp32 (the CPU's path; CUDA's is ``ops.gated_backward``)."""
+    # The textbook gradient in fp32: grad_gate = g * up * sig * (1 + gate * (1 - sig)), grad_up = g * gate * sig,
+    # each product evaluated left to right (the same IEEE op per element, so the same values as those
+    # expressions), with in-place steps on fresh temporaries and both halves rounded straight into one output:
+    # fewer passes over [tokens, intermediate] than the expressions and an fp32 concatenation took.
+    gate, up = gate_up.float().chunk(2, dim=-1)  # [n, I] each
+    g = grad.float()
+    sig = torch.sigmoid(gate)
+    out = torch.empty_like(gate_up)  # [n, 2I]
+    width = gate.shape[-1]
+    grad_up = g * gate
+    out[..., width:] = grad_up.mul_(sig)
+    del grad_up
+    slope = (1.0 - sig).mul_(gate).add_(1.0)  # 1 + gate * (1 - sig)
+    out[..., :width] = (g * up).mul_(sig).mul_(slope)
+    return out
 
 
 class _Rotary(torch.autograd.Function):
