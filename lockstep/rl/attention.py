@@ -16,11 +16,11 @@ The reference backward is deterministic run to run: per sequence, dense matmuls 
 and the gradient of each cache slot is added in sequence order (gather, add, scatter), never with atomics. On CUDA the
 recomputation's fp32 matmuls run on TF32 tensor cores (``BACKWARD_MATMUL_PRECISION``, torch's
 ``float32_matmul_precision``, process-wide for the duration of the backward): full-precision fp32 matmuls run on
-the CUDA cores, about 7x below TF32's rate on an H100/H200, and at the Qwen3-8B shape with 1k-token sequences the
-recomputation is ~0.8 TFLOP a layer, the order of the layer's bf16 projections (arithmetic, not yet measured:
-``bench/hf_trainer.py --components``). TF32 keeps a 10-bit mantissa in the products (FlashAttention's bf16 backward
-keeps 7) with fp32 sums; cuBLAS's TF32 GEMMs are as deterministic as its fp32 ones; the forward, and so the
-logprobs, are untouched.
+the CUDA cores, about 7x below TF32's rate on an H100/H200; at the Qwen3-8B shape with 1k-token sequences the
+recomputation is ~0.8 TFLOP a layer, and session 11's profile put this backward at 134 of 363 ms of GPU time in a
+4-layer, 16k-token step (``bench/hf_trainer.py --components`` times it with and without TF32). TF32 keeps a
+10-bit mantissa in the products (FlashAttention's bf16 backward keeps 7) with fp32 sums; cuBLAS's TF32 GEMMs are
+as deterministic as its fp32 ones; the forward, and so the logprobs, are untouched.
 """
 
 from contextlib import contextmanager
