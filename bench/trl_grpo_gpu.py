@@ -7,6 +7,7 @@ in-process sync alone, timed again.
     python bench/trl_grpo_gpu.py                     # Qwen3-8B shape, 36 layers, bf16, 20 steps
     python bench/trl_grpo_gpu.py --layers 4 --steps 5
     python bench/trl_grpo_gpu.py --attention-backward triton   # the trainer on ops.attention.backward
+    python bench/trl_grpo_gpu.py --sync-only         # the 16 GB in-process sync alone
     python bench/trl_grpo_gpu.py --tiny              # a tiny Qwen3 on the CPU, fp32, 3 steps (checks the bench runs)
 
 The trainer's model is built in memory (transformers' own random init) and the engine starts from dummy weights:
@@ -36,6 +37,25 @@ def reward_even_ids(completions, **kwargs) -> list[float]:
     return rewards
 
 
+def time_sync(llm, model, weight_bytes: int, device: torch.device) -> None:
+    """``LLM.load_weights(sampler_weights(model))`` (the in-process sync ``use_lockstep`` runs), three times."""
+    from lockstep.rl.hf import sampler_weights
+
+    times = []
+    for _ in range(3):
+        _sync(device)
+        t = time.perf_counter()
+        llm.load_weights(sampler_weights(model))
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    best = min(times)
+    held = llm.engine.runner.model.checkpoint_tensors()
+    exact = all(torch.equal(held[name], t) for name, t in sampler_weights(model))
+    print(f"in-process weight sync (LLM.load_weights(sampler_weights(model))): {weight_bytes / 1e9:.2f} GB in "
+          f"{best:.3f} s ({weight_bytes / best / 1e9:.1f} GB/s); runs {', '.join(f'{t:.3f}' for t in times)} s; "
+          f"the engine's weights equal the trainer's bit for bit: {exact}", flush=True)  # fmt: skip
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -53,6 +73,7 @@ def main() -> int:
     ap.add_argument("--no-batch-invariant", action="store_true", help="the engine on torch's kernels (control)")
     ap.add_argument("--attention-backward", default="reference", choices=["reference", "triton"],
                     help="the trainer's attention backward (lockstep.rl.attention.BACKWARD)")  # fmt: skip
+    ap.add_argument("--sync-only", action="store_true", help="time the in-process weight sync alone (no TRL)")
     ap.add_argument("--tiny", action="store_true", help="a tiny Qwen3 on the CPU, fp32, 3 steps")
     args = ap.parse_args()
     if args.tiny:
@@ -68,7 +89,6 @@ def main() -> int:
 
     from lockstep import LLM
     from lockstep.rl import attention
-    from lockstep.rl.hf import sampler_weights
     from lockstep.rl.trl import use_lockstep
 
     attention.BACKWARD = args.attention_backward
@@ -87,6 +107,14 @@ def main() -> int:
         n_prompts = args.steps * args.batch_size // args.num_generations
         prompts = [" ".join(f"<{int(i)}>" for i in torch.randint(0, vocab - 1, (args.prompt_len,), generator=gen))
                    for _ in range(n_prompts)]  # fmt: skip
+        if args.sync_only:
+            llm = LLM(tmp, load_format="dummy", dtype=str(dtype).removeprefix("torch."), device=str(device),
+                      gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.batch_size)  # fmt: skip
+            print(f"{info['num_hidden_layers']} layers, {weight_bytes / 1e9:.2f} GB of {dtype} weights, {device}",
+                  flush=True)  # fmt: skip
+            time_sync(llm, model, weight_bytes, device)
+            llm.close()
+            return 0
         grpo = GRPOConfig(
             output_dir=f"{tmp}/out", per_device_train_batch_size=args.batch_size,
             num_generations=args.num_generations, max_completion_length=args.max_completion_length,
@@ -154,17 +182,7 @@ def main() -> int:
               f"total {mean['total']:.2f} s; mismatch max over all steps {max(r['mismatch'] for r in rows)!r}",
               flush=True)  # fmt: skip
 
-        times = []
-        for _ in range(3):
-            _sync(device)
-            t = time.perf_counter()
-            llm.load_weights(sampler_weights(model))
-            _sync(device)
-            times.append(time.perf_counter() - t)
-        best = min(times)
-        print(f"in-process weight sync (LLM.load_weights(sampler_weights(model))): {weight_bytes / 1e9:.2f} GB in "
-              f"{best:.3f} s ({weight_bytes / best / 1e9:.1f} GB/s); runs {', '.join(f'{t:.3f}' for t in times)} s",
-              flush=True)  # fmt: skip
+        time_sync(llm, model, weight_bytes, device)
         llm.close()
     zero = all(r["mismatch"] == 0.0 for r in rows)
     ok = (not zero) if args.no_batch_invariant else zero
