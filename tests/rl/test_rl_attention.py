@@ -1,6 +1,7 @@
 """The trainer's paged attention (lockstep.rl.attention): its gradient against float64 finite differences of
 causal SDPA, over a paged cache laid out out of batch order."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from gradients import check_directional, randn
@@ -79,13 +80,14 @@ def _grads(q, k, v, meta, page, grad, checkpointed: bool = False):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def test_triton_backward_matches_the_reference(monkeypatch):
+@pytest.mark.parametrize("hq, hkv, d", [(4, 2, 16), (8, 2, 80)])  # 80: a head_dim padded to the kernel's 128
+def test_triton_backward_matches_the_reference(monkeypatch, hq, hkv, d):
     """BACKWARD = "triton" (ops.attention.backward, through Triton's interpreter here): the same forward bits, the
     reference's gradients to fp32 rounding, the same bits run to run and under gradient checkpointing; it really runs
     (calls counted)."""
     import lockstep.rl.attention as module
 
-    lens, hq, hkv, d, page = [70, 1, 17, 64], 4, 2, 16, 16
+    lens, page = [70, 1, 17, 64], 16
     q, k, v, meta = _packed_case(lens, hq, hkv, d, page)
     grad = randn(q.shape[0], hq, d, seed=9)
     ref = _grads(q, k, v, meta, page, grad)
