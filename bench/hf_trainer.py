@@ -182,6 +182,7 @@ def timing(device: str, layers: int, seqs: int, seq_len: int, profile: bool = Fa
 
     from lockstep.rl import attention
 
+    _note_cpu_triton(dev)
     name = "tiny Qwen3" if tiny else "Qwen3-8B shape"
     print(f"{name}, {layers} layers, {seqs} x {seq_len} tokens, bf16, {dev.type}, forward + backward of the "
           "backbone (no head):", flush=True)  # fmt: skip
@@ -194,7 +195,10 @@ def timing(device: str, layers: int, seqs: int, seq_len: int, profile: bool = Fa
             patch_model(model)
         saved, attention.BACKWARD = attention.BACKWARD, backward or attention.BACKWARD
         try:
-            fwd, bwd = _best(lambda p=patched: step(p))
+            timed = _guarded(label, lambda p=patched: _best(lambda: step(p)))
+            if timed is None:
+                continue
+            fwd, bwd = timed
             if profile:
                 _profile_step(lambda p=patched: forward(p), dev, label)
         finally:
@@ -363,7 +367,7 @@ def components(device: str, seqs: int, seq_len: int, tiny: bool = False) -> None
                 return clock.ms(t0, t1), clock.ms(t1, t2)
 
             with _attention_settings(name):
-                row += list(_best(run))
+                row += list(_guarded(name, lambda run=run: _best(run), (float("nan"),) * 2))
         for i, v in enumerate(row):
             total[i] += v if in_layer else 0.0
         print(f"{name:<24} {row[0]:>12.2f} {row[1]:>8.2f} {row[2]:>10.2f} {row[3]:>8.2f}  "
@@ -372,9 +376,27 @@ def components(device: str, seqs: int, seq_len: int, tiny: bool = False) -> None
     print(f"{'a layer (sum, ms)':<24} {total[0]:>12.2f} {total[1]:>8.2f} {total[2]:>10.2f} {total[3]:>8.2f}  "
           f"{total[0] / total[2]:.2f} / {total[1] / total[3]:.2f} / {sum(total[:2]) / sum(total[2:]):.2f}",
           flush=True)  # fmt: skip
-    _compare_attention_backwards(ours_attention, [qh, kh, vh], dev)
-    _compare_pointwise_backwards(x, res, norm.weight, act, dev, clock)
+    _guarded("attention gradients", lambda: _compare_attention_backwards(ours_attention, [qh, kh, vh], dev))
+    _guarded("pointwise backwards", lambda: _compare_pointwise_backwards(x, res, norm.weight, act, dev, clock))
     _weight_gradients(dev, tokens, shape, clock)
+
+
+def _note_cpu_triton(device: torch.device) -> None:
+    from lockstep.ops._common import interpreting
+
+    if device.type != "cuda" and not interpreting():
+        print("(on the CPU the Triton attention backward runs only under TRITON_INTERPRET=1: its rows here take the "
+              "reference)", flush=True)  # fmt: skip
+
+
+def _guarded(name: str, fn, failed=None):
+    """``fn()``; if it raises, the error printed under ``name`` and ``failed`` returned, so that one failing piece
+    (a kernel's first run on a GPU) leaves the rest of the run's figures."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - printed, and the run goes on
+        print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return failed
 
 
 def _weight_gradients(dev: torch.device, tokens: int, shape: dict, clock: _Clock) -> None:
@@ -431,6 +453,7 @@ def _attention_settings(row: str):
 def _compare_attention_backwards(attend, inputs: list[torch.Tensor], device: torch.device) -> None:
     """The largest difference of each input's gradient between the backward settings, relative to its largest
     magnitude under full fp32 (the reference backward without TF32), and whether a second run repeats each bit."""
+    _note_cpu_triton(device)
     grads = {}
     gen = torch.Generator(device=device).manual_seed(5)
     out_grad = None
