@@ -10,11 +10,12 @@ missing pieces by hand, in one process (rank 0 of 1), to see what comes next:
 - ``override_config.attn_implementation=sdpa`` (verl's default is flash_attention_2) and ``strategy=fsdp2`` (FSDP1
   asks torch for ``torch.device(0)``, which fails without an accelerator).
 
-With those, verl's ``FSDPEngine.initialize()`` builds the FSDP2 model on the CPU. Then ``patch_model`` on that
-module fails: FSDP2 renames the class (``FSDPQwen3ForCausalLM``, no architecture lockstep knows); with the name
-read through the class's MRO instead (tried, not kept), the next refusal is the LM head, an ``FSDPLinear``
-(``patch_model`` needs a plain ``nn.Linear``). The probe prints each stage and the error it ends on; it needs verl
-(docs/design.md, "verl", says how to install it).
+With those, verl's ``FSDPEngine.initialize()`` builds the FSDP2 model on the CPU (``FSDPQwen3ForCausalLM``, its
+LM head an ``FSDPLinear``), with verl's default mixed precision (bf16 compute on fp32 masters). The probe samples
+with a lockstep ``LLM`` in that compute dtype, then compares verl's module's logprobs of the sample, unpatched and
+after ``patch_model`` (which reads the classes through FSDP2's wrappers), and runs a backward through it. Printed
+on the CPU (2026-12-02, verl 0.9.1, torch 2.13): unpatched 0.0303, patched 0.0 (bf16), 25 finite gradients. It
+needs verl (docs/design.md, "verl", says how to install it).
 
     VERL_ENGINE_DEVICE=cuda python bench/verl_cpu_engine.py
 """
@@ -119,22 +120,38 @@ def main() -> None:
     module = engine.module
     print(f"verl's engine initialized on the CPU: {type(engine).__name__}, module {type(module).__name__}")
 
+    # FSDP2's mixed precision: the forward computes in param_dtype (verl's default bf16), the casts of the fp32
+    # masters; a sampler loading the fp32 checkpoint in that dtype rounds the same way.
+    mp = module._get_fsdp_state()._mp_policy
+    compute = mp.param_dtype or next(p.dtype for p in module.parameters())
+    print(f"verl's FSDP2 mixed precision: param_dtype {mp.param_dtype}, reduce_dtype {mp.reduce_dtype}")
     prompt = [5, 6, 7, 8, 9, 10]
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
-    out = LLM(str(folder)).generate([prompt], [params])[0].outputs[0]
+    dtype = str(compute).removeprefix("torch.")
+    out = LLM(str(folder), dtype=dtype).generate([prompt], [params])[0].outputs[0]
     seq = torch.tensor([prompt + list(out.token_ids[:-1])])
+    want = torch.tensor(out.token_logprobs)
+
+    def trainer_logprobs() -> torch.Tensor:
+        logits = module(input_ids=seq).logits[0, len(prompt) - 1 :]
+        return selective_log_softmax(logits, torch.tensor(out.token_ids))
+
     with torch.no_grad():
-        lp = selective_log_softmax(
-            module(input_ids=seq).logits[0, len(prompt) - 1 :].float(), torch.tensor(out.token_ids)
-        )
-    diff = float((lp - torch.tensor(out.token_logprobs)).abs().max())
-    print(f"verl's FSDP2 model, unpatched: max |trainer - sampler| logprob {diff:.3g}")
+        diff = float((trainer_logprobs() - want).abs().max())
+    print(f"verl's FSDP2 model, unpatched: max |trainer - sampler ({dtype})| logprob {diff:.3g}")
     try:
         patch_model(module)
     except (ValueError, NotImplementedError) as e:
         print(f"patch_model on verl's FSDP2 model: {type(e).__name__}: {e}")
-    else:
-        print("patch_model on verl's FSDP2 model: patched")
+        return
+    lps = trainer_logprobs()
+    diff = float((lps.detach() - want).abs().max())
+    print(f"verl's FSDP2 model, patched: max |trainer - sampler ({dtype})| logprob {diff!r}")
+    lps.sum().backward()
+    norms = [float(p.grad.full_tensor().float().norm()) for p in module.parameters() if p.grad is not None]
+    finite = all(n == n and n != float("inf") for n in norms)
+    total = sum(n * n for n in norms) ** 0.5
+    print(f"backward through verl's FSDP2 model: {len(norms)} gradients, all finite {finite}, norm {total:.4g}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ deterministic run to run and use no atomics:
   ``grad_x = grad @ dequantize(w8, scale)`` (the weight the forward used) and ``grad_W = grad^T @ x`` (the
   unquantized activations) land on the master weight, in its dtype; ``grad_b`` is an fp32 column sum. A weight
   element that the forward saturated at +-448 x its scale still gets its gradient (no clipping mask).
-- ``rms_norm`` and ``log_softmax``: the textbook gradients in fp32 from the saved inputs/outputs. The roundings
+- ``rms_norm`` and ``log_softmax``: the textbook gradients in fp32 from the saved inputs/outputs (RMSNorm's in one
+  Triton pass on CUDA, ``ops.rms_norm_backward``). The roundings
   of the forward (to the model dtype before and after the weight) are treated as identities, as every
   framework does.
 - ``moe_route``: the gradient of the chosen experts' (renormalised) softmax probabilities in fp32 into the
@@ -36,6 +37,7 @@ import torch
 
 from lockstep.ops import fp8 as _fp8
 from lockstep.ops import fp8_tree as _fp8_tree
+from lockstep.ops import rms_norm_backward as _rms_norm_backward
 from lockstep.ops.gelu import gelu as _gelu
 from lockstep.ops.layer_norm import layer_norm as _layer_norm
 from lockstep.ops.matmul import linear as _linear
@@ -130,6 +132,29 @@ def _linear_backward(ctx, grad: torch.Tensor):
     return grad_x, grad_w, grad_b
 
 
+def rms_norm_backward_reference(
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    grad_out: torch.Tensor,
+    grad_h: torch.Tensor | None,
+    weight_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm's ``(dh, dw)`` in torch ops, fp32 (the CPU's path; CUDA's is ``ops.rms_norm_backward``)."""
+    # h: [..., N]; y = (h * rstd) * w, rstd = 1 / sqrt(mean(h^2) + eps)
+    hf, g = h.float(), grad_out.float()
+    rstd = torch.rsqrt((hf * hf).mean(-1, keepdim=True) + eps)
+    normed = hf * rstd
+    grad_normed = g * weight.float() if weight is not None else g
+    grad_hf = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+    if grad_h is not None:
+        grad_hf = grad_hf + grad_h.float()
+    grad_w = None
+    if weight is not None and weight_grad:
+        grad_w = (g * normed).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+    return grad_hf.to(h.dtype), grad_w
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, eps: float):
@@ -144,18 +169,12 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_h=None):
         h, weight = ctx.saved_tensors
-        # h: [..., N]; y = (h * rstd) * w, rstd = 1 / sqrt(mean(h^2) + eps)
-        hf, g = h.float(), grad_out.float()
-        rstd = torch.rsqrt((hf * hf).mean(-1, keepdim=True) + ctx.eps)
-        normed = hf * rstd
-        grad_normed = g * weight.float() if weight is not None else g
-        grad_hf = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
-        if grad_h is not None:
-            grad_hf = grad_hf + grad_h.float()
-        grad_x = grad_hf.to(h.dtype)
-        grad_w = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            grad_w = (g * normed).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+        if h.is_cuda and h.shape[-1] <= _rms_norm_backward.MAX_N:  # the same formula in one Triton pass
+            grad_x, grad_w = _rms_norm_backward.rms_norm_backward(h, weight, ctx.eps, grad_out, grad_h)
+            if not ctx.needs_input_grad[1]:
+                grad_w = None
+            return grad_x, grad_w, grad_x if ctx.has_residual else None, None
+        grad_x, grad_w = rms_norm_backward_reference(h, weight, ctx.eps, grad_out, grad_h, ctx.needs_input_grad[1])
         return grad_x, grad_w, grad_x if ctx.has_residual else None, None
 
 

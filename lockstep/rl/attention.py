@@ -7,14 +7,48 @@ Function takes the caches as inputs and returns their gradient, and autograd rou
 back to ``k`` and ``v``.
 The trainer gives every micro-batch a fresh zeroed cache, so the caches are ordinary tensors in its graph.
 
-The backward is deterministic run to run: per sequence, dense matmuls and a softmax over a fixed shape, and the
-gradient of each cache slot is added in sequence order (gather, add, scatter), never with atomics.
+``BACKWARD = "triton"`` takes ``ops.attention.backward`` instead (FlashAttention-2's backward without atomics, bf16
+products and fp32 sums), on CUDA for bf16/fp16 batches of whole sequences (the trainer's: each sequence's queries
+are its own keys from position 0); anything else takes the reference below. Not yet the default: its values are
+checked on the CPU through Triton's interpreter and it compiles for sm_90, but it has not run on a GPU.
+
+The reference backward is deterministic run to run: per sequence, dense matmuls and a softmax over a fixed shape,
+and the gradient of each cache slot is added in sequence order (gather, add, scatter), never with atomics. On CUDA the
+recomputation's fp32 matmuls run on TF32 tensor cores (``BACKWARD_MATMUL_PRECISION``, torch's
+``float32_matmul_precision``, process-wide for the duration of the backward): full-precision fp32 matmuls run on
+the CUDA cores, about 7x below TF32's rate on an H100/H200; at the Qwen3-8B shape with 1k-token sequences the
+recomputation is ~0.8 TFLOP a layer, and session 11's profile put this backward at 134 of 363 ms of GPU time in a
+4-layer, 16k-token step (``bench/hf_trainer.py --components`` times it with and without TF32). TF32 keeps a
+10-bit mantissa in the products (FlashAttention's bf16 backward keeps 7) with fp32 sums; cuBLAS's TF32 GEMMs are
+as deterministic as its fp32 ones; the forward, and so the logprobs, are untouched.
 """
+
+from contextlib import contextmanager
 
 import torch
 
 from lockstep import ops
 from lockstep.layers.batch import AttentionMetadata
+from lockstep.ops._common import interpreting
+from lockstep.ops.attention.backward import causal_attention_backward
+
+# torch's float32_matmul_precision inside the backward's recomputation on CUDA ("high": TF32; "highest": fp32).
+BACKWARD_MATMUL_PRECISION = "high"
+# "reference" (per sequence, recomputed in fp32 with torch ops) or "triton" (ops.attention.backward; see above).
+BACKWARD = "reference"
+
+
+@contextmanager
+def _matmul_precision(device: torch.device):
+    if device.type != "cuda":  # the CPU's matmuls stay fp32
+        yield
+        return
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(BACKWARD_MATMUL_PRECISION)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -34,38 +68,69 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float):
-        ctx.save_for_backward(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+        out = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        ctx.fused = _takes_triton(q)
+        extra = (out,) if ctx.fused else ()  # the fused backward's delta = rowsum(dO * O) reads the output
+        ctx.save_for_backward(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *extra)
         ctx.scale = scale
-        return ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = ctx.saved_tensors
+        saved = ctx.saved_tensors  # once: a checkpointed layer's saved tensors unpack once
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = saved[:6]
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+        if ctx.fused and all(b - a == n for a, b, n in zip(starts, starts[1:], lens, strict=False)):  # whole seqs
+            return _fused_backward(saved, ctx.scale, grad_out, lens)
         page = k_cache.shape[1]
         k_flat = k_cache.reshape(-1, *k_cache.shape[2:])  # [num_slots, Hkv, D]
         v_flat = v_cache.reshape(-1, *v_cache.shape[2:])
         grad_q = torch.zeros_like(q, dtype=torch.float32)
         grad_k = torch.zeros_like(k_flat, dtype=torch.float32)
         grad_v = torch.zeros_like(v_flat, dtype=torch.float32)
-        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-        for i, seq_len in enumerate(lens):
-            q0, q1 = starts[i], starts[i + 1]
-            if q1 == q0:
-                continue
-            pos = torch.arange(seq_len, device=q.device)
-            slots = block_tables[i].long()[pos // page] * page + pos % page  # [seq_len]
-            with torch.enable_grad():
-                qi = q[q0:q1].float().requires_grad_()
-                ki = k_flat[slots].float().requires_grad_()
-                vi = v_flat[slots].float().requires_grad_()
-                out = _reference(qi, ki, vi, ctx.scale)
-                dq, dk, dv = torch.autograd.grad(out, (qi, ki, vi), grad_out[q0:q1].float())
-            grad_q[q0:q1] = dq
-            grad_k[slots] = grad_k[slots] + dk
-            grad_v[slots] = grad_v[slots] + dv
+        with _matmul_precision(q.device):
+            for i, seq_len in enumerate(lens):
+                q0, q1 = starts[i], starts[i + 1]
+                if q1 == q0:
+                    continue
+                pos = torch.arange(seq_len, device=q.device)
+                slots = block_tables[i].long()[pos // page] * page + pos % page  # [seq_len]
+                with torch.enable_grad():
+                    qi = q[q0:q1].float().requires_grad_()
+                    ki = k_flat[slots].float().requires_grad_()
+                    vi = v_flat[slots].float().requires_grad_()
+                    out = _reference(qi, ki, vi, ctx.scale)
+                    dq, dk, dv = torch.autograd.grad(out, (qi, ki, vi), grad_out[q0:q1].float())
+                grad_q[q0:q1] = dq
+                grad_k[slots] = grad_k[slots] + dk
+                grad_v[slots] = grad_v[slots] + dv
         grad_k = grad_k.view(k_cache.shape).to(k_cache.dtype)
         grad_v = grad_v.view(v_cache.shape).to(v_cache.dtype)
         return grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+
+
+def _takes_triton(q: torch.Tensor) -> bool:
+    gpu = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    return BACKWARD == "triton" and (gpu or interpreting())
+
+
+def _fused_backward(saved: tuple, scale: float, grad_out: torch.Tensor, lens: list[int]):
+    """``ops.attention.backward`` on the whole sequences' K and V gathered from the cache; the caches' gradients
+    are those rows scattered back to their slots (each slot holds one token)."""
+    q, k_cache, v_cache, block_tables, _, query_start_loc, out = saved
+    page = k_cache.shape[1]
+    lens_t = torch.tensor(lens, device=q.device)
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens_t)  # [total]
+    pos = torch.arange(q.shape[0], device=q.device) - query_start_loc[:-1].long()[seq]
+    slots = block_tables[seq, pos // page].long() * page + pos % page  # [total]
+    k_flat = k_cache.reshape(-1, *k_cache.shape[2:])  # [num_slots, Hkv, D]
+    v_flat = v_cache.reshape(-1, *v_cache.shape[2:])
+    dq, dk, dv = causal_attention_backward(
+        q.contiguous(), k_flat[slots], v_flat[slots], out, grad_out.contiguous(), query_start_loc.tolist(), scale
+    )
+    grad_k = torch.zeros_like(k_flat).index_copy_(0, slots, dk).view(k_cache.shape)
+    grad_v = torch.zeros_like(v_flat).index_copy_(0, slots, dv).view(v_cache.shape)
+    return dq, grad_k, grad_v, None, None, None, None
 
 
 def paged_attention(

@@ -18,6 +18,7 @@ from lockstep.models.llama import LlamaForCausalLM
 from lockstep.models.loader import load_model
 from lockstep.models.quantization import fp8_scheme, train_fp8
 from lockstep.ops import autograd
+from lockstep.ops.gated_backward import silu_and_mul_backward
 from lockstep.rl import attention
 
 __all__ = ["TRAINABLE", "load_policy", "make_trainable"]
@@ -32,12 +33,28 @@ class _SiluAndMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (gate_up,) = ctx.saved_tensors
-        gate, up = gate_up.float().chunk(2, dim=-1)
-        g = grad.float()
-        sig = torch.sigmoid(gate)
-        grad_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
-        grad_up = g * gate * sig
-        return torch.cat((grad_gate, grad_up), dim=-1).to(gate_up.dtype)
+        if gate_up.is_cuda and gate_up.dim() == 2:  # the same formula in one Triton pass (ops.gated_backward)
+            return silu_and_mul_backward(gate_up, grad)
+        return silu_and_mul_backward_reference(gate_up, grad)
+
+
+def silu_and_mul_backward_reference(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """SiLU-and-mul's gradient in torch ops, fp32 (the CPU's path; CUDA's is ``ops.gated_backward``)."""
+    # The textbook gradient in fp32: grad_gate = g * up * sig * (1 + gate * (1 - sig)), grad_up = g * gate * sig,
+    # each product evaluated left to right (the same IEEE op per element, so the same values as those
+    # expressions), with in-place steps on fresh temporaries and both halves rounded straight into one output:
+    # fewer passes over [tokens, intermediate] than the expressions and an fp32 concatenation took.
+    gate, up = gate_up.float().chunk(2, dim=-1)  # [n, I] each
+    g = grad.float()
+    sig = torch.sigmoid(gate)
+    out = torch.empty_like(gate_up)  # [n, 2I]
+    width = gate.shape[-1]
+    grad_up = g * gate
+    out[..., width:] = grad_up.mul_(sig)
+    del grad_up
+    slope = (1.0 - sig).mul_(gate).add_(1.0)  # 1 + gate * (1 - sig)
+    out[..., :width] = (g * up).mul_(sig).mul_(slope)
+    return out
 
 
 class _Rotary(torch.autograd.Function):

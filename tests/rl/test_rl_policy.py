@@ -17,6 +17,20 @@ def test_silu_and_mul_grad():
     check_directional(silu_and_mul, silu_ref, [3 * randn(13, 140)])
 
 
+def test_silu_and_mul_backward_has_the_expressions_values():
+    """The in-place backward rounds as the textbook expressions do, bit for bit, in fp32 and bf16 (odd widths)."""
+    for dtype, shape in ((torch.float32, (13, 142)), (torch.bfloat16, (17, 2 * 129)), (torch.bfloat16, (1, 6))):
+        gate_up = (3 * torch.randn(shape, generator=torch.Generator().manual_seed(shape[0]))).to(dtype)
+        grad = torch.randn(shape[0], shape[1] // 2, generator=torch.Generator().manual_seed(7)).to(dtype)
+        x = gate_up.clone().requires_grad_()
+        silu_and_mul(x).backward(grad)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        g, sig = grad.float(), torch.sigmoid(gate)
+        want = torch.cat((g * up * sig * (1.0 + gate * (1.0 - sig)), g * gate * sig), dim=-1).to(dtype)
+        assert x.grad.dtype == dtype and torch.equal(x.grad, want), dtype
+        assert not torch.equal(x.grad, torch.zeros_like(want))
+
+
 def _named_grads(policy) -> dict[str, torch.Tensor]:
     """Each Hugging Face tensor name's gradient (slices of the stacked weights' gradients)."""
     saved = [(p, p.data) for p in policy.parameters()]
@@ -92,3 +106,20 @@ def test_gradients_identical_run_to_run(tiny_model_dir):
     assert torch.equal(loss_a, loss_c)
     for name in grads_a:
         torch.testing.assert_close(grads_c[name], grads_a[name], rtol=1e-4, atol=1e-5)
+
+
+def test_silu_and_mul_backward_kernel_matches_the_formula():
+    """ops.gated_backward's Triton kernel (the CUDA path; the interpreter here) against the CPU's formula, which
+    the test above pins to the textbook expressions: within fp32 rounding in fp32, one bf16 rounding in bf16."""
+    from lockstep.ops.gated_backward import silu_and_mul_backward
+
+    for dtype, rows, width in ((torch.float32, 13, 1031), (torch.bfloat16, 5, 129)):
+        gate_up = (3 * torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows))).to(dtype)
+        grad = torch.randn(rows, width, generator=torch.Generator().manual_seed(1)).to(dtype)
+        x = gate_up.clone().requires_grad_()
+        silu_and_mul(x).backward(grad)
+        got = silu_and_mul_backward(gate_up, grad)
+        assert got.dtype == dtype and got.abs().max() > 0.1
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+        torch.testing.assert_close(got, x.grad, **tol)
+        assert torch.equal(got, silu_and_mul_backward(gate_up, grad))  # run to run

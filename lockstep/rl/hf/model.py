@@ -16,6 +16,16 @@ Everything else is transformers': ``*ForCausalLM.forward`` (``logits_to_keep``, 
 checkpointing's switch. The KV cache of ``generate`` is not supported on a patched model: sample with
 ``lockstep.LLM`` (or ``unpatch_model`` first).
 
+FSDP2 (``torch.distributed.fsdp.fully_shard``), before or after patching: the wrapper renames each wrapped
+module's class (``FSDPQwen3ForCausalLM``, ``FSDPLinear``; ``module_class`` reads the original through it) and holds
+the parameters as DTensor shards between calls. Its pre-forward hook gathers a wrapped module's full weights into
+plain tensors before ``forward`` runs (the instance-attribute forwards here run inside ``Module.__call__``, hooks
+around them), so the kernels read whole weights; the backward re-gathers them before the Functions' backward
+reads their saved weights, and reduce-scatters the gradients after. ``sampler_weights`` gathers each DTensor in
+turn (every rank walks it). Under FSDP2's mixed precision (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``,
+verl's default) the model computes in the bf16 casts of its fp32 masters: the bits of a bf16 sampler of the fp32
+weights (``LLM(dtype="bfloat16")``, or ``WeightSender(dtype=torch.bfloat16)``), tests/rl/test_hf_fsdp.py.
+
 ``torch.compile``: the patched forwards are marked ``torch.compiler.disable``, so compiling a patched model runs
 them eagerly, the same bits. Compiling them would let Inductor generate its own code for the elementwise ops
 between the kernels (the CPU rotary, casts, the SiLU tiles), contracting multiplies and adds differently from the
@@ -85,9 +95,20 @@ class _Patch:
         return self._tables[key]
 
 
+def module_class(module: nn.Module) -> type:
+    """``module``'s own class under any wrapper class FSDP2 gave it: ``fully_shard`` (and ``replicate``) swap a
+    module's class for a subclass ``FSDP<Class>`` of ``FSDPModule`` and the original; the parameters and the
+    forward stay the module's own."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without torch.distributed
+        return type(module)
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
 def _engine_config(lm: nn.Module) -> ModelConfig:
     hf = lm.config.to_dict()
-    hf["architectures"] = [type(lm).__name__]
+    hf["architectures"] = [module_class(lm).__name__]
     hf["dtype"] = "float32"  # the engine's default dtype only; the model runs in its parameters' dtype
     config = ModelConfig.from_hf(hf)
     if float(getattr(lm.config, "attention_dropout", 0.0) or 0.0) > 0:
@@ -200,7 +221,9 @@ def _vlm_model_forward(
 def _head_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     # hidden: [..., hidden] -> logits [..., vocab] in the model dtype (the engine's head before its fp32 cast)
     with no_autocast(hidden.device):
-        return K.linear(hidden, self.weight, self.bias)
+        logits = K.linear(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias)  # [rows, vocab]
+    # Not a view (FSDP2 warns of an FSDP module returning one): the logits own their storage, as F.linear's do.
+    return torch.ops.aten._unsafe_view(logits, (*hidden.shape[:-1], logits.shape[-1]))
 
 
 def patch_model(model: nn.Module, *, tp_invariant: bool = False, quantization: str | None = None) -> nn.Module:
@@ -226,8 +249,10 @@ def patch_model(model: nn.Module, *, tp_invariant: bool = False, quantization: s
     lm = causal_lm(model)
     config = _engine_config(lm)
     base = lm.model
-    if type(lm.lm_head) is not nn.Linear:
-        raise NotImplementedError(f"the LM head is a {type(lm.lm_head).__name__}; patch_model needs a plain nn.Linear")
+    if module_class(lm.lm_head) is not nn.Linear:
+        raise NotImplementedError(
+            f"the LM head is a {module_class(lm.lm_head).__name__}; patch_model needs a plain nn.Linear"
+        )
     if quantization is not None and is_vlm(lm):
         raise NotImplementedError("patch_model(quantization=...) of a vision-language model")
     unpatch_model(model)

@@ -63,12 +63,21 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return inner
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor (FSDP2's sharded parameter) is gathered (a collective of the trainer's group); others as they are.
+    full_tensor = getattr(t, "full_tensor", None)
+    return (full_tensor() if full_tensor is not None else t).detach()
+
+
 @torch.no_grad()
 def sampler_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(checkpoint name, tensor)`` for every weight of ``model`` (a transformers causal LM or a PEFT model of
     one), LoRA layers merged exactly as the patched forward merges them: what ``LLM.load_weights`` takes to make the
     sampler compute what the trainer computes. A LoRA layer that cannot be merged exactly (``merged_weight``) is
-    merged PEFT's way (``get_delta_weight``). The tied LM head is left out; tensors are detached, not copied."""
+    merged PEFT's way (``get_delta_weight``). The tied LM head is left out; tensors are detached, not copied.
+
+    A sharded model's parameters (FSDP2's ``fully_shard``: DTensors) are gathered one tensor at a time as the
+    generator reaches them (``DTensor.full_tensor``), so every rank of the trainer must walk it, in step."""
     lm = causal_lm(model)
     lora_prefixes: tuple[str, ...] = ()
     tied = bool(getattr(lm.config, "tie_word_embeddings", False))
@@ -84,12 +93,12 @@ def sampler_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 for adapter in _active_adapters(module):
                     weight += module.get_delta_weight(adapter).to(weight.dtype)
                 merged = weight, base.bias
-            yield f"{name}.weight", merged[0].detach()
+            yield f"{name}.weight", _full(merged[0])
             if merged[1] is not None:
-                yield f"{name}.bias", merged[1].detach()
+                yield f"{name}.bias", _full(merged[1])
             continue
         for param_name, param in module.named_parameters(recurse=False):
             full = f"{name}.{param_name}" if name else param_name
             if full == "lm_head.weight" and tied:
                 continue
-            yield full, param.detach()
+            yield full, _full(param)
