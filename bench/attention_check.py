@@ -287,8 +287,39 @@ def bench_speed(cfg, device):
         print(f"  {seqs} x {n:6d}  lockstep " + "  ".join(row) + f"  | SDPA {t:9.1f} ({flops / t / 1e6:5.1f})")
 
 
+def wide_case(cfg, device, lens):
+    """Decode launch arguments for rows of ``lens`` positions over a ``cfg["wide"]``-position block table (what a
+    CUDA graph step sees), each row's blocks taken in a shuffled order."""
+    hq, hkv, d, dtype, page = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"]
+    b = len(lens)
+    nblk = sum(-(-n // page) for n in lens)
+    k_cache = torch.randn(nblk, page, hkv, d, device=device, dtype=dtype)
+    blocks = torch.randperm(nblk, device=device).int()
+    tables = torch.zeros(b, -(-cfg["wide"] // page), device=device, dtype=torch.int32)
+    used = 0
+    for row, n in enumerate(lens):
+        tables[row, : -(-n // page)] = blocks[used : used + -(-n // page)]
+        used += -(-n // page)
+    return dict(q=torch.randn(b, hq, d, device=device, dtype=dtype), k_cache=k_cache, v_cache=torch.randn_like(k_cache),
+                block_tables=tables, seq_lens=torch.tensor(lens, device=device, dtype=torch.int32),
+                query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=cfg["scale"])  # fmt: skip
+
+
+def time_launches(args, launches, where):
+    """(us, same bits as the default launch) for each launch; a launch with other bits is a failure."""
+    reference = _paged_attention_triton(**args)
+    cells = []
+    for launch in launches.values():
+        same = torch.equal(_paged_attention_triton(**args, **launch), reference)
+        if not same:
+            FAILURES.append(f"decode launch {launch} at {where} changed bits")
+        t = us(lambda la=launch: _paged_attention_triton(**args, **la)) if args["q"].is_cuda else float("nan")
+        cells.append((t, same))
+    return cells
+
+
 def bench_wide(cfg, device):
-    hq, hkv, d, dtype, page, scale = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"], cfg["page"], cfg["scale"]
+    hkv, d = cfg["hkv"], cfg["d"]
     # What a CUDA-graph decode step sees: a block table as wide as max_model_len (here 40,960 positions, Qwen3's),
     # whatever the context. The default launch against split programs with S = 0 / 1 / 4 / all rows walked in
     # registers by their first program (``inline_splits``), and the in-register path; uniform contexts, then one
@@ -311,31 +342,14 @@ def bench_wide(cfg, device):
     cases = [(b, [ctx] * b) for b in batches for ctx in (128, 1024, 2048, 4096)]
     cases += [(b, [long] + [short] * (b - 1)) for b in (8, 64, 256) for long, short in ((32768, 1024), (4096, 512))]
     for b, lens in cases:
-        nblk = sum(-(-n // page) for n in lens)
-        k_cache = torch.randn(nblk, page, hkv, d, device=device, dtype=dtype)
-        v_cache = torch.randn_like(k_cache)
-        blocks = torch.randperm(nblk, device=device).int()
-        tables = torch.zeros(b, wide // page, device=device, dtype=torch.int32)
-        used = 0
-        for row, n in enumerate(lens):
-            tables[row, : -(-n // page)] = blocks[used : used + -(-n // page)]
-            used += -(-n // page)
-        args = dict(q=torch.randn(b, hq, d, device=device, dtype=dtype), k_cache=k_cache, v_cache=v_cache,
-                    block_tables=tables, seq_lens=torch.tensor(lens, device=device, dtype=torch.int32),
-                    query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=scale)  # fmt: skip
-        reference = _paged_attention_triton(**args)
-        cells = []
-        for launch in launches.values():
-            same = torch.equal(_paged_attention_triton(**args, **launch), reference)
-            if not same:
-                FAILURES.append(f"decode launch {launch} at batch {b} changed bits")
-            t = us(lambda a=args, la=launch: _paged_attention_triton(**a, **la))
-            cells.append((t, same))
+        args = wide_case(cfg, device, lens)
+        k_cache = args["k_cache"]
+        cells = time_launches(args, launches, f"batch {b}")
         gbytes = 2 * sum(lens) * hkv * d * k_cache.element_size() / 1e9
         label = f"{lens[0]}" if len(set(lens)) == 1 else f"{lens[0]}+{lens[1]}s"
         row = " ".join(f"{t:10.1f}{' ' if same else '!'}" for t, same in cells)
         print(f"  {b:3d} {label:>12} | {row}  ({gbytes / cells[0][0] * 1e3:.2f} TB/s)")
-        del k_cache, v_cache, args
+        del k_cache, args
 
 
 def bench_pages(cfg, device):
@@ -507,36 +521,24 @@ def bench_merge(cfg, device):
     print(f"  {'B':>3} {'ctx':>6} | " + " ".join(f"{n:>11}" for n in launches) + f" | {'SDPA':>9} | default's kernels")
     for ctx in cfg["merge_ctx"]:
         for b in cfg["merge_batches"]:
+            args = wide_case(cfg, device, [ctx] * b)
+            q, k_cache, v_cache, tables = (args[k] for k in ("q", "k_cache", "v_cache", "block_tables"))
             per_seq = -(-ctx // page)
-            k_cache = torch.randn(b * per_seq, page, hkv, d, device=device, dtype=dtype)
-            v_cache = torch.randn_like(k_cache)
-            tables = torch.zeros(b, -(-wide // page), device=device, dtype=torch.int32)
-            tables[:, :per_seq] = torch.randperm(b * per_seq, device=device).view(b, per_seq).int()
-            q = torch.randn(b, hq, d, device=device, dtype=dtype)
-            args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
-                        seq_lens=torch.full((b,), ctx, device=device, dtype=torch.int32),
-                        query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32), scale=scale)  # fmt: skip
-            reference = _paged_attention_triton(**args)
-            cells = []
-            for launch in launches.values():
-                same = torch.equal(_paged_attention_triton(**args, **launch), reference)
-                if not same:
-                    FAILURES.append(f"decode launch {launch} at {b} x {ctx} changed bits")
-                t = us(lambda la=launch: _paged_attention_triton(**args, **la)) if device == "cuda" else float("nan")
-                cells.append(f"{t:10.1f}{' ' if same else '!'}")
+            cells = [f"{t:10.1f}{' ' if same else '!'}" for t, same in time_launches(args, launches, f"{b} x {ctx}")]
             sdpa = float("nan")
             kernels = ""
             if device == "cuda":
                 kc = k_cache[tables[:, :per_seq].long()].view(b, ctx, hkv, d).transpose(1, 2)
                 vc = v_cache[tables[:, :per_seq].long()].view(b, ctx, hkv, d).transpose(1, 2)
-                sdpa = us(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, scale=scale, enable_gqa=True))
-                split_kernels = kernel_us(lambda: _paged_attention_triton(**args))
+                sdpa = us(lambda q=q, kc=kc, vc=vc: F.scaled_dot_product_attention(q[:, :, None], kc, vc, scale=scale,
+                                                                                  enable_gqa=True))  # fmt: skip
+                split_kernels = kernel_us(lambda a=args: _paged_attention_triton(**a))
                 kernels = ", ".join(f"{name[:28]} {t:.1f}" for name, t in split_kernels.items())
                 del kc, vc
             gbytes = 2 * b * ctx * hkv * d * k_cache.element_size() / 1e9
             print(f"  {b:3d} {ctx:6d} | " + " ".join(cells) + f" | {sdpa:9.1f} | {kernels}  "
                   f"(SDPA {gbytes / sdpa * 1e3:.2f} TB/s)")  # fmt: skip
-            del k_cache, v_cache, args
+            del q, k_cache, v_cache, tables, args
 
 
 def main():
