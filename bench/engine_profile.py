@@ -12,7 +12,7 @@ the GPU only where it reads results back, ``.tolist()``), and on CUDA a few step
 by kernel, and how much of a step the GPU is busy). ``--quantization fp8`` (online FP8 weights: per-channel weight
 scales, per-token activation scales) and ``--kv-cache-dtype fp8`` go to the engine as they are; ``--fp8-block``
 makes the checkpoint Qwen3-FP8's layout instead (block weights, activations per 128 columns: the layout whose
-activation quantization is fused into the matmul at M = 1).
+activation quantization the matmul can fuse; the table does not, docs/design.md).
 """
 
 import argparse

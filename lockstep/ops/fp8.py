@@ -298,12 +298,10 @@ def fp8_config(m: int, n: int, k: int) -> Fp8Config:
     """
     C = Fp8Config
     if m <= 64:
-        # Fused at M = 1 only, where a tile quantizes its one row (_fp8_mm_kernel's A_ROWS). Above, every tile would
-        # quantize all its BM rows again for each of the N / BN tiles: the 64 x 32 kernel's sm_90 SASS grows from 600
-        # to 1384 instructions (static count, Triton 3.6, read on the CPU; the quantization sits in the K-block
-        # loop), likely more than the weights' load takes at these M. Not yet timed on the H200
-        # (bench/fp8_check.py --sweep times both at every M).
-        return C(64, 32 if n <= 4096 else 64, num_stages=5 if m <= 16 else 4, fuse_quantization=m == 1)
+        # Unfused everywhere. A fused tile at M = 1 quantizes its one row (_fp8_mm_kernel's A_ROWS), but on the H200
+        # it took 36.2 us against 24.0 for the quantize kernel + GEMM (K 4096, N 4096, block scales; bench/fp8_check.py,
+        # session 14), and above M = 1 every tile quantizes all its BM rows again for each of the N / BN tiles.
+        return C(64, 32 if n <= 4096 else 64, num_stages=5 if m <= 16 else 4)
     if m <= 256:
         return C(64, 128)
     return C(128, 128, num_warps=8, num_stages=4)
