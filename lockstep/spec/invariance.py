@@ -151,6 +151,13 @@ class Oracle:
         self.full = [reqs[rid][0] + list(out.outputs[0].token_ids) for rid, out in reference.items()]
         self.strict = strict
 
+    @classmethod
+    def of(cls, full: list[list[int]], strict: bool = True) -> "Oracle":
+        """The oracle of whole sequences (prompt + plain decoding's output each)."""
+        oracle = cls({}, {}, strict)
+        oracle.full = [list(f) for f in full]
+        return oracle
+
     def continuation(self, tokens: list[int], n: int) -> list[int]:
         for full in self.full:
             if full[: len(tokens)] == tokens:
