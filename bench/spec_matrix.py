@@ -1,6 +1,7 @@
 """Speculative decoding's invariance matrix on a GPU: every case gives plain decoding's bits (issue 31).
 
-    python bench/spec_matrix.py                 # H200: Qwen3-8B shape, 36 layers, random bf16 weights; ~4 min
+    python bench/spec_matrix.py                 # H200: Qwen3-8B shape, 36 layers, random bf16 weights (~4 min: an
+                                                # estimate from the step costs, not yet measured)
     python bench/spec_matrix.py --layers 4      # the same, shallower
     python bench/spec_matrix.py --tiny          # a tiny Qwen3 on the CPU (fp32), < 1 min
 
