@@ -12,13 +12,14 @@ import pytest
 import test_draft_model
 import test_speculative
 from test_draft_model import E2E_PARAMS, PROMPTS, output_bits
-from test_speculative import BLOCK, NGRAM, Garbage, Mixed, Oracle, _all_bits, _bits_choice, _engine, _ids
+from test_speculative import BLOCK, _engine, _ids
 from tiny_models import TINY_VOCAB
 
 from lockstep import LLM, SamplingParams
 from lockstep.engine import llm_engine
 from lockstep.engine.llm_engine import LLMEngine
 from lockstep.engine.token_feed import FedRows
+from lockstep.spec.invariance import NGRAM, Garbage, Mixed, Oracle, all_bits, choice_bits
 
 # The fixtures of the synchronous tests: their requests, reference outputs and models.
 matrix, draft_dir, plain_bits = test_speculative.matrix, test_draft_model.draft_dir, test_draft_model.plain_bits
@@ -76,13 +77,13 @@ class Sometimes:
 
 def drafter_for(case: str, requests: dict, reference: dict):
     if case == "garbage":
-        return Garbage()
+        return Garbage(TINY_VOCAB)
     if case == "oracle":
         return Oracle(reference, requests)
     if case == "mixed":
-        return Mixed(Oracle(reference, requests))
+        return Mixed(Oracle(reference, requests), TINY_VOCAB)
     if case in ("sometimes", "preemption"):
-        return Sometimes(Mixed(Oracle(reference, requests)))
+        return Sometimes(Mixed(Oracle(reference, requests), TINY_VOCAB))
     return None  # the n-gram drafter the config names
 
 
@@ -108,10 +109,10 @@ def test_async_speculation_is_plain_decoding(tiny_model_dir: Path, matrix, case:
     seqs = []
     add = engine.scheduler.add
     engine.scheduler.add = lambda seq: (seqs.append(seq), add(seq))[1]
-    assert _all_bits(_run(engine, requests)) == _all_bits(reference)
+    assert all_bits(_run(engine, requests)) == all_bits(reference)
     # Penalties, grammars and bad words read every step back before the next: the overlap shows without them.
     steps = watch(engine)
-    assert _all_bits(_run(engine, {rid: requests[rid] for rid in OVERLAPPING})) == _all_bits(
+    assert all_bits(_run(engine, {rid: requests[rid] for rid in OVERLAPPING})) == all_bits(
         {rid: reference[rid] for rid in OVERLAPPING}
     )
     stats = engine.spec_stats
@@ -132,7 +133,7 @@ def test_async_speculation_is_plain_decoding(tiny_model_dir: Path, matrix, case:
 def test_plain_async_reference_is_the_sync_one(tiny_model_dir: Path, matrix) -> None:
     # The "sync and async" half of the claim: plain decoding under async scheduling gives the reference too.
     requests, reference = matrix
-    assert _all_bits(_run(_engine(tiny_model_dir, async_scheduling=True), requests)) == _all_bits(reference)
+    assert all_bits(_run(_engine(tiny_model_dir, async_scheduling=True), requests)) == all_bits(reference)
 
 
 def test_async_chunked_prefill_during_speculation(tiny_model_dir: Path, matrix) -> None:
@@ -140,12 +141,12 @@ def test_async_chunked_prefill_during_speculation(tiny_model_dir: Path, matrix) 
     long_prompt = {"long": (_ids("the quick brown fox jumps over the lazy dog " * 2), SamplingParams(max_tokens=8))}
     budget = {"max_num_batched_tokens": 12, "max_num_seqs": 8}
     plain = _run(_engine(tiny_model_dir, **budget), {}, late=long_prompt)
-    expected = _all_bits(reference) | _all_bits(plain)
+    expected = all_bits(reference) | all_bits(plain)
     oracle = Oracle(reference | plain, requests | long_prompt)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    engine = _engine(tiny_model_dir, spec, Mixed(oracle), async_scheduling=True, **budget)
+    engine = _engine(tiny_model_dir, spec, Mixed(oracle, TINY_VOCAB), async_scheduling=True, **budget)
     steps = watch(engine)
-    assert _all_bits(_run(engine, requests, late=long_prompt)) == expected
+    assert all_bits(_run(engine, requests, late=long_prompt)) == expected
     assert engine.spec_stats.num_accepted_tokens > 0 and any(fed and drafts for fed, drafts in steps)
 
 
@@ -153,10 +154,10 @@ def test_async_llm_n2_with_speculative_config(tiny_model_dir: Path) -> None:
     params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=16, logprobs=1, ignore_eos=True)
     prompts = ["abcabcabc", "zzzz"]
     with LLM(str(tiny_model_dir), block_size=BLOCK, seed=0) as llm:
-        plain = [[_bits_choice(c) for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        plain = [[choice_bits(c) for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     with LLM(str(tiny_model_dir), block_size=BLOCK, seed=0, speculative_config=spec, async_scheduling=True) as llm:
-        got = [[_bits_choice(c) for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        got = [[choice_bits(c) for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.spec_stats.num_draft_tokens > 0
     assert got == plain
     assert plain[0][0] != plain[0][1]
@@ -211,9 +212,9 @@ def test_negative_control_a_wrong_fed_token_in_a_verify_chunk_differs(
 
     monkeypatch.setattr(FedRows, "write", shifted)
     subset = {rid: requests[rid] for rid in ("greedy", "sampled")}
-    got = _all_bits(_run(engine, subset))
+    got = all_bits(_run(engine, subset))
     assert any(fed and drafts for fed, drafts in steps)
-    assert got["greedy"][0] != _all_bits(reference)["greedy"][0]
+    assert got["greedy"][0] != all_bits(reference)["greedy"][0]
 
 
 def test_abort_with_a_verify_step_in_flight(tiny_model_dir: Path, matrix) -> None:
@@ -238,7 +239,7 @@ def test_abort_with_a_verify_step_in_flight(tiny_model_dir: Path, matrix) -> Non
     want = reference[rid].outputs[0]
     got = aborted.outputs[0]
     assert 0 < len(got.token_ids) < len(want.token_ids) and got.token_ids == want.token_ids[: len(got.token_ids)]
-    assert _all_bits({r: o for r, o in done.items() if r != rid}) == _all_bits(
+    assert all_bits({r: o for r, o in done.items() if r != rid}) == all_bits(
         {r: reference[r] for r in subset if r != rid}
     )
     engine.scheduler.check_integrity()
