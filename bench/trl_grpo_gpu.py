@@ -83,13 +83,10 @@ def main() -> int:
     shape = QWEN3_TINY if args.tiny else QWEN3_8B
 
     import transformers
-    from datasets import Dataset
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from lockstep import LLM
     from lockstep.rl import attention
-    from lockstep.rl.trl import use_lockstep
 
     attention.BACKWARD = args.attention_backward
     start = time.perf_counter()
@@ -115,6 +112,11 @@ def main() -> int:
             time_sync(llm, model, weight_bytes, device)
             llm.close()
             return 0
+        from datasets import Dataset  # TRL's, not needed for the sync alone
+        from trl import GRPOConfig, GRPOTrainer
+
+        from lockstep.rl.trl import use_lockstep
+
         grpo = GRPOConfig(
             output_dir=f"{tmp}/out", per_device_train_batch_size=args.batch_size,
             num_generations=args.num_generations, max_completion_length=args.max_completion_length,
