@@ -36,7 +36,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -140,14 +139,9 @@ def time_linear(k: int, n: int, ms: list[int]) -> list[dict]:
         ours_chan = bench(lambda: [fp8.fp8_linear(x, w, s, act_group=None) for w, s in chan]) / copies
         row = {"K": k, "N": n, "M": m, "ours_block_us": ours_block, "ours_channel_us": ours_chan,
                "config": str(fp8_config(m, n, k))}  # fmt: skip
-        if CUDA:  # the block layout's other path: fused where the table does not fuse, and the other way round
-            other = fp8_config(m, n, k)
-            if other.fuse_quantization:
-                fn = lambda w, s: _fp8_mm_triton(*fp8.quantize_rows(x, 128), w, s, None, torch.bfloat16)  # noqa: E731
-            else:
-                fn = lambda w, s: _fp8_linear_triton(x, w, s, None, torch.bfloat16)  # noqa: E731
-            key = "ours_block_unfused_us" if other.fuse_quantization else "ours_block_fused_us"
-            row[key] = bench(lambda: [fn(w, s) for w, s in block]) / copies
+        if CUDA:  # the block layout's fused kernel, which fp8_linear does not take
+            fused = bench(lambda: [_fp8_linear_triton(x, w, s, None, torch.bfloat16) for w, s in block]) / copies
+            row["ours_block_fused_us"] = fused
         if CUDA:
             gemm = bench(lambda: [_fp8_mm_triton(a8, a_s, w, s, None, torch.bfloat16) for w, s in chan]) / copies
 
@@ -166,9 +160,8 @@ def time_linear(k: int, n: int, ms: list[int]) -> list[dict]:
             bf16 = bench(lambda: [F.linear(x, w) for w in wb]) / copies
             row |= {"ours_gemm_us": gemm, "scaled_mm_us": cublas, "bf16_cublas_us": bf16, "ratio": gemm / cublas,
                     "ratio_with_quantization": ours_chan / cublas, "ratio_block": ours_block / cublas}  # fmt: skip
-            other = row.get("ours_block_unfused_us", row.get("ours_block_fused_us"))
-            ours = (f"ours {ours_chan:8.1f} (gemm {gemm:8.1f}, block {ours_block:8.1f}, block "
-                    f"{'unfused' if 'ours_block_unfused_us' in row else 'fused'} {other:8.1f}) us")  # fmt: skip
+            ours = (f"ours {ours_chan:8.1f} (gemm {gemm:8.1f}, block {ours_block:8.1f}, block fused "
+                    f"{row['ours_block_fused_us']:8.1f}) us")  # fmt: skip
             print(f"  K={k:5d} N={n:6d} M={m:5d}  {ours}  _scaled_mm {cublas:8.1f}  bf16 cuBLAS {bf16:8.1f}  "
                   f"gemm/_scaled_mm {gemm / cublas:5.2f}")  # fmt: skip
         else:
@@ -248,7 +241,7 @@ def sweep_tiles(m: int, n: int, k: int, tiny: bool) -> list[Fp8Config]:
     if tiny:  # the interpreter's dot sums a whole BK slice at once: only BK 128 keeps the table's bits there
         candidates = [c for c in candidates if c.bk == fp8.GROUP_K][:2]
     tiles = [fp8_config(m, n, k), *candidates]
-    return list(dict.fromkeys(replace(c, fuse_quantization=False) for c in tiles))  # the tile: both are timed
+    return list(dict.fromkeys(tiles))  # fused and unfused are both timed at each
 
 
 def _compile_worker(shapes: list[tuple[int, int]], ms: list[int], jobs: list[tuple[str, str]]) -> int:
@@ -306,7 +299,7 @@ def sweep(k: int, n: int, ms: list[int], tiny: bool) -> list[dict]:
         t8, t_s = fp8.quantize_rows(x, None)
         table = fp8_config(m, n, k)
         want = _fp8_mm_triton(a8, a_s, *block[0], None, torch.bfloat16, table)
-        row = {"K": k, "N": n, "M": m, "table": tile_name(table), "table_fuses": table.fuse_quantization, "tiles": {}}
+        row = {"K": k, "N": n, "M": m, "table": tile_name(table), "tiles": {}}
         if CUDA:
             row["scaled_mm_us"] = sweep_time(lambda: [
                 torch._scaled_mm(t8, w.t(), scale_a=t_s, scale_b=cs, out_dtype=torch.bfloat16)
@@ -377,8 +370,7 @@ def print_sweep(k: int, n: int, rows: list[dict]) -> None:
         spilled = max((x for x in spills if x is not None), default=0)
         label = name + (" T" if tables else "") + (f" S{spilled}" if spilled else "")
         print(f"    {label:34}" + "".join(f" {c:>{width - 1}}" for c in cells))
-    print("    T: the table's tile at some M (fp8_config); S: the most registers it spilled; the table fuses at M " +
-          (", ".join(str(r["M"]) for r in rows if r["table_fuses"]) or "none"))  # fmt: skip
+    print("    T: the table's tile at some M (fp8_config, unfused); S: the most registers it spilled")
     for r in rows:
         best = min(((c[v]["us"], f"{name} {v}") for name, c in r["tiles"].items() for v in ("fused", "unfused")
                     if c[v]["us"] is not None and c[v]["bits_equal"]), default=(None, "-"))  # fmt: skip
@@ -587,7 +579,7 @@ def summarize_sweep(result: dict) -> None:
     table, best = [], []
     for r in result["sweep"]:
         ref = r.get("scaled_mm_us")
-        cell = r["tiles"].get(r["table"], {}).get("fused" if r["table_fuses"] else "unfused", {})
+        cell = r["tiles"].get(r["table"], {}).get("unfused", {})
         if ref and cell.get("us"):
             table.append(cell["us"] / ref)
         if ref and r["best"]["us"]:

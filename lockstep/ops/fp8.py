@@ -15,10 +15,10 @@ bits on the GPU for every M bucket and tile of the table). Promoting to fp32 onc
 Hopper's FP8 tensor cores, whose own accumulator keeps fewer bits than fp32.
 
 CUDA runs a persistent-tile Triton kernel (tile from ``fp8_config``: a fixed table keyed by N and a bucket of M).
-With per-(token, GROUP_K) activation scales ``fp8_linear`` gives the kernel the unquantized activations where the
-table says so: each K block's A tile is quantized where it is loaded, with the quantization kernel's formulas and
-operations (the same e4m3 values and scales, so the same output bits), which saves a launch and a write + read of
-the activations. Per-token scales need the row's max over all of K before its first block, and stay two kernels.
+The kernel can also take the unquantized activations (``_fp8_linear_triton``, per-(token, GROUP_K) scales only):
+each K block's A tile is quantized where it is loaded, with the quantization kernel's formulas and operations (the
+same e4m3 values and scales, so the same output bits). It was slower on the H200 than the two kernels, so
+``fp8_linear`` does not take it; ``bench/fp8_check.py --sweep`` times both.
 The CPU (the interpreter has no FP8 MMA) runs the same blocks: each block's ``part`` is an fp32 oneDNN matmul of the
 exactly converted e4m3 values on fixed row tiles (``_common.map_row_tiles``), then the same scale-and-add in the
 same block order. CPU and GPU bits differ (the order inside a block's dot, and the GPU fuses the multiply-add);
@@ -280,10 +280,6 @@ class Fp8Config:
     # Triton 3.9 compiles to mma.sync instead of wgmma (seen in the PTX). Not part of the tile: it can change the
     # bits, so every entry of the table must use one value (precise tiles are not in the sweep since session 14).
     imprecise_acc: int | None = None
-    # fp8_linear with per-(token, GROUP_K) activation scales: quantize the activations in this tile's A load
-    # (_fp8_linear_triton) rather than in a kernel of their own first. The same bits either way; the fused kernel
-    # saves a launch and a write + read of A but quantizes each A tile once per N tile. Not part of the GEMM's tile.
-    fuse_quantization: bool = False
 
 
 def fp8_config(m: int, n: int, k: int) -> Fp8Config:
@@ -445,10 +441,7 @@ def fp8_linear(
     if act_group not in (None, GROUP_K):
         raise ValueError(f"act_group must be {GROUP_K} or None, got {act_group}")
     x2 = x.reshape(-1, x.shape[-1])
-    m, k = x2.shape
-    if x2.is_cuda and act_group == GROUP_K and fp8_config(m, w8.shape[0], k).fuse_quantization:
-        out = _fp8_linear_triton(x2, w8, w_scale, bias, x.dtype)  # the same bits as the two kernels below
-    else:  # per-token scales (the row's max over all of K comes first), the CPU, the M the table does not fuse
-        a8, a_scale = quantize_rows(x2, act_group)
-        out = scaled_mm(a8, a_scale, w8, w_scale, bias, x.dtype)
+    # Two kernels: the fused one (_fp8_linear_triton, the same bits) was slower on the H200 (fp8_config says).
+    a8, a_scale = quantize_rows(x2, act_group)
+    out = scaled_mm(a8, a_scale, w8, w_scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], w8.shape[0])
