@@ -295,7 +295,7 @@ def _merge_splits_kernel(
     args = (n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
     for s0 in range(0, n, CHUNK):
         if CHUNK == 1:
-            m0, d0, a0 = _load_partial(acc_ptrs, ml, s0, n, heads, NUM_HEADS, mask, stride_ps, stride_ms)
+            m0, d0, a0 = _load_partial(acc_ptrs, ml, s0, *args)
             m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, m0, d0, a0)
         else:
             m0, d0, a0, m1, d1, a1, m2, d2, a2, m3, d3, a3 = _load4(acc_ptrs, ml, s0, *args)
