@@ -15,6 +15,42 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _row_independent_dot() -> None:
+    """Make the interpreter's ``tl.dot`` give each output element the same bits whatever the tile's M and N, as a
+    GPU's MMA does (each element's products summed by the same instructions in every tile shape).
+
+    The interpreter computes a dot as ``np.matmul``, whose BLAS picks its kernel, and with it the summation order,
+    from the matrix shape on some CPUs: on this project's 2-core machine (OpenBLAS 0.3.31 with its Haswell kernels)
+    rows 0-15 of a [64, 128] x [128, 64] product had other bits than the same rows of a [32, 128] x [128, 16] one.
+    Every invariance test of a kernel under the interpreter would then see the host's BLAS, not the kernel. Here a
+    float dot sums its K products one at a time in float64 (each product of two fp32 values is exact there) and
+    rounds once to the accumulator's dtype: a fixed order that depends on K alone."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    blas_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if d.data.dtype not in (np.float32, np.float64):
+            return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a_data, b_data = a.data, b.data
+        if a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating():  # e4m3/e5m2 operands: their values, exactly
+            a_data = interpreter._convert_float(a_data, a.dtype, interpreter.tl.float16, None).view(np.float16)
+        if b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating():
+            b_data = interpreter._convert_float(b_data, b.dtype, interpreter.tl.float16, None).view(np.float16)
+        a64, b64 = a_data.astype(np.float64), b_data.astype(np.float64)
+        total = np.zeros(a64.shape[:-1] + b64.shape[-1:], dtype=np.float64)
+        for k in range(a64.shape[-1]):
+            total += a64[..., k : k + 1] * b64[..., k : k + 1, :]
+        return interpreter.TensorHandle(total.astype(d.data.dtype) + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _row_independent_dot()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama folder (vocab 97, 2 layers) with the character tokenizer."""
