@@ -29,6 +29,12 @@ _DKDV_M, _DKDV_N = 32, 64
 _DQ_M, _DQ_N = 64, 32
 # 8 warps: at head_dim 128 in bf16 each kernel then fits in registers (4 warps spilled; ptxas, sm_90).
 _WARPS = 8
+_STAGES = 2  # software-pipeline depth of the stats and dQ kernels' loops
+# The dK/dV kernel's loop nest (query heads, then query tiles) runs unpipelined: on the H200 (Triton 3.6) a pipelined
+# build gave dK that differed from run to run and was wrong (max error 4.9e-2 to 1.3e-1 of max |dK| against fp64 at
+# 2 stages, and at 3 stages with 4 warps; 3.9e-3, the same bits every run, at 1 stage), while dQ and dV were right at
+# every depth (session 15, bench/_tmp probe; `bench/hf_trainer.py --components` repeats the check).
+_DKDV_STAGES = 1
 
 
 @triton.jit
@@ -216,20 +222,20 @@ def causal_attention_backward(
         q, k, out, grad_out, lse, delta, tiles, total,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
         grad_out.stride(0), grad_out.stride(1), qk_scale,
-        BLOCK_M=_STATS_M, BLOCK_N=_STATS_N, num_warps=_WARPS, num_stages=2, **common,
+        BLOCK_M=_STATS_M, BLOCK_N=_STATS_N, num_warps=_WARPS, num_stages=_STAGES, **common,
     )  # fmt: skip
     tiles = _tiles(starts, ends, _DKDV_N, q.device)
     _dkdv_kernel[(tiles.shape[0], kv_heads)](
         q, k, v, grad_out, lse, delta, dk, dv, tiles, total,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        qk_scale, scale, BLOCK_M=_DKDV_M, BLOCK_N=_DKDV_N, num_warps=_WARPS, num_stages=2, **common,
+        qk_scale, scale, BLOCK_M=_DKDV_M, BLOCK_N=_DKDV_N, num_warps=_WARPS, num_stages=_DKDV_STAGES, **common,
     )  # fmt: skip
     tiles = _tiles(starts, ends, _DQ_M, q.device)
     _dq_kernel[(tiles.shape[0], heads)](
         q, k, v, grad_out, lse, delta, dq, tiles, total,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
-        qk_scale, scale, BLOCK_M=_DQ_M, BLOCK_N=_DQ_N, num_warps=_WARPS, num_stages=2, **common,
+        qk_scale, scale, BLOCK_M=_DQ_M, BLOCK_N=_DQ_N, num_warps=_WARPS, num_stages=_STAGES, **common,
     )  # fmt: skip
     return dq, dk, dv
