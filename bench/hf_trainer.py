@@ -435,15 +435,14 @@ def _weight_gradients(dev: torch.device, tokens: int, shape: dict, clock: _Clock
 
 @contextlib.contextmanager
 def _attention_settings(row: str):
-    """``rl.attention``'s backward settings for a row of the components table: full-fp32 matmuls in the reference
-    backward for "... fp32 backward", the Triton backward for "... Triton backward", the defaults otherwise."""
+    """``rl.attention``'s backward settings for a row of the components table: the Triton backward for "... Triton
+    backward", else the reference backward, with full-fp32 matmuls for "... fp32 backward"."""
     from lockstep.rl import attention
 
     saved = attention.BACKWARD_MATMUL_PRECISION, attention.BACKWARD
+    attention.BACKWARD = "triton" if "Triton" in row else "reference"
     if "fp32" in row:
         attention.BACKWARD_MATMUL_PRECISION = "highest"
-    if "Triton" in row:
-        attention.BACKWARD = "triton"
     try:
         yield
     finally:

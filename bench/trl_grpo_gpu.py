@@ -6,7 +6,7 @@ in-process sync alone, timed again.
 
     python bench/trl_grpo_gpu.py                     # Qwen3-8B shape, 36 layers, bf16, 20 steps
     python bench/trl_grpo_gpu.py --layers 4 --steps 5
-    python bench/trl_grpo_gpu.py --attention-backward triton   # the trainer on ops.attention.backward
+    python bench/trl_grpo_gpu.py --attention-backward reference   # the trainer on the reference attention backward
     python bench/trl_grpo_gpu.py --sync-only         # the 16 GB in-process sync alone
     python bench/trl_grpo_gpu.py --tiny              # a tiny Qwen3 on the CPU, fp32, 3 steps (checks the bench runs)
 
@@ -71,7 +71,7 @@ def main() -> int:
     ap.add_argument("--max-completion-length", type=int, default=128)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.15, help="of the memory free after the trainer")
     ap.add_argument("--no-batch-invariant", action="store_true", help="the engine on torch's kernels (control)")
-    ap.add_argument("--attention-backward", default="reference", choices=["reference", "triton"],
+    ap.add_argument("--attention-backward", default="auto", choices=["auto", "reference", "triton"],
                     help="the trainer's attention backward (lockstep.rl.attention.BACKWARD)")  # fmt: skip
     ap.add_argument("--sync-only", action="store_true", help="time the in-process weight sync alone (no TRL)")
     ap.add_argument("--tiny", action="store_true", help="a tiny Qwen3 on the CPU, fp32, 3 steps")

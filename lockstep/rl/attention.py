@@ -1,5 +1,5 @@
 """Paged attention a trainer can differentiate: the forward is ``ops.paged_attention`` (the engine's bits), the
-backward recomputes each sequence's attention in fp32 with plain torch ops.
+backward a Triton kernel on CUDA, or each sequence's attention recomputed in fp32 with plain torch ops.
 
 Gradients reach the new keys and values through the cache itself: ``layers.attention.torch_write_kv`` copies
 ``k, v`` into the cache with an in-place ``index_copy_`` (exact, and recorded by autograd), the attention
@@ -7,12 +7,13 @@ Function takes the caches as inputs and returns their gradient, and autograd rou
 back to ``k`` and ``v``.
 The trainer gives every micro-batch a fresh zeroed cache, so the caches are ordinary tensors in its graph.
 
-``BACKWARD = "triton"`` takes ``ops.attention.backward`` instead (FlashAttention-2's backward without atomics, bf16
-products and fp32 sums), on CUDA for bf16/fp16 batches of whole sequences (the trainer's: each sequence's queries
-are its own keys from position 0); anything else takes the reference below. Not the default: its values are
-checked on the CPU through Triton's interpreter, and on the H200 (docs/perf.md, session 14) it brought a 16k-token
-trainer step to 1.03x transformers' (1.39x with the reference) but its gradients did not repeat their bits on a
-second run, which the interpreter does not show.
+On CUDA, bf16/fp16 batches of whole sequences (the trainer's: each sequence's queries are its own keys from
+position 0) take ``ops.attention.backward`` (FlashAttention-2's backward without atomics, bf16 products and fp32
+sums); anything else, and the CPU, takes the reference below. ``BACKWARD`` chooses: ``"auto"`` (that rule),
+``"reference"`` or ``"triton"`` (also through Triton's interpreter, for the tests). On the H200 (docs/perf.md,
+session 15) the Triton backward gives a 16k-token trainer step (Qwen3-8B shape, 4 layers) 1.02x transformers' time
+against 1.39x with the reference, the same bits on a second run, and gradients as close to an fp32 backward's
+(3.8e-3, 5.1e-3, 5.5e-3 of the largest dq, dk, dv) as the reference's.
 
 The reference backward is deterministic run to run: per sequence, dense matmuls and a softmax over a fixed shape,
 and the gradient of each cache slot is added in sequence order (gather, add, scatter), never with atomics. On CUDA the
@@ -36,8 +37,9 @@ from lockstep.ops.attention.backward import causal_attention_backward
 
 # torch's float32_matmul_precision inside the backward's recomputation on CUDA ("high": TF32; "highest": fp32).
 BACKWARD_MATMUL_PRECISION = "high"
-# "reference" (per sequence, recomputed in fp32 with torch ops) or "triton" (ops.attention.backward; see above).
-BACKWARD = "reference"
+# "auto" (ops.attention.backward on CUDA, the reference elsewhere), "reference" (per sequence, recomputed in fp32
+# with torch ops) or "triton" (ops.attention.backward wherever Triton runs, the interpreter included); see above.
+BACKWARD = "auto"
 
 
 @contextmanager
@@ -112,7 +114,11 @@ class _PagedAttention(torch.autograd.Function):
 
 
 def _takes_triton(q: torch.Tensor) -> bool:
+    if BACKWARD not in ("auto", "reference", "triton"):
+        raise ValueError(f'rl.attention.BACKWARD must be "auto", "reference" or "triton", got {BACKWARD!r}')
     gpu = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    if BACKWARD == "auto":
+        return gpu
     return BACKWARD == "triton" and (gpu or interpreting())
 
 
