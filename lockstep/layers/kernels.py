@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from lockstep import ops
 from lockstep.layers import torch_kernels
 from lockstep.layers.activation import silu_and_mul
+from lockstep.ops import fp8
 from lockstep.ops import moe as moe_ops
 from lockstep.ops import tp_linear
 
@@ -63,6 +64,8 @@ class Kernels:
     - ``moe_experts_tree(x, w13, w2, weights, ids)``: ``moe_experts`` with each down projection through the chunk
       tree (``ops.moe.experts_tree``), the TP-invariant numerics in one process; like ``tree_linear``, the same for
       every set but the RL trainer's.
+    - ``fp8_linear(x, w8, w_scale, bias, act_group)``: an FP8 layer (``ops.fp8.fp8_linear``'s signature); the
+      invariant kernel unless a set says otherwise (the fast set's ``torch._scaled_mm``).
     - ``layer_norm(x, weight, bias, eps)``: LayerNorm of ``x: [n, D]`` by ``weight: [D]``, ``bias: [D] | None``,
       in fp32 inside, -> ``[n, D]`` in ``x``'s dtype (the vision towers' norms).
     - ``gelu(x, approximate)``: elementwise GELU, ``approximate`` ``"none"`` (erf) or ``"tanh"``.
@@ -93,6 +96,7 @@ class Kernels:
     moe_route: Callable[[Tensor, int, bool], tuple[Tensor, Tensor]] | None = None
     moe_experts: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     moe_experts_tree: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] = moe_ops.experts_tree
+    fp8_linear: Callable[..., Tensor] = fp8.fp8_linear
     layer_norm: Callable[[Tensor, Tensor, Tensor | None, float], Tensor] | None = None
     gelu: Callable[[Tensor, str], Tensor] | None = None
     vision_attention: Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor] | None = None
@@ -201,6 +205,7 @@ DEFAULT = register_kernels(
         rotary=ops.rotary,
         rotary_write_kv=ops.rotary_write_kv,
         attention=torch_kernels.fast_paged_attention,
+        fp8_linear=torch_kernels.fast_fp8_linear,
         moe_experts=torch_kernels.fast_moe_experts,  # no host sync on CUDA: capturable
         vision_attention=torch_kernels.fast_vision_attention,
         capturable=True,

@@ -20,7 +20,7 @@ from torch import nn
 
 from lockstep.distributed import Shard, TPGroup, split_evenly
 from lockstep.ops import autograd, fp8_tree, tp_linear
-from lockstep.ops.fp8 import FP8, fp8_linear, scaled_mm
+from lockstep.ops.fp8 import FP8, scaled_mm
 
 if TYPE_CHECKING:
     from lockstep.layers.kernels import Kernels
@@ -63,7 +63,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.weight.dtype == FP8:  # an FP8 layer (models/quantization.py): e4m3 weight, weight_scale, act_group
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act_group)
+            return self.kernels.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act_group)
         if self.fp8_train is not None:  # a trainer's FP8 layer: the master weight, quantized
             w8, scale = self.fp8_train.quantize(self.weight.detach())
             return autograd.fp8_linear(x, self.weight, self.bias, w8, scale, self.act_group)
@@ -139,7 +139,7 @@ class RowParallelLinear(nn.Module):
     def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features / tp.size] -> [num_tokens, out_features]; weight e4m3, weight_scale [N, KB]
         if self.tp.size == 1 and not self.tree:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act_group)
+            return self.kernels.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act_group)
         amax = None
         if self.act_group is None:  # one scale per token over all of K: every rank's columns
             amax = fp8_tree.row_amax(x)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from lockstep.layers.batch import HOST_MAX_QUERY_LEN, HOST_SEQ_LENS, AttentionMetadata
 from lockstep import ops
-from lockstep.ops import gated, moe
+from lockstep.ops import fp8, gated, moe
 from lockstep.ops._common import num_sms
 from lockstep.ops.attention import fa4
 from lockstep.ops.attention.kv_cache import FP8_KV, _bytes, cache_values
@@ -321,6 +321,27 @@ def batch_split_attention(
     return _paged_attention_triton(
         q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale, split=split
     )
+
+
+def fast_fp8_linear(
+    x: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act_group: int | None = fp8.GROUP_K,
+) -> torch.Tensor:
+    """``ops.fp8.fp8_linear`` through ``torch._scaled_mm`` (cuBLASLt) on CUDA where the layout allows (per-channel
+    weight scales, per-token activations: online FP8 and compressed-tensors' FP8-dynamic), as vLLM's FP8 layers
+    run; its reduction order is cuBLASLt's choice for the shape, so not batch-invariant. Block-scaled layers, and
+    the CPU, take ``fp8_linear``."""
+    if not x.is_cuda or act_group is not None or w_scale.shape[1] != 1:
+        return fp8.fp8_linear(x, w8, w_scale, bias, act_group)
+    x2 = x.reshape(-1, x.shape[-1])
+    a8, a_scale = fp8.quantize_rows(x2, None)
+    out = torch._scaled_mm(a8, w8.t(), scale_a=a_scale, scale_b=w_scale.float().view(1, -1), out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], w8.shape[0])
 
 
 def torch_moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -190,6 +190,57 @@ def _quantize_tile(x, scale, UPCAST: tl.constexpr, BM: tl.constexpr, ROWS: tl.co
 
 
 @triton.jit
+def _block_part(
+    a_rows, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g, offs_m, offs_n, offs_k, m_ok, n_ok, K,
+    stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
+    UPCAST: tl.constexpr, IMPRECISE_ACC: tl.constexpr, QUANTIZE_A: tl.constexpr, A_ROWS: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr,
+):  # fmt: skip
+    # K block g of one tile: (its e4m3 products summed in fp32 from zero [BM, BN], the scales sa[:, None] * sb[None, :]).
+    # A block past K loads zeros: its part is +0 and the scales those of the last block (never -0 or inf: an
+    # accumulator that starts at +0 is never -0, so adding +0 * scale leaves it unchanged).
+    gs = tl.minimum(g, tl.cdiv(K, GROUP_K) - 1)  # the scales' block
+    sb = tl.load(bs_ptr + offs_n * stride_bsn + gs * stride_bsg, mask=n_ok, other=0.0)
+    if QUANTIZE_A:  # the block's scale per row: max |x| over its GROUP_K columns (exact in any order)
+        if BK == GROUP_K:
+            k = g * GROUP_K + offs_k
+            x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & (k < K)[None, :], other=0.0)
+            x = x.to(tl.float32)
+            sq = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
+        else:
+            amax = tl.zeros((A_ROWS,), dtype=tl.float32)
+            for kk in tl.static_range(0, GROUP_K, BK):
+                k = g * GROUP_K + kk + offs_k
+                x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & (k < K)[None, :], other=0.0)
+                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
+            sq = tl.maximum(amax, 1e-12) / 448.0
+        sa = sq if A_ROWS == BM else tl.broadcast_to(sq, (BM,))
+    else:
+        sa = tl.load(as_ptr + offs_m * stride_asm + gs * stride_asg, mask=m_ok, other=0.0)
+    part = tl.zeros((BM, offs_n.shape[0]), dtype=tl.float32)
+    for kk in tl.static_range(0, GROUP_K, BK):
+        k = g * GROUP_K + kk + offs_k
+        k_ok = k < K  # the tail of K (and of a block) loads zeros: exact
+        if QUANTIZE_A:
+            if BK != GROUP_K:  # the slice again (from cache), now that the block's scale is known
+                x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & k_ok[None, :], other=0.0)
+                x = x.to(tl.float32)
+            a = _quantize_tile(x, sq, UPCAST, BM, A_ROWS)
+        else:
+            a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(
+            b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        if UPCAST:  # the interpreter has no e4m3 dot: the same values in fp32 (exact)
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), part, input_precision="ieee")
+        else:
+            part = tl.dot(a, b, part, max_num_imprecise_acc=IMPRECISE_ACC)
+    return part, sa[:, None] * sb[None, :]
+
+
+@triton.jit
 def _fp8_mm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
     M, N, K,
@@ -199,9 +250,12 @@ def _fp8_mm_kernel(
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
     QUANTIZE_A: tl.constexpr, A_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Persistent: program p computes tiles p, p + num_programs, ...; which program owns a tile never changes it.
+    # BLOCKS (1, 2 or 4): the K blocks a loop step computes before adding them, in block order, to the accumulator:
+    # one wait on the tensor cores for that many blocks' MMAs, not one a block. The same operations on every
+    # element whatever BLOCKS, so the same bits.
     # QUANTIZE_A: A is the unquantized activations (any float dtype) and each K block's A tile is quantized where it
     # is loaded, per row and block, with _quantize_kernel's formulas (as_ptr unused): the same e4m3 values and
     # scales as quantize_rows(a, GROUP_K), so the same bits as the two kernels. A_ROWS: the rows of a tile that are
@@ -223,55 +277,38 @@ def _fp8_mm_kernel(
         q_rows = a_ptr + offs_q[:, None] * stride_am
         q_ok = offs_q < M
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        num_blocks = tl.cdiv(K, GROUP_K)
-        # The scales of block g + 1 are loaded while block g is computed: waiting on each block's scale load took
-        # most of a decode-sized call (one 4096 x 4096 block-scaled matmul at M = 1: 11.9 us, 1.4 TB/s; session 15).
-        sb_next = tl.load(bs_ptr + offs_n * stride_bsn, mask=n_ok, other=0.0)
-        if not QUANTIZE_A:
-            sa_next = tl.load(as_ptr + offs_m * stride_asm, mask=m_ok, other=0.0)
-        for g in range(0, num_blocks):
-            # One K block: its e4m3 products summed in fp32 from zero, then scaled and added (the block order).
-            g_next = tl.minimum(g + 1, num_blocks - 1)  # the last block loads its own scales again (unused)
-            sb = sb_next
-            sb_next = tl.load(bs_ptr + offs_n * stride_bsn + g_next * stride_bsg, mask=n_ok, other=0.0)
-            if QUANTIZE_A:  # the block's scale per row: max |x| over its GROUP_K columns (exact in any order)
-                if BK == GROUP_K:
-                    k = g * GROUP_K + offs_k
-                    x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & (k < K)[None, :], other=0.0)
-                    x = x.to(tl.float32)
-                    sq = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
-                else:
-                    amax = tl.zeros((A_ROWS,), dtype=tl.float32)
-                    for kk in tl.static_range(0, GROUP_K, BK):
-                        k = g * GROUP_K + kk + offs_k
-                        x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & (k < K)[None, :], other=0.0)
-                        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
-                    sq = tl.maximum(amax, 1e-12) / 448.0
-                sa = sq if A_ROWS == BM else tl.broadcast_to(sq, (BM,))
-            else:
-                sa = sa_next
-                sa_next = tl.load(as_ptr + offs_m * stride_asm + g_next * stride_asg, mask=m_ok, other=0.0)
-            part = tl.zeros((BM, BN), dtype=tl.float32)
-            for kk in tl.static_range(0, GROUP_K, BK):
-                k = g * GROUP_K + kk + offs_k
-                k_ok = k < K  # the tail of K (and of a block) loads zeros: exact
-                if QUANTIZE_A:
-                    if BK != GROUP_K:  # the slice again (from cache), now that the block's scale is known
-                        x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & k_ok[None, :], other=0.0)
-                        x = x.to(tl.float32)
-                    a = _quantize_tile(x, sq, UPCAST, BM, A_ROWS)
-                else:
-                    a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(
-                    b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                    mask=n_ok[None, :] & k_ok[:, None],
-                    other=0.0,
-                )
-                if UPCAST:  # the interpreter has no e4m3 dot: the same values in fp32 (exact)
-                    part = tl.dot(a.to(tl.float32), b.to(tl.float32), part, input_precision="ieee")
-                else:
-                    part = tl.dot(a, b, part, max_num_imprecise_acc=IMPRECISE_ACC)
-            acc += part * (sa[:, None] * sb[None, :])
+        for g in range(0, tl.cdiv(K, GROUP_K), BLOCKS):
+            # K blocks g, g + 1, ...: each one's e4m3 products summed in fp32 from zero, then scaled and added in
+            # block order, each in one fused multiply-add (spelled out: a compiler's own contraction may differ
+            # between builds, as the attention merge's did).
+            part0, scale0 = _block_part(
+                a_rows, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g, offs_m, offs_n, offs_k, m_ok, n_ok, K,
+                stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
+                UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K,
+            )  # fmt: skip
+            if BLOCKS >= 2:
+                part1, scale1 = _block_part(
+                    a_rows, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 1, offs_m, offs_n, offs_k, m_ok, n_ok, K,
+                    stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
+                    UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K,
+                )  # fmt: skip
+            if BLOCKS >= 4:
+                part2, scale2 = _block_part(
+                    a_rows, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 2, offs_m, offs_n, offs_k, m_ok, n_ok, K,
+                    stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
+                    UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K,
+                )  # fmt: skip
+                part3, scale3 = _block_part(
+                    a_rows, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 3, offs_m, offs_n, offs_k, m_ok, n_ok, K,
+                    stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
+                    UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K,
+                )  # fmt: skip
+            acc = tl.fma(part0, scale0, acc)
+            if BLOCKS >= 2:
+                acc = tl.fma(part1, scale1, acc)
+            if BLOCKS >= 4:
+                acc = tl.fma(part2, scale2, acc)
+                acc = tl.fma(part3, scale3, acc)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -291,6 +328,7 @@ class Fp8Config:
     # Triton 3.9 compiles to mma.sync instead of wgmma (seen in the PTX). Not part of the tile: it can change the
     # bits, so every entry of the table must use one value (precise tiles are not in the sweep since session 14).
     imprecise_acc: int | None = None
+    blocks: int = 1  # K blocks a loop step computes before adding them (1, 2 or 4; _fp8_mm_kernel's BLOCKS)
 
 
 def fp8_config(m: int, n: int, k: int) -> Fp8Config:
@@ -354,6 +392,8 @@ def _launch(a, a_scale, w8, w_scale, bias, out_dtype, config, quantize_a: bool) 
     cfg = config or fp8_config(m, n, k)
     if GROUP_K % cfg.bk:
         raise ValueError(f"BK={cfg.bk} must divide the scale block {GROUP_K}")
+    if cfg.blocks not in (1, 2, 4):
+        raise ValueError(f"blocks={cfg.blocks}: a loop step computes 1, 2 or 4 K blocks")
     programs = max(1, min(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), num_sms(a.device)))
     a_rows = 1 if quantize_a and m == 1 else cfg.bm  # the rows a fused tile quantizes (_fp8_mm_kernel)
     scale_strides = (0, 0) if quantize_a else (a_scale.stride(0), a_scale.stride(1) if a_scale.shape[1] > 1 else 0)
@@ -365,7 +405,7 @@ def _launch(a, a_scale, w8, w_scale, bias, out_dtype, config, quantize_a: bool) 
         c.stride(0), c.stride(1), programs,
         HAS_BIAS=bias is not None, UPCAST=interpreting(), IMPRECISE_ACC=cfg.imprecise_acc,
         QUANTIZE_A=quantize_a, A_ROWS=a_rows,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m, BLOCKS=cfg.blocks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
     )  # fmt: skip
     return c

@@ -50,11 +50,12 @@ SCRIPT = textwrap.dedent(
            **{"stride_" + p: "i32" for p in ("am", "ak", "asm", "asg", "bk", "bn", "bsn", "bsg", "cm", "cn")},
            "num_programs": "i32"}
     assert all(c.bm >= 64 for c in fp8.FP8_CONFIGS)  # the table stays on wgmma (ops.fp8.fp8_config says why)
-    configs = [*fp8.FP8_CONFIGS, fp8.Fp8Config(16, 64, 64, imprecise_acc=0), fp8.Fp8Config(128, 128, imprecise_acc=0)]
+    configs = [*fp8.FP8_CONFIGS, fp8.Fp8Config(16, 64, 64, imprecise_acc=0), fp8.Fp8Config(128, 128, imprecise_acc=0),
+               fp8.Fp8Config(64, 32, blocks=4)]
     for cfg in configs:
         flags = {"HAS_BIAS": cfg.bm == 16, "UPCAST": False, "IMPRECISE_ACC": cfg.imprecise_acc, "QUANTIZE_A": False,
                  "A_ROWS": cfg.bm, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_K": fp8.GROUP_K,
-                 "GROUP_M": cfg.group_m, "USE_PDL": True}
+                 "GROUP_M": cfg.group_m, "BLOCKS": cfg.blocks, "USE_PDL": True}
         ptx = compile_(fp8._fp8_mm_kernel, sig, flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         assert "e4m3" in ptx, cfg  # an e4m3 MMA, not an upcast
         # 16-row tiles run mma.sync, and so does max_num_imprecise_acc=0 (Triton's precise e4m3 dot on sm_90)
@@ -66,7 +67,7 @@ SCRIPT = textwrap.dedent(
         for rows in (cfg.bm, 1):
             flags = {"HAS_BIAS": False, "UPCAST": False, "IMPRECISE_ACC": None, "QUANTIZE_A": True, "A_ROWS": rows,
                      "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_K": fp8.GROUP_K, "GROUP_M": cfg.group_m,
-                     "USE_PDL": True}
+                     "BLOCKS": cfg.blocks, "USE_PDL": True}
             ptx = compile_(fp8._fp8_mm_kernel, {**sig, "a_ptr": "*bf16"}, flags, num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages)
             assert "wgmma" in ptx and "e4m3" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx, (cfg, rows)
