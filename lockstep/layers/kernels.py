@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from lockstep import ops
 from lockstep.layers import torch_kernels
 from lockstep.layers.activation import silu_and_mul
-from lockstep.ops import fp8
+from lockstep.ops import fp8, tp_linear
 from lockstep.ops import moe as moe_ops
-from lockstep.ops import tp_linear
 
 if TYPE_CHECKING:
     from lockstep.layers.batch import AttentionMetadata

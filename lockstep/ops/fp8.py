@@ -338,22 +338,30 @@ def fp8_config(m: int, n: int, k: int) -> Fp8Config:
     ``wgmma`` (seen in the PTX; tests/ops/test_fp8_compile.py keeps the table on wgmma), and nothing has shown the two
     to accumulate e4m3 products alike, as bf16's did on the H200 (docs/design.md, "Matmul"). Small M reads the weights
     and wastes the MMA's rows, which a bandwidth-bound step can afford; enough tiles to cover the SMs (N / BN
-    programs). Not yet swept on the H200 (bench/fp8_check.py --sweep times candidates, 16-row ones included, and
-    says whether their bits match).
+    programs). M <= 64 was swept on the H200 (``bench/fp8_decode_tiles.py``); M >= 128 not yet
+    (``bench/fp8_check.py --sweep`` times candidates and says whether their bits match).
     """
     C = Fp8Config
     if m <= 64:
         # Unfused everywhere. A fused tile at M = 1 quantizes its one row (_fp8_mm_kernel's A_ROWS), but on the H200
         # it took 36.2 us against 24.0 for the quantize kernel + GEMM (K 4096, N 4096, block scales; bench/fp8_check.py,
         # session 14), and above M = 1 every tile quantizes all its BM rows again for each of the N / BN tiles.
-        return C(64, 32 if n <= 4096 else 64, num_stages=5 if m <= 16 else 4)
+        # Session 15 (H200, block scales, M 1 / 16 / 64, us): N 4096 at BN 32 with 4 blocks a step, 10.7 / 11.5 / 12.1
+        # (K 4096) and 26.9 / 29.1 / 31.1 (K 12288) against 12.4-13.4 and 33.3-36.9 one block a step; N 6144 at
+        # BN 64, 16.7-17.5 (more blocks a step were slower there); N 24576 at BN 128, 47.0 / 47.2 at M <= 16, BN 64
+        # at M 64 (52.3). Every one of them gave the table's bits.
+        if n <= 4096:
+            return C(64, 32, num_stages=3 if m <= 16 else 4, blocks=4)
+        if n > 16384 and m <= 16:
+            return C(64, 128)
+        return C(64, 64)
     if m <= 256:
         return C(64, 128)
     return C(128, 128, num_warps=8, num_stages=4)
 
 
 # Every tile the table can pick, for the bit checks (bench/fp8_check.py, tests).
-FP8_CONFIGS = tuple(dict.fromkeys(fp8_config(m, n, 4096) for m in (1, 32, 128, 512) for n in (4096, 12288)))
+FP8_CONFIGS = tuple(dict.fromkeys(fp8_config(m, n, 4096) for m in (1, 32, 128, 512) for n in (4096, 6144, 24576)))
 
 
 def _fp8_mm_triton(
