@@ -191,11 +191,13 @@ def _quantize_tile(x, scale, UPCAST: tl.constexpr, BM: tl.constexpr, ROWS: tl.co
 
 @triton.jit
 def _block_part(
-    a_rows, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g, offs_m, offs_n, offs_k, m_ok, n_ok, K,
+    a_rows, a_rows_t, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g, offs_m, offs_n, offs_k, m_ok, n_ok, K,
     stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
     UPCAST: tl.constexpr, IMPRECISE_ACC: tl.constexpr, QUANTIZE_A: tl.constexpr, A_ROWS: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
+    # SWAP: the same products with the operands' roles swapped, the weights' rows as the MMA's M and the tokens as
+    # its N: part and scales come back transposed, [BN, BM].
     # K block g of one tile: (its e4m3 products summed in fp32 from zero [BM, BN], the scales sa[:, None] * sb[None, :]).
     # A block past K loads zeros: its part is +0 and the scales those of the last block (never -0 or inf: an
     # accumulator that starts at +0 is never -0, so adding +0 * scale leaves it unchanged).
@@ -217,27 +219,42 @@ def _block_part(
         sa = sq if A_ROWS == BM else tl.broadcast_to(sq, (BM,))
     else:
         sa = tl.load(as_ptr + offs_m * stride_asm + gs * stride_asg, mask=m_ok, other=0.0)
-    part = tl.zeros((BM, offs_n.shape[0]), dtype=tl.float32)
-    for kk in tl.static_range(0, GROUP_K, BK):
-        k = g * GROUP_K + kk + offs_k
-        k_ok = k < K  # the tail of K (and of a block) loads zeros: exact
-        if QUANTIZE_A:
-            if BK != GROUP_K:  # the slice again (from cache), now that the block's scale is known
-                x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & k_ok[None, :], other=0.0)
-                x = x.to(tl.float32)
-            a = _quantize_tile(x, sq, UPCAST, BM, A_ROWS)
-        else:
-            a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(
-            b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-            mask=n_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
-        if UPCAST:  # the interpreter has no e4m3 dot: the same values in fp32 (exact)
-            part = tl.dot(a.to(tl.float32), b.to(tl.float32), part, input_precision="ieee")
-        else:
-            part = tl.dot(a, b, part, max_num_imprecise_acc=IMPRECISE_ACC)
-    return part, sa[:, None] * sb[None, :]
+    if SWAP:
+        part = tl.zeros((offs_n.shape[0], BM), dtype=tl.float32)
+        for kk in tl.static_range(0, GROUP_K, BK):
+            k = g * GROUP_K + kk + offs_k
+            k_ok = k < K
+            w = tl.load(b_ptr + offs_n[:, None] * stride_bn + k[None, :] * stride_bk,
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            x_t = tl.load(a_rows_t + k[:, None] * stride_ak, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            if UPCAST:
+                part = tl.dot(w.to(tl.float32), x_t.to(tl.float32), part, input_precision="ieee")
+            else:
+                part = tl.dot(w, x_t, part, max_num_imprecise_acc=IMPRECISE_ACC)
+        scale = sb[:, None] * sa[None, :]
+    else:
+        part = tl.zeros((BM, offs_n.shape[0]), dtype=tl.float32)
+        for kk in tl.static_range(0, GROUP_K, BK):
+            k = g * GROUP_K + kk + offs_k
+            k_ok = k < K  # the tail of K (and of a block) loads zeros: exact
+            if QUANTIZE_A:
+                if BK != GROUP_K:  # the slice again (from cache), now that the block's scale is known
+                    x = tl.load(q_rows + k[None, :] * stride_ak, mask=q_ok[:, None] & k_ok[None, :], other=0.0)
+                    x = x.to(tl.float32)
+                a = _quantize_tile(x, sq, UPCAST, BM, A_ROWS)
+            else:
+                a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(
+                b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                mask=n_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            if UPCAST:  # the interpreter has no e4m3 dot: the same values in fp32 (exact)
+                part = tl.dot(a.to(tl.float32), b.to(tl.float32), part, input_precision="ieee")
+            else:
+                part = tl.dot(a, b, part, max_num_imprecise_acc=IMPRECISE_ACC)
+        scale = sa[:, None] * sb[None, :]
+    return part, scale
 
 
 @triton.jit
@@ -250,8 +267,11 @@ def _fp8_mm_kernel(
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
     QUANTIZE_A: tl.constexpr, A_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCKS: tl.constexpr, SWAP: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    # SWAP: the MMA computes C's transpose (the weights' rows as its M, BN a multiple of 64, and the tokens as its N,
+    # BM from 8): a decode-sized M fills no 64 zero rows of A. The same products, summed by the MMA as the other
+    # way round only if the hardware's order is symmetric, which bench/fp8_decode_tiles.py checks on the GPU.
     # Persistent: program p computes tiles p, p + num_programs, ...; which program owns a tile never changes it.
     # BLOCKS (1, 2 or 4): the K blocks a loop step computes before adding them, in block order, to the accumulator:
     # one wait on the tensor cores for that many blocks' MMAs, not one a block. The same operations on every
@@ -273,35 +293,39 @@ def _fp8_mm_kernel(
         m_ok = offs_m < M
         n_ok = offs_n < N
         a_rows = a_ptr + offs_m[:, None] * stride_am
+        a_rows_t = a_ptr + offs_m[None, :] * stride_am
         offs_q = pid_m * BM + tl.arange(0, A_ROWS)  # the rows quantized (QUANTIZE_A)
         q_rows = a_ptr + offs_q[:, None] * stride_am
         q_ok = offs_q < M
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
         for g in range(0, tl.cdiv(K, GROUP_K), BLOCKS):
             # K blocks g, g + 1, ...: each one's e4m3 products summed in fp32 from zero, then scaled and added in
             # block order, each in one fused multiply-add (spelled out: a compiler's own contraction may differ
             # between builds, as the attention merge's did).
             part0, scale0 = _block_part(
-                a_rows, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g, offs_m, offs_n, offs_k, m_ok, n_ok, K,
+                a_rows, a_rows_t, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g, offs_m, offs_n, offs_k, m_ok, n_ok, K,
                 stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
-                UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K,
+                UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K, SWAP,
             )  # fmt: skip
             if BLOCKS >= 2:
                 part1, scale1 = _block_part(
-                    a_rows, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 1, offs_m, offs_n, offs_k, m_ok, n_ok, K,
+                    a_rows, a_rows_t, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 1, offs_m, offs_n, offs_k, m_ok, n_ok, K,
                     stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
-                    UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K,
+                    UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K, SWAP,
                 )  # fmt: skip
             if BLOCKS >= 4:
                 part2, scale2 = _block_part(
-                    a_rows, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 2, offs_m, offs_n, offs_k, m_ok, n_ok, K,
+                    a_rows, a_rows_t, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 2, offs_m, offs_n, offs_k, m_ok, n_ok, K,
                     stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
-                    UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K,
+                    UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K, SWAP,
                 )  # fmt: skip
                 part3, scale3 = _block_part(
-                    a_rows, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 3, offs_m, offs_n, offs_k, m_ok, n_ok, K,
+                    a_rows, a_rows_t, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 3, offs_m, offs_n, offs_k, m_ok, n_ok, K,
                     stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
-                    UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K,
+                    UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K, SWAP,
                 )  # fmt: skip
             acc = tl.fma(part0, scale0, acc)
             if BLOCKS >= 2:
@@ -309,10 +333,16 @@ def _fp8_mm_kernel(
             if BLOCKS >= 4:
                 acc = tl.fma(part2, scale2, acc)
                 acc = tl.fma(part3, scale3, acc)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        if SWAP:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            c = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn
+            tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+        else:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+            tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -329,6 +359,7 @@ class Fp8Config:
     # bits, so every entry of the table must use one value (precise tiles are not in the sweep since session 14).
     imprecise_acc: int | None = None
     blocks: int = 1  # K blocks a loop step computes before adding them (1, 2 or 4; _fp8_mm_kernel's BLOCKS)
+    swap: bool = False  # the MMA computes C's transpose (_fp8_mm_kernel's SWAP); not with the fused quantization
 
 
 def fp8_config(m: int, n: int, k: int) -> Fp8Config:
@@ -400,6 +431,8 @@ def _launch(a, a_scale, w8, w_scale, bias, out_dtype, config, quantize_a: bool) 
     cfg = config or fp8_config(m, n, k)
     if GROUP_K % cfg.bk:
         raise ValueError(f"BK={cfg.bk} must divide the scale block {GROUP_K}")
+    if cfg.swap and quantize_a:
+        raise ValueError("a swapped tile does not take the fused quantization")
     if cfg.blocks not in (1, 2, 4):
         raise ValueError(f"blocks={cfg.blocks}: a loop step computes 1, 2 or 4 K blocks")
     programs = max(1, min(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), num_sms(a.device)))
@@ -413,7 +446,7 @@ def _launch(a, a_scale, w8, w_scale, bias, out_dtype, config, quantize_a: bool) 
         c.stride(0), c.stride(1), programs,
         HAS_BIAS=bias is not None, UPCAST=interpreting(), IMPRECISE_ACC=cfg.imprecise_acc,
         QUANTIZE_A=quantize_a, A_ROWS=a_rows,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m, BLOCKS=cfg.blocks,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m, BLOCKS=cfg.blocks, SWAP=cfg.swap,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
     )  # fmt: skip
     return c
