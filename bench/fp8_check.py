@@ -195,7 +195,8 @@ SWEEP_REP_MS = 10
 
 def tile_name(cfg: Fp8Config) -> str:
     blocks = f" b{cfg.blocks}" if cfg.blocks > 1 else ""
-    return f"{cfg.bm}x{cfg.bn}x{cfg.bk} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}{blocks}"
+    swap = " swap" if cfg.swap else ""
+    return f"{cfg.bm}x{cfg.bn}x{cfg.bk} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}{blocks}{swap}"
 
 
 def sweep_time(fn) -> float | None:

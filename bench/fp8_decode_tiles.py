@@ -34,6 +34,10 @@ TILES = [
     C(64, 32, num_stages=4, blocks=4), C(64, 16, num_stages=4, blocks=4), C(64, 16, num_stages=6, blocks=2),
     C(64, 64, num_stages=4), C(64, 64, num_stages=4, blocks=2), C(64, 64, num_stages=3, blocks=4),
     C(64, 128, num_stages=4), C(64, 128, num_stages=3, blocks=2), C(64, 32, num_stages=6, blocks=2),
+    # swapped: the weights' rows as the MMA's M (BN), the tokens as its N (BM)
+    C(16, 64, num_stages=4, swap=True), C(16, 64, num_stages=4, blocks=2, swap=True),
+    C(16, 64, num_stages=3, blocks=4, swap=True), C(16, 128, num_stages=4, swap=True),
+    C(16, 128, num_stages=3, blocks=2, swap=True), C(64, 64, num_stages=4, swap=True),
 ]  # fmt: skip
 
 

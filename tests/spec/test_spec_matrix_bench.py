@@ -38,9 +38,8 @@ def test_tiny_matrix(bench, tmp_path: Path) -> None:
     assert rows["chunked prefill"]["prefill_with_verify_steps"] > 0 and rows["preemption"]["preemptions"] > 0
     assert not rows["negative: one noise per chunk"]["same"]
     assert set(rows["negative: one noise per chunk"]["differing"]) == {"sampled", "penalised"}
-    # The fast kernels' control is reported only on a CPU: whether their plain decoding even repeats itself (the
-    # second run's prompts hit the prefix cache, so their prefill has other shapes) depends on the host's BLAS; it
-    # did on an AVX-512 machine's kernels and did not on a Haswell-kernel one.
+    # The fast kernels' control is reported only on a CPU: whether their plain decoding even repeats itself depends
+    # on the host's BLAS (it did on the 2-core machine's AVX-512 kernels, not on its Haswell ones).
     assert rows["negative: fast kernels verify"]["expect"] == "any"
 
 
