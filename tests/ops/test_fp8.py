@@ -240,3 +240,16 @@ def test_negative_control_a_scale_one_step_off_changes_the_bits():
     assert not same_bits(_fp8_mm_triton(q, nudged, w8, ws, None, torch.float32, FUSED_CONFIGS[0]), fused)
     t8, ts = _quantize_triton(x, None)  # one scale per token: other rounding points
     assert not same_bits(_fp8_mm_triton(t8, ts, w8, ws, None, torch.float32, FUSED_CONFIGS[0]), fused)
+
+
+def test_the_fast_sets_fp8_linear_is_the_invariant_one_off_cuda():
+    """The fast kernel set's FP8 layers run torch._scaled_mm on CUDA (per-channel weights, per-token activations);
+    on the CPU, and for block scales anywhere, they are fp8_linear itself."""
+    from lockstep.layers import kernels, torch_kernels
+
+    assert kernels.get_kernels("default").fp8_linear is torch_kernels.fast_fp8_linear
+    assert kernels.get_kernels("invariant").fp8_linear is fp8.fp8_linear
+    x = randn(5, 300, seed=2)
+    for kind, group in (("channel", None), ("block", 128)):
+        w8, ws = weights(kind, 33, 300)
+        assert same_bits(torch_kernels.fast_fp8_linear(x, w8, ws, None, group), fp8.fp8_linear(x, w8, ws, None, group))

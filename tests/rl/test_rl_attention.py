@@ -126,3 +126,15 @@ def test_triton_backward_bf16_close_to_float64():
         assert got[i].dtype == torch.bfloat16
         err = float((got[i].double() - ref).abs().max() / ref.abs().max())
         assert err < 1.5e-2, (name, err)  # 6e-3 here; bf16's rounding of the outputs alone is up to 4e-3
+
+
+def test_backward_choice(monkeypatch):
+    """"auto" takes the Triton backward on CUDA only (here, on the CPU, the reference); an unknown name is an error
+    that names the setting."""
+    q = torch.zeros(3, 2, 16)
+    assert not attention._takes_triton(q)  # auto on the CPU
+    monkeypatch.setattr(attention, "BACKWARD", "reference")
+    assert not attention._takes_triton(q)
+    monkeypatch.setattr(attention, "BACKWARD", "flash")
+    with pytest.raises(ValueError, match="BACKWARD must be"):
+        attention._takes_triton(q)
