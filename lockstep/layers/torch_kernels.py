@@ -330,17 +330,22 @@ def fast_fp8_linear(
     bias: torch.Tensor | None = None,
     act_group: int | None = fp8.GROUP_K,
 ) -> torch.Tensor:
-    """``ops.fp8.fp8_linear`` through ``torch._scaled_mm`` (cuBLASLt) on CUDA where the layout allows (per-channel
-    weight scales, per-token activations: online FP8 and compressed-tensors' FP8-dynamic), as vLLM's FP8 layers
-    run; its reduction order is cuBLASLt's choice for the shape, so not batch-invariant. Block-scaled layers, and
-    the CPU, take ``fp8_linear``."""
-    if not x.is_cuda or act_group is not None or w_scale.shape[1] != 1:
+    """An FP8 layer as vLLM runs online FP8 by default: one dynamic activation scale for the whole batch (the max of
+    ``|x|`` over every row, per tensor), the per-channel weight scales, and ``torch._scaled_mm`` (cuBLASLt) on CUDA
+    (``ops.fp8.scaled_mm``'s CPU path elsewhere). A row's e4m3 values follow its neighbours through the shared
+    scale, so its bits follow its batch: the fast set's FP8 negative control. ``act_group`` is not used (the scale
+    is the batch's); block-scaled layers take ``ops.fp8.fp8_linear``."""
+    if w_scale.shape[1] != 1:
         return fp8.fp8_linear(x, w8, w_scale, bias, act_group)
     x2 = x.reshape(-1, x.shape[-1])
-    a8, a_scale = fp8.quantize_rows(x2, None)
-    out = torch._scaled_mm(a8, w8.t(), scale_a=a_scale, scale_b=w_scale.float().view(1, -1), out_dtype=x.dtype)
-    if bias is not None:
-        out = out + bias
+    batch_scale = x2.abs().amax().float().clamp(min=fp8._AMAX_FLOOR) / fp8.FP8_MAX
+    a_scale = batch_scale.expand(x2.shape[0], 1).contiguous()  # [M, 1]: the one scale on every row
+    a8 = (x2.float() / batch_scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+    if x.is_cuda:
+        out = torch._scaled_mm(a8, w8.t(), scale_a=a_scale, scale_b=w_scale.float().view(1, -1), out_dtype=x.dtype)
+        out = out if bias is None else out + bias
+    else:
+        out = fp8.scaled_mm(a8, a_scale, w8, w_scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], w8.shape[0])
 
 

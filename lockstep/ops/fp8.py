@@ -365,11 +365,12 @@ class Fp8Config:
 def fp8_config(m: int, n: int, k: int) -> Fp8Config:
     """The tile for one problem, from N and a bucket of M; the reduction order never depends on it.
 
-    Every tile is at least 64 rows: on sm_90 Triton runs a 16-row e4m3 dot as ``mma.sync`` and a 64-row one as
-    ``wgmma`` (seen in the PTX; tests/ops/test_fp8_compile.py keeps the table on wgmma), and nothing has shown the two
-    to accumulate e4m3 products alike, as bf16's did on the H200 (docs/design.md, "Matmul"). Small M reads the weights
-    and wastes the MMA's rows, which a bandwidth-bound step can afford; enough tiles to cover the SMs (N / BN
-    programs). M <= 64 was swept on the H200 (``bench/fp8_decode_tiles.py``); M >= 128 not yet
+    Every tile gives the MMA at least 64 rows (BM, or BN in a swapped tile): on sm_90 Triton runs a 16-row e4m3 dot
+    as ``mma.sync`` and a 64-row one as ``wgmma`` (seen in the PTX; tests/ops/test_fp8_compile.py keeps the table on
+    wgmma), and nothing has shown the two to accumulate e4m3 products alike, as bf16's did on the H200 (docs/design.md,
+    "Matmul"). Up to M = 16 the tile is swapped: the weights' rows fill the MMA's 64 rows and the tokens its 16
+    columns (wgmma m64n16k32), instead of 63 zero rows of A beside one token; on the H200 it gave the unswapped
+    tiles' bits at every M and shape swept, so the hardware sums a product pair alike either way round. M <= 64 was swept on the H200 (``bench/fp8_decode_tiles.py``); M >= 128 not yet
     (``bench/fp8_check.py --sweep`` times candidates and says whether their bits match).
     """
     C = Fp8Config
@@ -381,11 +382,11 @@ def fp8_config(m: int, n: int, k: int) -> Fp8Config:
         # (K 4096) and 26.9 / 29.1 / 31.1 (K 12288) against 12.4-13.4 and 33.3-36.9 one block a step; N 6144 at
         # BN 64, 16.7-17.5 (more blocks a step were slower there); N 24576 at BN 128, 47.0 / 47.2 at M <= 16, BN 64
         # at M 64 (52.3). Every one of them gave the table's bits.
-        if n <= 4096:
-            return C(64, 32, num_stages=3 if m <= 16 else 4, blocks=4)
-        if n > 16384 and m <= 16:
-            return C(64, 128)
-        return C(64, 64)
+        # The swapped tile at M 1 / 16 (session 15): 10.6 / 12.2 (N 6144), 9.4 / 10.6 (N 4096), 30.9 / 35.1
+        # (N 24576), 23.3 / 27.3 (K 12288); at M 64 it re-reads the weights once per 16 tokens and loses.
+        if m <= 16:
+            return C(16, 64, num_stages=3, blocks=4, swap=True)
+        return C(64, 32, blocks=4) if n <= 4096 else C(64, 64)
     if m <= 256:
         return C(64, 128)
     return C(128, 128, num_warps=8, num_stages=4)
@@ -418,8 +419,10 @@ def _fp8_linear_triton(
 ) -> torch.Tensor:
     """``_fp8_mm_triton(*quantize_rows(x, GROUP_K), ...)`` in one kernel: ``x: [M, K]`` (any float dtype) is
     quantized per row and ``GROUP_K`` columns where the matmul loads it, with the quantization kernel's formulas, so
-    the output has the same bits and neither the e4m3 activations nor their scales are written."""
-    return _launch(x, x, w8, w_scale, bias, out_dtype, config, quantize_a=True)
+    the output has the same bits and neither the e4m3 activations nor their scales are written. The fused form has
+    no swapped tile: where the table swaps (small M) it takes the 64 x 64 one."""
+    config = config or fp8_config(x.shape[0], w8.shape[0], x.shape[1])
+    return _launch(x, x, w8, w_scale, bias, out_dtype, Fp8Config(64, 64) if config.swap else config, quantize_a=True)
 
 
 def _launch(a, a_scale, w8, w_scale, bias, out_dtype, config, quantize_a: bool) -> torch.Tensor:

@@ -242,14 +242,19 @@ def test_negative_control_a_scale_one_step_off_changes_the_bits():
     assert not same_bits(_fp8_mm_triton(t8, ts, w8, ws, None, torch.float32, FUSED_CONFIGS[0]), fused)
 
 
-def test_the_fast_sets_fp8_linear_is_the_invariant_one_off_cuda():
-    """The fast kernel set's FP8 layers run torch._scaled_mm on CUDA (per-channel weights, per-token activations);
-    on the CPU, and for block scales anywhere, they are fp8_linear itself."""
+def test_the_fast_sets_fp8_linear_follows_the_batch():
+    """The fast kernel set's FP8 layer (vLLM's online FP8: one activation scale for the batch) gives a row other bits
+    next to a larger neighbour, where fp8_linear does not; its values stay close; block scales take fp8_linear."""
     from lockstep.layers import kernels, torch_kernels
 
     assert kernels.get_kernels("default").fp8_linear is torch_kernels.fast_fp8_linear
     assert kernels.get_kernels("invariant").fp8_linear is fp8.fp8_linear
     x = randn(5, 300, seed=2)
-    for kind, group in (("channel", None), ("block", 128)):
-        w8, ws = weights(kind, 33, 300)
-        assert same_bits(torch_kernels.fast_fp8_linear(x, w8, ws, None, group), fp8.fp8_linear(x, w8, ws, None, group))
+    batch = torch.cat([x, 8 * randn(1, 300, seed=3)])
+    w8, ws = weights("channel", 33, 300)
+    fast = torch_kernels.fast_fp8_linear
+    assert not same_bits(fast(batch, w8, ws, None, None)[:5], fast(x, w8, ws, None, None))
+    assert same_bits(fp8.fp8_linear(batch, w8, ws, None, None)[:5], fp8.fp8_linear(x, w8, ws, None, None))
+    assert rel_err(fast(x, w8, ws, None, None), fp8.fp8_linear(x, w8, ws, None, None)) < 0.1
+    w8, ws = weights("block", 33, 300)
+    assert same_bits(fast(x, w8, ws, None, 128), fp8.fp8_linear(x, w8, ws, None, 128))

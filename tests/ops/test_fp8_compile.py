@@ -49,25 +49,28 @@ SCRIPT = textwrap.dedent(
            "c_ptr": "*bf16", **{p: "i32" for p in ("M", "N", "K")},
            **{"stride_" + p: "i32" for p in ("am", "ak", "asm", "asg", "bk", "bn", "bsn", "bsg", "cm", "cn")},
            "num_programs": "i32"}
-    assert all(c.bm >= 64 for c in fp8.FP8_CONFIGS)  # the table stays on wgmma (ops.fp8.fp8_config says why)
+    def mma_rows(cfg):  # the rows the MMA computes: the tokens, or the weights' rows in a swapped tile
+        return cfg.bn if cfg.swap else cfg.bm
+
+    assert all(mma_rows(c) >= 64 for c in fp8.FP8_CONFIGS)  # the table stays on wgmma (ops.fp8.fp8_config says why)
     configs = [*fp8.FP8_CONFIGS, fp8.Fp8Config(16, 64, 64, imprecise_acc=0), fp8.Fp8Config(128, 128, imprecise_acc=0),
                fp8.Fp8Config(64, 32, blocks=4)]
     for cfg in configs:
         flags = {"HAS_BIAS": cfg.bm == 16, "UPCAST": False, "IMPRECISE_ACC": cfg.imprecise_acc, "QUANTIZE_A": False,
                  "A_ROWS": cfg.bm, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_K": fp8.GROUP_K,
-                 "GROUP_M": cfg.group_m, "BLOCKS": cfg.blocks, "USE_PDL": True}
+                 "GROUP_M": cfg.group_m, "BLOCKS": cfg.blocks, "SWAP": cfg.swap, "USE_PDL": True}
         ptx = compile_(fp8._fp8_mm_kernel, sig, flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         assert "e4m3" in ptx, cfg  # an e4m3 MMA, not an upcast
         # 16-row tiles run mma.sync, and so does max_num_imprecise_acc=0 (Triton's precise e4m3 dot on sm_90)
-        assert ("wgmma" in ptx) == (cfg.bm >= 64 and cfg.imprecise_acc is None), cfg
+        assert ("wgmma" in ptx) == (mma_rows(cfg) >= 64 and cfg.imprecise_acc is None), cfg
     # The fused quantization (bf16 activations quantized in the A load), every table tile and a BK-64 one, whole
     # tiles and one row (M = 1): still an e4m3 wgmma, converting with the quantization kernel's instruction and
     # dividing with its divisions. One row quantizes one row: a handful of divisions, not one per element of the tile.
-    for cfg in [*fp8.FP8_CONFIGS, fp8.Fp8Config(64, 64, 64)]:
+    for cfg in [*(c for c in fp8.FP8_CONFIGS if not c.swap), fp8.Fp8Config(64, 64, 64)]:  # a swapped tile: unfused
         for rows in (cfg.bm, 1):
             flags = {"HAS_BIAS": False, "UPCAST": False, "IMPRECISE_ACC": None, "QUANTIZE_A": True, "A_ROWS": rows,
                      "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_K": fp8.GROUP_K, "GROUP_M": cfg.group_m,
-                     "BLOCKS": cfg.blocks, "USE_PDL": True}
+                     "BLOCKS": cfg.blocks, "SWAP": False, "USE_PDL": True}
             ptx = compile_(fp8._fp8_mm_kernel, {**sig, "a_ptr": "*bf16"}, flags, num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages)
             assert "wgmma" in ptx and "e4m3" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx, (cfg, rows)
