@@ -21,7 +21,7 @@ import torch
 from lockstep.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, resolve_device
 from lockstep.distributed import ControlChannel, TPGroup
 from lockstep.engine.block_tables import DeviceBlockTables, TableUpdate
-from lockstep.engine.cuda_graph import DecodeGraphs
+from lockstep.engine.cuda_graph import DecodeGraphs, graph_rows
 from lockstep.engine.encoder_cache import EncoderCache
 from lockstep.engine.scheduler import ScheduledBatch, ScheduledSeq
 from lockstep.engine.sequence import Sequence
@@ -200,7 +200,10 @@ class ModelRunner:
             # Under TP every rank captures its own graphs, the model's collectives (NCCL) inside them, in the
             # same bucket order, so the captured collectives pair up when rank 0's step replays a bucket.
             max_blocks = self.block_tables.table.shape[1]
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_blocks)
+            spec = config.speculative_config
+            rows = graph_rows(config.max_num_seqs, spec.num_speculative_tokens if spec else 0,
+                              config.max_num_batched_tokens)  # fmt: skip
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, rows, max_blocks)
             self.graphs.capture()
 
     @property

@@ -4,7 +4,7 @@ and the attention kernel (Triton's interpreter) over a graph-wide block table wi
 import pytest
 import torch
 
-from lockstep.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
+from lockstep.engine.cuda_graph import MAX_VERIFY_ROWS, DecodeGraphs, graph_batch_sizes, graph_rows
 from lockstep.layers.batch import flatten_batch
 from lockstep.models.loader import load_model
 from lockstep.ops.attention.launch import _paged_attention_triton
@@ -19,6 +19,15 @@ def test_every_batch_has_the_smallest_fitting_bucket(max_num_seqs):
         bucket = next(s for s in sizes if s >= n)
         # Padding stays small: at most 2x at the small end, at most 16 rows beyond 64.
         assert bucket - n < max(n, 16)
+
+
+def test_speculation_sizes_the_buckets_for_its_verify_rows():
+    assert graph_rows(64, 0, 8192) == 64  # no drafter: one row a sequence
+    assert graph_rows(16, 7, 8192) == 128  # 16 sequences with 7 drafts each
+    assert graph_rows(64, 3, 8192) == 256
+    assert graph_rows(256, 3, 8192) == MAX_VERIFY_ROWS == 512  # capped
+    assert graph_rows(64, 7, 300) == 300  # never past the step's token budget
+    assert graph_rows(600, 3, 8192) == 600  # never below max_num_seqs
 
 
 def test_padded_buckets_give_every_real_row_its_eager_bits(tiny_model_dir):
