@@ -196,9 +196,9 @@ def _block_part(
     UPCAST: tl.constexpr, IMPRECISE_ACC: tl.constexpr, QUANTIZE_A: tl.constexpr, A_ROWS: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
-    # SWAP: the same products with the operands' roles swapped, the weights' rows as the MMA's M and the tokens as
-    # its N: part and scales come back transposed, [BN, BM].
-    # K block g of one tile: (its e4m3 products summed in fp32 from zero [BM, BN], the scales sa[:, None] * sb[None, :]).
+    # K block g of one tile: (its e4m3 products summed in fp32 from zero [BM, BN], the scales sa[:, None] *
+    # sb[None, :]); SWAP: the same products with the operands' roles swapped (the weights' rows as the MMA's M, the
+    # tokens as its N), both transposed, [BN, BM].
     # A block past K loads zeros: its part is +0 and the scales those of the last block (never -0 or inf: an
     # accumulator that starts at +0 is never -0, so adding +0 * scale leaves it unchanged).
     gs = tl.minimum(g, tl.cdiv(K, GROUP_K) - 1)  # the scales' block
@@ -273,8 +273,8 @@ def _fp8_mm_kernel(
     # BM from 8): a decode-sized M fills no 64 zero rows of A. The same products, summed by the MMA as the other
     # way round only if the hardware's order is symmetric, which bench/fp8_decode_tiles.py checks on the GPU.
     # Persistent: program p computes tiles p, p + num_programs, ...; which program owns a tile never changes it.
-    # BLOCKS (1, 2 or 4): the K blocks a loop step computes before adding them, in block order, to the accumulator:
-    # one wait on the tensor cores for that many blocks' MMAs, not one a block. The same operations on every
+    # BLOCKS (1, 2 or 4): the K blocks a loop step computes, each added in block order to the accumulator: the
+    # software pipeline then waits once for that many blocks' loads, not once a block. The same operations on every
     # element whatever BLOCKS, so the same bits.
     # QUANTIZE_A: A is the unquantized activations (any float dtype) and each K block's A tile is quantized where it
     # is loaded, per row and block, with _quantize_kernel's formulas (as_ptr unused): the same e4m3 values and
@@ -305,34 +305,13 @@ def _fp8_mm_kernel(
             # K blocks g, g + 1, ...: each one's e4m3 products summed in fp32 from zero, then scaled and added in
             # block order, each in one fused multiply-add (spelled out: a compiler's own contraction may differ
             # between builds, as the attention merge's did).
-            part0, scale0 = _block_part(
-                a_rows, a_rows_t, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g, offs_m, offs_n, offs_k, m_ok, n_ok, K,
-                stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
-                UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K, SWAP,
-            )  # fmt: skip
-            if BLOCKS >= 2:
-                part1, scale1 = _block_part(
-                    a_rows, a_rows_t, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 1, offs_m, offs_n, offs_k, m_ok, n_ok, K,
-                    stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
+            for j in tl.static_range(BLOCKS):
+                part, scale = _block_part(
+                    a_rows, a_rows_t, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + j, offs_m, offs_n, offs_k, m_ok, n_ok,
+                    K, stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
                     UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K, SWAP,
                 )  # fmt: skip
-            if BLOCKS >= 4:
-                part2, scale2 = _block_part(
-                    a_rows, a_rows_t, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 2, offs_m, offs_n, offs_k, m_ok, n_ok, K,
-                    stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
-                    UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K, SWAP,
-                )  # fmt: skip
-                part3, scale3 = _block_part(
-                    a_rows, a_rows_t, q_rows, q_ok, as_ptr, b_ptr, bs_ptr, g + 3, offs_m, offs_n, offs_k, m_ok, n_ok, K,
-                    stride_ak, stride_asm, stride_asg, stride_bk, stride_bn, stride_bsn, stride_bsg,
-                    UPCAST, IMPRECISE_ACC, QUANTIZE_A, A_ROWS, BM, BK, GROUP_K, SWAP,
-                )  # fmt: skip
-            acc = tl.fma(part0, scale0, acc)
-            if BLOCKS >= 2:
-                acc = tl.fma(part1, scale1, acc)
-            if BLOCKS >= 4:
-                acc = tl.fma(part2, scale2, acc)
-                acc = tl.fma(part3, scale3, acc)
+                acc = tl.fma(part, scale, acc)
         if SWAP:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -358,7 +337,7 @@ class Fp8Config:
     # Triton 3.9 compiles to mma.sync instead of wgmma (seen in the PTX). Not part of the tile: it can change the
     # bits, so every entry of the table must use one value (precise tiles are not in the sweep since session 14).
     imprecise_acc: int | None = None
-    blocks: int = 1  # K blocks a loop step computes before adding them (1, 2 or 4; _fp8_mm_kernel's BLOCKS)
+    blocks: int = 1  # K blocks a loop step computes (1, 2 or 4; _fp8_mm_kernel's BLOCKS)
     swap: bool = False  # the MMA computes C's transpose (_fp8_mm_kernel's SWAP); not with the fused quantization
 
 
@@ -370,8 +349,9 @@ def fp8_config(m: int, n: int, k: int) -> Fp8Config:
     wgmma), and nothing has shown the two to accumulate e4m3 products alike, as bf16's did on the H200 (docs/design.md,
     "Matmul"). Up to M = 16 the tile is swapped: the weights' rows fill the MMA's 64 rows and the tokens its 16
     columns (wgmma m64n16k32), instead of 63 zero rows of A beside one token; on the H200 it gave the unswapped
-    tiles' bits at every M and shape swept, so the hardware sums a product pair alike either way round. M <= 64 was swept on the H200 (``bench/fp8_decode_tiles.py``); M >= 128 not yet
-    (``bench/fp8_check.py --sweep`` times candidates and says whether their bits match).
+    tiles' bits at every M and shape swept, so the hardware sums a product pair alike either way round. M <= 64 was
+    swept on the H200 (``bench/fp8_decode_tiles.py``); M >= 128 not yet (``bench/fp8_check.py --sweep`` times
+    candidates and says whether their bits match).
     """
     C = Fp8Config
     if m <= 64:

@@ -109,8 +109,14 @@ def test_fp8_linear_takes_leading_dims_and_rejects_bad_scales():
 # BK (128, the table's): the interpreter's dot sums a whole BK slice at once, so BK would change its bits; on the
 # GPU bench/fp8_check.py compares every tile of the table.
 INTERPRETER_CONFIGS = [
-    Fp8Config(16, 32), Fp8Config(32, 16, group_m=2), Fp8Config(64, 64), Fp8Config(16, 32, blocks=2),
-    Fp8Config(32, 16, blocks=4), Fp8Config(16, 64, swap=True), Fp8Config(8, 64, blocks=2, swap=True), *FP8_CONFIGS,
+    Fp8Config(16, 32),
+    Fp8Config(32, 16, group_m=2),
+    Fp8Config(64, 64),
+    Fp8Config(16, 32, blocks=2),
+    Fp8Config(32, 16, blocks=4),
+    Fp8Config(16, 64, swap=True),
+    Fp8Config(8, 64, blocks=2, swap=True),
+    *FP8_CONFIGS,
 ]  # blocks 2 and 4 over K = 260 (3 blocks): a loop step past K; swap: the transposed MMA
 
 

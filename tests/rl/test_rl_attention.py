@@ -129,8 +129,8 @@ def test_triton_backward_bf16_close_to_float64():
 
 
 def test_backward_choice(monkeypatch):
-    """"auto" takes the Triton backward on CUDA only (here, on the CPU, the reference); an unknown name is an error
-    that names the setting."""
+    """BACKWARD "auto" takes the Triton backward on CUDA only (here, on the CPU, the reference); an unknown name is an
+    error that names the setting."""
     q = torch.zeros(3, 2, 16)
     assert not attention._takes_triton(q)  # auto on the CPU
     monkeypatch.setattr(attention, "BACKWARD", "reference")
