@@ -23,8 +23,8 @@ def _row_independent_dot() -> None:
     from the matrix shape on some CPUs: on this project's 2-core machine (OpenBLAS 0.3.31 with its Haswell kernels)
     rows 0-15 of a [64, 128] x [128, 64] product had other bits than the same rows of a [32, 128] x [128, 16] one.
     Every invariance test of a kernel under the interpreter would then see the host's BLAS, not the kernel. Here a
-    float dot sums its K products one at a time in float64 (each product of two fp32 values is exact there) and
-    rounds once to the accumulator's dtype: a fixed order that depends on K alone."""
+    float dot sums its K products in float64 (each product of two fp32 values is exact there) by a pairwise tree
+    fixed by K alone, and rounds once to the accumulator's dtype."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -38,11 +38,13 @@ def _row_independent_dot() -> None:
             a_data = interpreter._convert_float(a_data, a.dtype, interpreter.tl.float16, None).view(np.float16)
         if b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating():
             b_data = interpreter._convert_float(b_data, b.dtype, interpreter.tl.float16, None).view(np.float16)
-        a64, b64 = a_data.astype(np.float64), b_data.astype(np.float64)
-        total = np.zeros(a64.shape[:-1] + b64.shape[-1:], dtype=np.float64)
-        for k in range(a64.shape[-1]):
-            total += a64[..., k : k + 1] * b64[..., k : k + 1, :]
-        return interpreter.TensorHandle(total.astype(d.data.dtype) + d.data, d.dtype.scalar)
+        # [..., M, K, N] products, summed over K by a pairwise tree fixed by K alone
+        terms = a_data.astype(np.float64)[..., :, :, None] * b_data.astype(np.float64)[..., None, :, :]
+        while terms.shape[-2] > 1:
+            if terms.shape[-2] % 2:
+                terms = np.concatenate([terms, np.zeros_like(terms[..., :1, :])], axis=-2)
+            terms = terms[..., 0::2, :] + terms[..., 1::2, :]
+        return interpreter.TensorHandle(terms[..., 0, :].astype(d.data.dtype) + d.data, d.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
 
