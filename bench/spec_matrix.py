@@ -217,9 +217,8 @@ class Matrix:
 
 def make_row(engine, run, expect: str = "same") -> dict:
     """Time ``run`` (a case method) and judge it: ``expect`` "same" (plain decoding's bits), "differ" (a negative
-    control) or "any" (reported only, premise included: on a CPU the fast kernels' plain decoding may not even
-    repeat itself once the prefix cache changes a prompt's prefill shape, as on the 2-core machine's Haswell-kernel
-    BLAS); an exception is a failed row that says what it was."""
+    control) or "any" (reported only, premise included: on a CPU whether the fast kernels' plain decoding even
+    repeats itself depends on the host's BLAS); an exception is a failed row that says what it was."""
     t0 = time.perf_counter()
     try:
         label, n, different, premise, extra = run()

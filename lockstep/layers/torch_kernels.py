@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from lockstep import ops
 from lockstep.layers.batch import HOST_MAX_QUERY_LEN, HOST_SEQ_LENS, AttentionMetadata
-from lockstep.ops import fp8, gated, moe
+from lockstep.ops import fp8, fp8_tree, gated, moe
 from lockstep.ops._common import num_sms
 from lockstep.ops.attention import fa4
 from lockstep.ops.attention.kv_cache import FP8_KV, _bytes, cache_values
@@ -338,9 +338,8 @@ def fast_fp8_linear(
     if w_scale.shape[1] != 1:
         return fp8.fp8_linear(x, w8, w_scale, bias, act_group)
     x2 = x.reshape(-1, x.shape[-1])
-    batch_scale = x2.abs().amax().float().clamp(min=fp8._AMAX_FLOOR) / fp8.FP8_MAX
-    a_scale = batch_scale.expand(x2.shape[0], 1).contiguous()  # [M, 1]: the one scale on every row
-    a8 = (x2.float() / batch_scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+    batch_amax = x2.abs().amax().float().expand(x2.shape[0], 1)  # [M, 1]: the batch's max on every row
+    a8, a_scale = fp8_tree.activation_scales(x2, None, batch_amax)  # per-token quantization's formulas
     if x.is_cuda:
         out = torch._scaled_mm(a8, w8.t(), scale_a=a_scale, scale_b=w_scale.float().view(1, -1), out_dtype=x.dtype)
         out = out if bias is None else out + bias
