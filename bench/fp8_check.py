@@ -94,9 +94,9 @@ def check_bits(k: int, n: int, max_m: int, check_ms: list[int]) -> dict:
                     got = _fp8_mm_triton(a8[:m], a_s[:m], w8, ws, None, torch.bfloat16, cfg)
                     if not same(got, full[:m]):
                         bad_cfg.append(f"{cfg} M={m}")
-                    # The activations quantized in the matmul's A load: the same bits (per-128-column groups and
-                    # unswapped tiles only)
-                    fused = group == 128 and not cfg.swap
+                    # The activations quantized in the matmul's A load: the same bits (per-128-column groups,
+                    # unswapped tiles of one K block a step: a step of 4 blocks' bf16 A tiles overflows shared memory)
+                    fused = group == 128 and not cfg.swap and cfg.blocks == 1
                     if fused and not same(_fp8_linear_triton(x[:m], w8, ws, None, torch.bfloat16, cfg), full[:m]):
                         bad_cfg.append(f"fused {cfg} M={m}")
         # A row moved among other neighbours.
@@ -175,29 +175,36 @@ def time_linear(k: int, n: int, ms: list[int]) -> list[dict]:
 # quantized in the matmul's A load) and the unfused one (quantization kernel + matmul), next to torch._scaled_mm.
 SWEEP_MS = [1, 16, 64, 128, 512, 2048, 8192]
 SMALL_TILES = [
-    Fp8Config(64, 16, num_stages=5),
-    Fp8Config(64, 32, num_stages=5),
+    Fp8Config(64, 32, blocks=4),
+    Fp8Config(64, 32, blocks=4, per_sm=2),
     Fp8Config(64, 64),
-    Fp8Config(64, 128),
-    Fp8Config(16, 32, num_stages=5),
-]  # M <= 64; the 16-row tile runs mma.sync
+    Fp8Config(64, 64, tma=True),
+    Fp8Config(64, 64, tma=True, per_sm=3),
+    Fp8Config(64, 128, tma=True, per_sm=2),
+    Fp8Config(16, 64, num_stages=3, blocks=4, swap=True),
+]  # M <= 64
 LARGE_TILES = [
     Fp8Config(64, 128),
     Fp8Config(128, 128, num_warps=8),
-    Fp8Config(128, 128, num_warps=8, num_stages=3, group_m=16),
-    Fp8Config(128, 256, num_warps=8, num_stages=3),
-    Fp8Config(128, 256, num_warps=8, num_stages=3, group_m=16),
-    Fp8Config(128, 256, num_warps=8, num_stages=4),
-    Fp8Config(128, 256, 64, num_warps=8, num_stages=4),
-    Fp8Config(256, 128, num_warps=8, num_stages=3),
-]  # M >= 128
+    Fp8Config(64, 64, tma=True, per_sm=4),
+    Fp8Config(64, 128, tma=True),
+    Fp8Config(64, 128, tma=True, per_sm=2),
+    Fp8Config(64, 128, num_stages=3, tma=True, per_sm=2),
+    Fp8Config(64, 128, num_stages=3, tma=True, per_sm=3),
+    Fp8Config(128, 64, tma=True, per_sm=2),
+    Fp8Config(64, 256, num_warps=8, num_stages=3, tma=True),
+    Fp8Config(128, 128, num_warps=8, num_stages=3, tma=True),
+    Fp8Config(128, 256, num_warps=8, num_stages=3, tma=True),
+]  # M >= 128 (TMA tiles: the fused linear runs the pointer kernel's fused load)
 SWEEP_REP_MS = 10
 
 
 def tile_name(cfg: Fp8Config) -> str:
     blocks = f" b{cfg.blocks}" if cfg.blocks > 1 else ""
     swap = " swap" if cfg.swap else ""
-    return f"{cfg.bm}x{cfg.bn}x{cfg.bk} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}{blocks}{swap}"
+    tma = " tma" if cfg.tma else ""
+    per_sm = f" x{cfg.per_sm}" if cfg.per_sm > 1 else ""
+    return f"{cfg.bm}x{cfg.bn}x{cfg.bk} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}{blocks}{swap}{tma}{per_sm}"
 
 
 def sweep_time(fn) -> float | None:
@@ -214,25 +221,35 @@ def sweep_time(fn) -> float | None:
 
 
 class _LastKernel:
-    """Stands in for ``fp8._fp8_mm_kernel`` around one call: keeps the compiled kernel that call launched (its
-    registers and spills: a tile that spills is slow for that reason)."""
+    """Stands in for ``fp8._fp8_mm_kernel`` and ``fp8._fp8_mm_tma_kernel`` around one call: keeps the compiled kernel
+    that call launched (its registers and spills: a tile that spills is slow for that reason)."""
+
+    NAMES = ("_fp8_mm_kernel", "_fp8_mm_tma_kernel")
 
     def __init__(self):
-        self.kernel, self.last = fp8._fp8_mm_kernel, None
+        self.kernels, self.last = {name: getattr(fp8, name) for name in self.NAMES}, None
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.last = self.kernel[grid](*args, **kwargs)
-            return self.last
+    def _launcher(self, kernel):
+        outer = self
 
-        return launch
+        class Launcher:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    outer.last = kernel[grid](*args, **kwargs)
+                    return outer.last
+
+                return launch
+
+        return Launcher()
 
     def __enter__(self):
-        fp8._fp8_mm_kernel = self
+        for name, kernel in self.kernels.items():
+            setattr(fp8, name, self._launcher(kernel))
         return self
 
     def __exit__(self, *exc):
-        fp8._fp8_mm_kernel = self.kernel
+        for name, kernel in self.kernels.items():
+            setattr(fp8, name, kernel)
 
     def resources(self) -> dict:
         return {"regs": getattr(self.last, "n_regs", None), "spills": getattr(self.last, "n_spills", None)}
@@ -530,6 +547,7 @@ def main() -> None:
         action="store_true",
         help="only the tile sweep: fused and unfused linear per tile and M, with torch._scaled_mm",
     )
+    parser.add_argument("--sweep-ms", default=None, help="--sweep at these M (comma list; default SWEEP_MS)")
     args = parser.parse_args()
     tiny = args.tiny or not CUDA
     if tiny:
@@ -545,9 +563,10 @@ def main() -> None:
     if args.sweep:
         print("(s) tile sweep")
         t0 = time.perf_counter()
+        ms = [int(m) for m in args.sweep_ms.split(",")] if args.sweep_ms else [3, 130] if tiny else SWEEP_MS
         if CUDA and not tiny:
-            precompile(shapes, SWEEP_MS)
-        result["sweep"] = [row for k, n in shapes for row in sweep(k, n, [3, 130] if tiny else SWEEP_MS, tiny)]
+            precompile(shapes, ms)
+        result["sweep"] = [row for k, n in shapes for row in sweep(k, n, ms, tiny)]
         summarize_sweep(result)
         print(f"  sweep took {time.perf_counter() - t0:.0f} s")
         finish(result, out, "fp8_sweep.json")

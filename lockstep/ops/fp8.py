@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.ops._common import ROW_TILE, interpreting, next_power_of_2, num_sms, pdl_launch, pdl_wait
-from lockstep.ops.matmul import _mm_cpu, _tile_coords
+from lockstep.ops.matmul import _aligned, _mm_cpu, _tile_coords, _weight_descriptor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
@@ -324,6 +325,47 @@ def _fp8_mm_kernel(
             tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _fp8_mm_tma_kernel(
+    a_desc, as_ptr, b_desc, bs_ptr, bias_ptr, c_desc,
+    M, N, K, stride_asm, stride_asg, stride_bsn, stride_bsg, num_programs,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # _fp8_mm_kernel's unswapped tiles with the operands brought in by the tensor memory accelerator (Hopper): A as
+    # [BM, BK] and the weights as [BN, BK] tiles of [N, K], out-of-bounds rows and the K tail arriving as zeros, as
+    # the pointer kernel's masked loads give them. The same products in the same order, so the same bits.
+    pdl_wait(USE_PDL)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    last = tl.cdiv(K, GROUP_K) - 1
+    for tile in range(tl.program_id(0), num_m * num_n, num_programs):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        offs_m = off_m + tl.arange(0, BM)
+        offs_n = off_n + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for g in range(0, last + 1, BLOCKS):
+            for j in tl.static_range(BLOCKS):
+                part = tl.zeros((BM, BN), dtype=tl.float32)
+                for kk in tl.static_range(0, GROUP_K, BK):
+                    a = a_desc.load([off_m, (g + j) * GROUP_K + kk])
+                    b = b_desc.load([off_n, (g + j) * GROUP_K + kk]).T
+                    if UPCAST:
+                        part = tl.dot(a.to(tl.float32), b.to(tl.float32), part, input_precision="ieee")
+                    else:
+                        part = tl.dot(a, b, part, max_num_imprecise_acc=IMPRECISE_ACC)
+                gs = tl.minimum(g + j, last)  # a block past K: part +0, the last block's scales (_block_part)
+                sa = tl.load(as_ptr + offs_m * stride_asm + gs * stride_asg, mask=offs_m < M, other=0.0)
+                sb = tl.load(bs_ptr + offs_n * stride_bsn + gs * stride_bsg, mask=offs_n < N, other=0.0)
+                acc = tl.fma(part, sa[:, None] * sb[None, :], acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
 @dataclass(frozen=True)
 class Fp8Config:
     bm: int
@@ -339,6 +381,10 @@ class Fp8Config:
     imprecise_acc: int | None = None
     blocks: int = 1  # K blocks a loop step computes (1, 2 or 4; _fp8_mm_kernel's BLOCKS)
     swap: bool = False  # the MMA computes C's transpose (_fp8_mm_kernel's SWAP); not with the fused quantization
+    tma: bool = False  # _fp8_mm_tma_kernel where the tile is unswapped and unfused and rows 16-byte aligned
+    # Persistent programs per SM: 2 or more lets one SM run another tile's MMAs while a tile waits on its block's
+    # (where registers and shared memory hold them). Which program computes a tile never changes its bits.
+    per_sm: int = 1
 
 
 def fp8_config(m: int, n: int, k: int) -> Fp8Config:
@@ -350,7 +396,7 @@ def fp8_config(m: int, n: int, k: int) -> Fp8Config:
     "Matmul"). Up to M = 16 the tile is swapped: the weights' rows fill the MMA's 64 rows and the tokens its 16
     columns (wgmma m64n16k32), instead of 63 zero rows of A beside one token; on the H200 it gave the unswapped
     tiles' bits at every M and shape swept, so the hardware sums a product pair alike either way round. M <= 64 was
-    swept on the H200 (``bench/fp8_decode_tiles.py``); M >= 128 not yet (``bench/fp8_check.py --sweep`` times
+    swept on the H200 with ``bench/fp8_decode_tiles.py``, M >= 64 with ``bench/fp8_check.py --sweep`` (which times the
     candidates and says whether their bits match).
     """
     C = Fp8Config
@@ -366,14 +412,23 @@ def fp8_config(m: int, n: int, k: int) -> Fp8Config:
         # (N 24576), 23.3 / 27.3 (K 12288); at M 64 it re-reads the weights once per 16 tokens and loses.
         if m <= 16:
             return C(16, 64, num_stages=3, blocks=4, swap=True)
-        return C(64, 32, blocks=4) if n <= 4096 else C(64, 64)
-    if m <= 256:
-        return C(64, 128)
-    return C(128, 128, num_warps=8, num_stages=4)
+        return C(64, 32, blocks=4) if n <= 4096 else C(64, 64, tma=True, per_sm=3)
+    # From M = 64 (session 17, H200, block scales; us, and x torch._scaled_mm with per-token activation and
+    # per-channel weight scales): the TMA kernel, and 2-4 programs an SM so that one tile's MMAs run while another's
+    # wait for their block to end. M 64, N > 4096: 64 x 64, 3 a SM, 16.5 (1.18x, N 6144) and 35.7 (0.88x, N 24576)
+    # against 17.7 and 53.5 for the pointer tile. M 128: 64 x 64, 4 a SM, 16.3 / 45.1 (1.18x / 1.40x; N 4096 at K
+    # 4096 / 12288) against 29.7 / 88.4 for 64 x 128 (too few tiles for the SMs), and 64 x 128, 2 a SM, at wider N
+    # (1.50x at N 6144, 1.67x at N 24576). From M 256, 64 x 128 3 stages 2 a SM: 1.6-2.25x, against 2.1-4.0x for
+    # the pointer tiles; 128 x 128 or 64 x 256 with 8 warps (2.3-2.9x), 3 programs an SM, and Triton's warp
+    # specialization (2.9-3.0x) were slower. The gap left is the wait at each K block's end (a block's products are
+    # summed from zero to take their scales), which DeepGEMM hides with two consumer warpgroups in turn.
+    if m <= 128:
+        return C(64, 64, tma=True, per_sm=4) if n <= 4096 else C(64, 128, tma=True, per_sm=2)
+    return C(64, 128, num_stages=3, tma=True, per_sm=2)
 
 
 # Every tile the table can pick, for the bit checks (bench/fp8_check.py, tests).
-FP8_CONFIGS = tuple(dict.fromkeys(fp8_config(m, n, 4096) for m in (1, 32, 128, 512) for n in (4096, 6144, 24576)))
+FP8_CONFIGS = tuple(dict.fromkeys(fp8_config(m, n, 4096) for m in (1, 32, 64, 128, 512) for n in (4096, 6144, 24576)))
 
 
 def _fp8_mm_triton(
@@ -418,7 +473,20 @@ def _launch(a, a_scale, w8, w_scale, bias, out_dtype, config, quantize_a: bool) 
         raise ValueError("a swapped tile does not take the fused quantization")
     if cfg.blocks not in (1, 2, 4):
         raise ValueError(f"blocks={cfg.blocks}: a loop step computes 1, 2 or 4 K blocks")
-    programs = max(1, min(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), num_sms(a.device)))
+    programs = max(1, min(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), cfg.per_sm * num_sms(a.device)))
+    if cfg.tma and not quantize_a and not cfg.swap and _aligned(a) and _aligned(c):
+        b_desc = _weight_descriptor(w8, [cfg.bn, cfg.bk])
+        if b_desc is not None:
+            _fp8_mm_tma_kernel[(programs,)](
+                TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]), a_scale, b_desc, w_scale,
+                bias if bias is not None else c, TensorDescriptor.from_tensor(c, [cfg.bm, cfg.bn]),
+                m, n, k, a_scale.stride(0), a_scale.stride(1) if a_scale.shape[1] > 1 else 0,
+                w_scale.stride(0), w_scale.stride(1) if w_scale.shape[1] > 1 else 0, programs,
+                HAS_BIAS=bias is not None, UPCAST=interpreting(), IMPRECISE_ACC=cfg.imprecise_acc,
+                BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m, BLOCKS=cfg.blocks,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
+            )  # fmt: skip
+            return c
     a_rows = 1 if quantize_a and m == 1 else cfg.bm  # the rows a fused tile quantizes (_fp8_mm_kernel)
     scale_strides = (0, 0) if quantize_a else (a_scale.stride(0), a_scale.stride(1) if a_scale.shape[1] > 1 else 0)
     _fp8_mm_kernel[(programs,)](

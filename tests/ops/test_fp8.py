@@ -145,6 +145,36 @@ def test_triton_fp8_rows_do_not_depend_on_m_or_the_tile():
     assert same_bits(_fp8_mm_triton(b8, b_s, w8, ws, None, torch.float32, INTERPRETER_CONFIGS[1])[11], full[7])
 
 
+TMA_CONFIGS = [Fp8Config(16, 32, tma=True), Fp8Config(32, 16, blocks=2, tma=True), Fp8Config(64, 64, tma=True)]
+
+
+def test_tma_tiles_give_the_pointer_tiles_bits(monkeypatch):
+    # The TMA kernel against the pointer kernel's bits; blocks=2 over K = 272 (3
+    # blocks) runs a step past K. It must really run: the launches are counted.
+    launches = []
+    kernel = fp8._fp8_mm_tma_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(fp8, "_fp8_mm_tma_kernel", Counting())
+    x, bias = randn(70, 272, seed=1), randn(40, seed=3)
+    w8, ws = weights("block", 40, 272)
+    a8, a_s = fp8.quantize_rows(x, 128)
+    full = _fp8_mm_triton(a8, a_s, w8, ws, bias, torch.float32, INTERPRETER_CONFIGS[0])
+    for cfg in TMA_CONFIGS:
+        for m in [1, 3, 17, 70]:
+            assert same_bits(_fp8_mm_triton(a8[:m], a_s[:m], w8, ws, bias, torch.float32, cfg), full[:m]), (cfg, m)
+    assert len(launches) == 4 * len(TMA_CONFIGS)
+    # Rows of 260 bytes (not a multiple of 16): no descriptor, the pointer kernel
+    a260, w260 = a8[:, :260].contiguous(), w8[:, :260].contiguous()
+    want = _fp8_mm_triton(a260, a_s, w260, ws, None, torch.float32, INTERPRETER_CONFIGS[0])
+    assert same_bits(_fp8_mm_triton(a260, a_s, w260, ws, None, torch.float32, TMA_CONFIGS[0]), want)
+    assert len(launches) == 4 * len(TMA_CONFIGS)
+
+
 def test_negative_control_a_per_batch_activation_scale_moves_rows():
     # The harness sees a difference where there is one: one dynamic activation scale for the whole batch (what a
     # per-tensor dynamic scheme does) makes a row's bits depend on its neighbours.

@@ -1,8 +1,7 @@
 """The FP8 kernels compile for Hopper (sm_90) on this CPU machine, as tests/ops/test_hopper_compile.py does for the
 others: the activation quantization, the FP8 matmul for every tile of its table (all wgmma; a 16-row tile and
-max_num_imprecise_acc=0 give mma.sync) and with the activation quantization fused into it (still wgmma, and the
-quantization kernel's division and e4m3 conversion instructions),
-the grouped FP8 expert matmul, and the KV paths with e4m3 caches (write_kv, the fused rotary write, attention). The
+max_num_imprecise_acc=0 give mma.sync), its TMA kernel (bulk tensor copies), and with the activation quantization
+fused into it (still wgmma, and the quantization kernel's division and e4m3 conversion instructions), the grouped FP8 expert matmul, and the KV paths with e4m3 caches (write_kv, the fused rotary write, attention). The
 interpreter compiles nothing, so without this a kernel only a GPU build rejects would first fail on the GPU."""
 
 import os
@@ -63,6 +62,16 @@ SCRIPT = textwrap.dedent(
         assert "e4m3" in ptx, cfg  # an e4m3 MMA, not an upcast
         # 16-row tiles run mma.sync, and so does max_num_imprecise_acc=0 (Triton's precise e4m3 dot on sm_90)
         assert ("wgmma" in ptx) == (mma_rows(cfg) >= 64 and cfg.imprecise_acc is None), cfg
+    # The TMA kernel at every TMA tile of the table: an e4m3 wgmma fed by bulk tensor copies
+    for cfg in (c for c in fp8.FP8_CONFIGS if c.tma):
+        tma_sig = {"a_desc": f"tensordesc<fp8e4nv[{cfg.bm}, {cfg.bk}]>", "as_ptr": "*fp32",
+                   "b_desc": f"tensordesc<fp8e4nv[{cfg.bn}, {cfg.bk}]>", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
+                   "c_desc": f"tensordesc<bf16[{cfg.bm}, {cfg.bn}]>", **{p: "i32" for p in ("M", "N", "K")},
+                   **{"stride_" + p: "i32" for p in ("asm", "asg", "bsn", "bsg")}, "num_programs": "i32"}
+        flags = {"HAS_BIAS": True, "UPCAST": False, "IMPRECISE_ACC": None, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk,
+                 "GROUP_K": fp8.GROUP_K, "GROUP_M": cfg.group_m, "BLOCKS": cfg.blocks, "USE_PDL": True}
+        ptx = compile_(fp8._fp8_mm_tma_kernel, tma_sig, flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        assert "wgmma" in ptx and "e4m3" in ptx and "cp.async.bulk.tensor" in ptx, cfg
     # The fused quantization (bf16 activations quantized in the A load), every table tile and a BK-64 one, whole
     # tiles and one row (M = 1): still an e4m3 wgmma, converting with the quantization kernel's instruction and
     # dividing with its divisions. One row quantizes one row: a handful of divisions, not one per element of the tile.
