@@ -43,10 +43,17 @@ import torch.nn.functional as F  # noqa: E402
 from lockstep.layers.batch import HOST_SEQ_LENS, AttentionMetadata  # noqa: E402
 from lockstep.layers.torch_kernels import batch_split_attention, split_for_batch  # noqa: E402
 from lockstep.ops._common import num_sms  # noqa: E402
-from lockstep.ops.attention import SPLIT, TILE, write_kv  # noqa: E402
+from lockstep.ops.attention import FP8_KV, SPLIT, TILE, write_kv  # noqa: E402
 from lockstep.ops.attention.launch import _paged_attention_triton  # noqa: E402
 
 FAILURES: list[str] = []
+KV_DTYPE: torch.dtype | None = None  # --kv-cache-dtype fp8: caches of e4m3 (None: the queries' dtype)
+
+
+def kv_values(*shape, gen, device, dtype):
+    """Random K or V rows; with an FP8 cache, values it holds exactly (e4m3), so a bf16 twin holds the same."""
+    x = torch.randn(*shape, generator=gen).to(device, dtype)
+    return x.to(FP8_KV).to(dtype) if KV_DTYPE == FP8_KV else x
 
 
 class Cache:
@@ -54,7 +61,7 @@ class Cache:
 
     def __init__(self, num_blocks, page, hkv, d, dtype, device, seed):
         self.page = page
-        self.k = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype, device=device)
+        self.k = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=KV_DTYPE or dtype, device=device)
         self.v = torch.full_like(self.k, float("nan"))
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables: dict[str, list[int]] = {}
@@ -123,7 +130,7 @@ def check_values(cfg, device, gen):
     cache = Cache(sum(-(-n // page) for n in lengths) + 8, page, hkv, d, dtype, device, seed=1)
     queries, kvs = {}, {}
     for i, n in enumerate(lengths):
-        kvs[i] = [torch.randn(n, hkv, d, generator=gen).to(device, dtype) for _ in range(2)]
+        kvs[i] = [kv_values(n, hkv, d, gen=gen, device=device, dtype=dtype) for _ in range(2)]
         queries[f"s{i}"] = torch.randn(n, hq, d, generator=gen).to(device, dtype)
         cache.write(f"s{i}", kvs[i], 0, n)
     items = [(f"s{i}", n - ql, n) for i, (n, ql) in enumerate(zip(lengths, q_lens, strict=True))]
@@ -144,11 +151,11 @@ def check_invariance(cfg, device, gen):
     others = cfg["neighbours"]
     blocks = (2 * n + sum(others) + len(others) * page) // page + 16
     cache = Cache(blocks, page, hkv, d, dtype, device, seed=2)
-    kv = [torch.randn(n, hkv, d, generator=gen).to(device, dtype) for _ in range(2)]
+    kv = [kv_values(n, hkv, d, gen=gen, device=device, dtype=dtype) for _ in range(2)]
     queries = {"t": torch.randn(n, hq, d, generator=gen).to(device, dtype)}
     cache.write("t", kv, 0, n)
     for i, m in enumerate(others):
-        okv = [torch.randn(m, hkv, d, generator=gen).to(device, dtype) for _ in range(2)]
+        okv = [kv_values(m, hkv, d, gen=gen, device=device, dtype=dtype) for _ in range(2)]
         queries[f"o{i}"] = torch.randn(m, hq, d, generator=gen).to(device, dtype)
         cache.write(f"o{i}", okv, 0, m)
 
@@ -159,6 +166,22 @@ def check_invariance(cfg, device, gen):
 
     for launch in cfg["launches"]:
         compare(f"one-shot prefill, launch {launch}", cache.attend([("t", 0, n)], queries, scale, **split, **launch)[0])
+    if KV_DTYPE == FP8_KV:  # the e4m3 cache read as the bf16 cache of the same values, launch by launch
+        twin = Cache(blocks, page, hkv, d, dtype, device, seed=2)
+        twin.k, twin.v = cache.k.to(dtype), cache.v.to(dtype)
+        twin.tables = cache.tables
+        launches = [{}, *cfg["launches"]]
+        for launch in launches:
+            a = cache.attend([("t", 0, n)], queries, scale, **split, **launch)[0]
+            b = twin.attend([("t", 0, n)], queries, scale, **split, **launch)[0]
+            report(f"e4m3 cache == bf16 cache of its values, prefill, launch {launch}", same_bits(a, b),
+                   "" if same_bits(a, b) else f"{n_diff(a, b)} differ")  # fmt: skip
+        items = [("t", n - 1, n)] + [(f"o{i}", m - 1, m) for i, m in enumerate(others)]
+        for launch in [{}, *cfg["decode_launches"]]:
+            a = cache.attend(items, queries, scale, **split, **launch)[0]
+            b = twin.attend(items, queries, scale, **split, **launch)[0]
+            report(f"e4m3 cache == bf16 cache of its values, decode, launch {launch or 'default'}", same_bits(a, b),
+                   "" if same_bits(a, b) else f"{n_diff(a, b)} differ")  # fmt: skip
 
     for chunk in cfg["chunks"]:
         fresh = Cache(n // page + 4, page, hkv, d, dtype, device, seed=chunk)
@@ -552,7 +575,11 @@ def main():
         help="only this decode speed table (wide: a max_model_len-wide block table; pages: by page size and layout; "
         "fastmode: the default kernel set's decode against the invariant launch)",
     )
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: the value and invariance checks over e4m3 caches (and against bf16 twins)")  # fmt: skip
     args = parser.parse_args()
+    global KV_DTYPE
+    KV_DTYPE = FP8_KV if args.kv_cache_dtype == "fp8" else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     launches = [dict(split_programs=sp, block_m=bm, num_warps=nw)
                 for sp in (False, True) for bm, nw in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))]  # fmt: skip

@@ -1,7 +1,8 @@
 """The FP8 kernels compile for Hopper (sm_90) on this CPU machine, as tests/ops/test_hopper_compile.py does for the
 others: the activation quantization, the FP8 matmul for every tile of its table (all wgmma; a 16-row tile and
 max_num_imprecise_acc=0 give mma.sync), its TMA kernel (bulk tensor copies), and with the activation quantization
-fused into it (still wgmma, and the quantization kernel's division and e4m3 conversion instructions), the grouped FP8 expert matmul, and the KV paths with e4m3 caches (write_kv, the fused rotary write, attention). The
+fused into it (still wgmma, and the quantization kernel's division and e4m3 conversion instructions), the grouped
+FP8 expert matmul, and the KV paths with e4m3 caches (write_kv, the fused rotary write, attention). The
 interpreter compiles nothing, so without this a kernel only a GPU build rejects would first fail on the GPU."""
 
 import os

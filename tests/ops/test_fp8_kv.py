@@ -45,9 +45,12 @@ def test_cpu_attention_over_fp8_reads_the_dequantized_values(dtype):
         assert_bitwise(o8, of)
 
 
-def test_triton_attention_over_fp8_reads_the_dequantized_values():
-    a, b = Seq(150, 4, 2, 32, torch.float32, seed=1), Seq(70, 4, 2, 32, torch.float32, seed=2)
-    p8, pf = fp8_and_dequantized(2, 32, {"a": (a, 150), "b": (b, 70)})
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_attention_over_fp8_reads_the_dequantized_values(dtype):
+    # bf16: the probabilities rounded to bf16 for the P @ V dot as over a bf16 cache (the interpreter once ran them
+    # in fp32 over an e4m3 cache: the values converted to the upcast query's dtype)
+    a, b = Seq(150, 4, 2, 32, dtype, seed=1), Seq(70, 4, 2, 32, dtype, seed=2)
+    p8, pf = fp8_and_dequantized(2, 32, {"a": (a, 150), "b": (b, 70)}, dtype)
     items = [("a", a, 140, 150), ("b", b, 0, 70)]
     for o8, of in zip(
         p8.attend(_paged_attention_triton, items), pf.attend(_paged_attention_triton, items), strict=True

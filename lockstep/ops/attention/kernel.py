@@ -35,6 +35,17 @@ def _find_seq(query_start_loc_ptr, num_seqs, search_steps, target, BLOCK_Q: tl.c
 
 
 @triton.jit
+def _opaque16(x):
+    # An identity on 16-bit values the compiler cannot see through. Triton lays a dot operand that comes from an
+    # 8-bit load out for converting in registers (kWidth from the narrowest type it finds behind the operand): on
+    # sm_90 a 16-row tile's mma.sync then takes the head's (or the tile's positions') k steps in another grouping and
+    # sums them otherwise, so an e4m3 cache gave other bits than the bf16 cache of its values (bench/attention_check.py
+    # --kv-cache-dtype fp8 on the H200: 3503 of a 5000-position prefill's values at BLOCK_M 16, and decode against
+    # prefill), where wgmma tiles (operands from shared memory) did not. Behind this the operand is a 16-bit tensor.
+    return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [x], dtype=x.dtype, is_pure=False, pack=1)
+
+
+@triton.jit
 def _attend_split(
     q, pos, split, last_tile, qk_scale, col0,
     k_base, v_base, block_table, seq_len, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
@@ -90,9 +101,14 @@ def _attend_split(
         if KV_FP8:  # e4m3 -> q's dtype, exact; then everything as for a cache of that dtype
             k_t = k_t.to(q.dtype)
             v = v.to(q.dtype)
-        if UPCAST:  # the interpreter's bf16/fp16 dot is wrong; run it in fp32 there
+            if not UPCAST and q.dtype != tl.float32:
+                k_t = _opaque16(k_t)
+                v = _opaque16(v)
+        q_dot = q
+        if UPCAST:  # the interpreter's bf16/fp16 dot is wrong; run it in fp32 there (q stays in its dtype for V's)
+            q_dot = q.to(tl.float32)
             k_t = k_t.to(tl.float32)
-        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+        s = tl.dot(q_dot, k_t, input_precision=PRECISION) * qk_scale
         s = tl.where(offs[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -191,8 +207,6 @@ def _paged_attention_kernel(
     )
     cols = col0 + tl.arange(0, COLS)  # this program's output columns
     io_mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
-    if UPCAST:
-        q = q.to(tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
