@@ -575,8 +575,12 @@ def main():
         help="only this decode speed table (wide: a max_model_len-wide block table; pages: by page size and layout; "
         "fastmode: the default kernel set's decode against the invariant launch)",
     )
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
-                        help="fp8: the value and invariance checks over e4m3 caches (and against bf16 twins)")  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="fp8: the value and invariance checks over e4m3 caches (and against bf16 twins)",
+    )
     args = parser.parse_args()
     global KV_DTYPE
     KV_DTYPE = FP8_KV if args.kv_cache_dtype == "fp8" else None
