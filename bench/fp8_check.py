@@ -10,7 +10,7 @@
     values (fp32 out) against an fp64 reference of the dequantized math; the fused linear (per-128-column
     activations quantized in the matmul's A load) must give the unfused bits at every tile.
 (s) --sweep, alone: per Qwen3-8B shape and M in 1..8192, torch._scaled_mm, the table's matmul alone, and candidate
-    tiles (64-row ones up to M 64, up to 256 x 128 and 128 x 256 from M 128) each as the fused linear (activations
+    tiles (pointer and TMA kernels, 1-4 programs an SM, 64 x 32 to 128 x 256) each as the fused linear (activations
     quantized per 128 columns in the matmul's A load) and the unfused one (quantization kernel + matmul), in one
     table per shape with each tile's bits against the table's tile; the best tile per M, the geomeans over
     _scaled_mm. Writes fp8_sweep.json.
