@@ -30,6 +30,7 @@ to bf16 rounding and a graph step's must be the invariant bits.
 """
 
 import argparse
+import copy
 import os
 import sys
 
@@ -167,21 +168,16 @@ def check_invariance(cfg, device, gen):
     for launch in cfg["launches"]:
         compare(f"one-shot prefill, launch {launch}", cache.attend([("t", 0, n)], queries, scale, **split, **launch)[0])
     if KV_DTYPE == FP8_KV:  # the e4m3 cache read as the bf16 cache of the same values, launch by launch
-        twin = Cache(blocks, page, hkv, d, dtype, device, seed=2)
+        twin = copy.copy(cache)  # the same block tables
         twin.k, twin.v = cache.k.to(dtype), cache.v.to(dtype)
-        twin.tables = cache.tables
-        launches = [{}, *cfg["launches"]]
-        for launch in launches:
-            a = cache.attend([("t", 0, n)], queries, scale, **split, **launch)[0]
-            b = twin.attend([("t", 0, n)], queries, scale, **split, **launch)[0]
-            report(f"e4m3 cache == bf16 cache of its values, prefill, launch {launch}", same_bits(a, b),
-                   "" if same_bits(a, b) else f"{n_diff(a, b)} differ")  # fmt: skip
-        items = [("t", n - 1, n)] + [(f"o{i}", m - 1, m) for i, m in enumerate(others)]
-        for launch in [{}, *cfg["decode_launches"]]:
-            a = cache.attend(items, queries, scale, **split, **launch)[0]
-            b = twin.attend(items, queries, scale, **split, **launch)[0]
-            report(f"e4m3 cache == bf16 cache of its values, decode, launch {launch or 'default'}", same_bits(a, b),
-                   "" if same_bits(a, b) else f"{n_diff(a, b)} differ")  # fmt: skip
+        decode = [("t", n - 1, n)] + [(f"o{i}", m - 1, m) for i, m in enumerate(others)]
+        for kind, items, launches in (("prefill", [("t", 0, n)], cfg["launches"]),
+                                      ("decode", decode, cfg["decode_launches"])):  # fmt: skip
+            for launch in [{}, *launches]:
+                a = cache.attend(items, queries, scale, **split, **launch)[0]
+                b = twin.attend(items, queries, scale, **split, **launch)[0]
+                report(f"e4m3 cache == bf16 cache of its values, {kind}, launch {launch or 'default'}",
+                       same_bits(a, b), "" if same_bits(a, b) else f"{n_diff(a, b)} differ")  # fmt: skip
 
     for chunk in cfg["chunks"]:
         fresh = Cache(n // page + 4, page, hkv, d, dtype, device, seed=chunk)

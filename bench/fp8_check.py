@@ -220,6 +220,20 @@ def sweep_time(fn) -> float | None:
         return None
 
 
+class _Recorder:
+    """A kernel's launcher that hands what it launched to ``_LastKernel``."""
+
+    def __init__(self, kernel, owner: "_LastKernel"):
+        self.kernel, self.owner = kernel, owner
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.owner.last = self.kernel[grid](*args, **kwargs)
+            return self.owner.last
+
+        return launch
+
+
 class _LastKernel:
     """Stands in for ``fp8._fp8_mm_kernel`` and ``fp8._fp8_mm_tma_kernel`` around one call: keeps the compiled kernel
     that call launched (its registers and spills: a tile that spills is slow for that reason)."""
@@ -229,22 +243,9 @@ class _LastKernel:
     def __init__(self):
         self.kernels, self.last = {name: getattr(fp8, name) for name in self.NAMES}, None
 
-    def _launcher(self, kernel):
-        outer = self
-
-        class Launcher:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    outer.last = kernel[grid](*args, **kwargs)
-                    return outer.last
-
-                return launch
-
-        return Launcher()
-
     def __enter__(self):
         for name, kernel in self.kernels.items():
-            setattr(fp8, name, self._launcher(kernel))
+            setattr(fp8, name, _Recorder(kernel, self))
         return self
 
     def __exit__(self, *exc):

@@ -474,31 +474,33 @@ def _launch(a, a_scale, w8, w_scale, bias, out_dtype, config, quantize_a: bool) 
     if cfg.blocks not in (1, 2, 4):
         raise ValueError(f"blocks={cfg.blocks}: a loop step computes 1, 2 or 4 K blocks")
     programs = max(1, min(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), cfg.per_sm * num_sms(a.device)))
+    # A scale matrix of one column (a scale for the row) is read at every block: stride 0 across blocks.
+    a_scale_strides = (0, 0) if quantize_a else (a_scale.stride(0), a_scale.stride(1) if a_scale.shape[1] > 1 else 0)
+    w_scale_strides = (w_scale.stride(0), w_scale.stride(1) if w_scale.shape[1] > 1 else 0)
+    common = dict(
+        HAS_BIAS=bias is not None, UPCAST=interpreting(), IMPRECISE_ACC=cfg.imprecise_acc,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m, BLOCKS=cfg.blocks,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
+    )  # fmt: skip
+    bias_arg = bias if bias is not None else c
+    b_desc = None
     if cfg.tma and not quantize_a and not cfg.swap and _aligned(a) and _aligned(c):
         b_desc = _weight_descriptor(w8, [cfg.bn, cfg.bk])
-        if b_desc is not None:
-            _fp8_mm_tma_kernel[(programs,)](
-                TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]), a_scale, b_desc, w_scale,
-                bias if bias is not None else c, TensorDescriptor.from_tensor(c, [cfg.bm, cfg.bn]),
-                m, n, k, a_scale.stride(0), a_scale.stride(1) if a_scale.shape[1] > 1 else 0,
-                w_scale.stride(0), w_scale.stride(1) if w_scale.shape[1] > 1 else 0, programs,
-                HAS_BIAS=bias is not None, UPCAST=interpreting(), IMPRECISE_ACC=cfg.imprecise_acc,
-                BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m, BLOCKS=cfg.blocks,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
-            )  # fmt: skip
-            return c
+    if b_desc is not None:
+        _fp8_mm_tma_kernel[(programs,)](
+            TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]), a_scale, b_desc, w_scale, bias_arg,
+            TensorDescriptor.from_tensor(c, [cfg.bm, cfg.bn]),
+            m, n, k, *a_scale_strides, *w_scale_strides, programs, **common,
+        )  # fmt: skip
+        return c
     a_rows = 1 if quantize_a and m == 1 else cfg.bm  # the rows a fused tile quantizes (_fp8_mm_kernel)
-    scale_strides = (0, 0) if quantize_a else (a_scale.stride(0), a_scale.stride(1) if a_scale.shape[1] > 1 else 0)
     _fp8_mm_kernel[(programs,)](
-        a, a_scale, w8, w_scale, bias if bias is not None else c, c,
+        a, a_scale, w8, w_scale, bias_arg, c,
         m, n, k,
-        a.stride(0), a.stride(1), *scale_strides,
-        w8.stride(1), w8.stride(0), w_scale.stride(0), w_scale.stride(1) if w_scale.shape[1] > 1 else 0,
+        a.stride(0), a.stride(1), *a_scale_strides,
+        w8.stride(1), w8.stride(0), *w_scale_strides,
         c.stride(0), c.stride(1), programs,
-        HAS_BIAS=bias is not None, UPCAST=interpreting(), IMPRECISE_ACC=cfg.imprecise_acc,
-        QUANTIZE_A=quantize_a, A_ROWS=a_rows,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=GROUP_K, GROUP_M=cfg.group_m, BLOCKS=cfg.blocks, SWAP=cfg.swap,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a),
+        QUANTIZE_A=quantize_a, A_ROWS=a_rows, SWAP=cfg.swap, **common,
     )  # fmt: skip
     return c
 
