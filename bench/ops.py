@@ -82,7 +82,7 @@ def sweep_candidates(m: int, n: int) -> list[MatmulConfig]:
         loops = [C(16, bn, bk, num_warps=w, num_stages=s) for bn in (16, 32, 64) for bk, s in ((256, 5), (512, 4))
                  for w in (4, 8)] + [C(16, 128, 256, num_stages=3)]  # fmt: skip
         flat = [C(16, bn, bk, num_stages=s, flat=True) for bn, bk, s in
-                ((16, 512, 5), (16, 1024, 4), (32, 256, 5), (32, 512, 4), (64, 256, 5))]  # fmt: skip
+                ((16, 512, 4), (16, 512, 5), (16, 1024, 4), (32, 256, 5), (32, 512, 4), (64, 256, 5))]  # fmt: skip
         return loops + flat
     if m <= 64:
         tiles = ((16, 256), (32, 256), (64, 256), (32, 512), (64, 128), (128, 64))
@@ -94,7 +94,9 @@ def sweep_candidates(m: int, n: int) -> list[MatmulConfig]:
         # sharing a 64- or 128-row tile, and K steps of 128. TMA only: it won every M >= 128 so far.
         eight = [(64, 128, 64, 8, 4), (128, 64, 64, 8, 4), (64, 256, 64, 8, 3), (64, 128, 128, 8, 3),
                  (128, 64, 128, 8, 3), (128, 128, 128, 8, 3)]  # fmt: skip
-        return [C(bm, bn, bk, 8, w, s, True) for bm, bn, bk, w, s in small + big[:2] + eight]
+        # and the flat loop of 64 x 32 tiles (narrow products at M <= 128)
+        flat = [C(64, 32, 256, num_stages=4, flat=True)]
+        return [C(bm, bn, bk, 8, w, s, True) for bm, bn, bk, w, s in small + big[:2] + eight] + flat
     if n <= 2048:  # a narrow product (a router, a TP shard): the large tiles leave most SMs idle
         big = small + [(32, 64, 128, 4, 4)] + big[:1]
     return [C(bm, bn, bk, 8, w, s, tma) for bm, bn, bk, w, s in big for tma in (False, True)]

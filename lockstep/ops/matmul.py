@@ -207,16 +207,24 @@ def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     # 2026-12-01 sweep (M = 1, 16, 32, 64): the flat loop wins wherever a program owns several tiles, by 2-7% at
     # M <= 16 and by up to 30% at M 32 (fused QKV 17.1 vs 24.5 us, gate-up 50.2 vs 57.4, lm_head 294 vs 339). A
     # 36-layer decode step at batch 32 took 5.20 ms against 6.45 with the previous tiles; batch 1 did not move.
+    # 2026-12-04 sweep (narrow products, N <= 2048: Qwen3-30B-A3B's o_proj, TP shards; bench/_tmp in session 18, K
+    # 4096 x N 2048): 16-column tiles in the flat loop, 8.1 vs 10.3 us at M 1 (cuBLAS 9.7), 8.9 vs 10.4 at M 32,
+    # 9.8 vs 10.8 at M 64; 64 x 32 tiles 11.2 vs 12.9 at M 96-128 (cuBLAS 9.6).
+    narrow = n <= 2048
     if m <= 16:
-        if n <= 2048:
-            return C(16, 16, 256, num_stages=5)
+        if narrow:
+            return C(16, 16, 512, num_stages=4, flat=True)
         return C(16, 64 if wide else 32, 256, num_stages=5, flat=True)
     if m <= 32:
-        if n <= 2048:
-            return C(16, 32, 256, num_stages=4)
+        if narrow:
+            return C(32, 16, 256, num_stages=4, flat=True)
         return C(32, 32 if n <= 4096 else 64, 256, num_stages=4, flat=True)
     if m <= 64:
+        if narrow:
+            return C(64, 16, 256, num_stages=4, flat=True)
         return C(64, 32, 256, num_stages=4) if n <= 4096 else C(64, 64, 128, num_stages=4, flat=True)
+    if m <= 128 and 1024 <= n <= 2048:
+        return C(64, 32, 256, num_stages=4, flat=True)
     large = C(128, 256, 64, num_warps=8, num_stages=3, tma=True)
     mid = C(128, 128, 64, num_warps=8, num_stages=4, tma=True)
     # 2026-11-30 sweep (M = 128 and 256): mid for the gate-up projection (N = 24576) at M 256, 97 vs 102 us; the
