@@ -207,9 +207,9 @@ def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     # 2026-12-01 sweep (M = 1, 16, 32, 64): the flat loop wins wherever a program owns several tiles, by 2-7% at
     # M <= 16 and by up to 30% at M 32 (fused QKV 17.1 vs 24.5 us, gate-up 50.2 vs 57.4, lm_head 294 vs 339). A
     # 36-layer decode step at batch 32 took 5.20 ms against 6.45 with the previous tiles; batch 1 did not move.
-    # 2026-12-04 sweep (narrow products, N <= 2048: Qwen3-30B-A3B's o_proj, TP shards; bench/_tmp in session 18, K
+    # 2026-12-04 sweep (narrow products, N <= 2048: Qwen3-30B-A3B's o_proj, TP shards; docs/perf.md, session 18; K
     # 4096 x N 2048): 16-column tiles in the flat loop, 8.1 vs 10.3 us at M 1 (cuBLAS 9.7), 8.9 vs 10.4 at M 32,
-    # 9.8 vs 10.8 at M 64; 64 x 32 tiles 11.2 vs 12.9 at M 96-128 (cuBLAS 9.6).
+    # 9.8 vs 10.8 at M 64; 64 x 32 tiles 11.2 vs 12.9 at M 96-128 (cuBLAS 9.6), but 6.4 vs 5.1 for N 128-512.
     narrow = n <= 2048
     if m <= 16:
         if narrow:
