@@ -291,14 +291,19 @@ def bench_speed(cfg, device):
         flops = seqs * 4 * n * n * hq * d / 2
         reference = _paged_attention_triton(**args, scale=scale)
         row = []
-        for block_m, stages, inner in ((64, 2, True), (64, 3, True), (128, 2, True), (128, 3, True), (64, 2, False)):
-            launch = dict(block_m=block_m, num_stages=stages, heads_inner=inner)
+        variants = [
+            dict(block_m=b, num_stages=st, heads_inner=inner)
+            for b, st, inner in ((64, 2, True), (64, 3, True), (128, 2, True), (128, 3, True), (64, 2, False))
+        ]
+        if torch.cuda.get_device_capability()[0] == 9:
+            variants.append(dict(block_m=128, split_programs=False, gluon=True))
+        for launch in variants:
+            block_m, stages, inner = launch["block_m"], launch.get("num_stages"), launch.get("heads_inner", True)
             if not torch.equal(_paged_attention_triton(**args, scale=scale, **launch), reference):
                 FAILURES.append(f"prefill launch {launch} at {seqs} x {n} changed bits")
             t = us(lambda la=launch: _paged_attention_triton(**args, scale=scale, **la))
-            row.append(
-                f"BLOCK_M {block_m} st {stages}{'' if inner else ' heads outer'}: {t:9.1f} ({flops / t / 1e6:5.1f})"
-            )
+            name = "Gluon" if launch.get("gluon") else f"BLOCK_M {block_m} st {stages}{'' if inner else ' heads outer'}"
+            row.append(f"{name}: {t:9.1f} ({flops / t / 1e6:5.1f})")
         qs = q.view(seqs, n, hq, d).transpose(1, 2)
         kc = k_cache.view(seqs, n, hkv, d).transpose(1, 2)
         vc = v_cache.view(seqs, n, hkv, d).transpose(1, 2)
@@ -588,6 +593,9 @@ def main():
     launches += [dict(split_programs=sp, heads_inner=False) for sp in (False, True)]
     launches += [dict(split_programs=sp, col_groups=g) for sp in (False, True) for g in (2, 8)]
     launches += [dict(split_programs=sp, ids_ahead=True) for sp in (False, True)]
+    hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    gluon = [dict(split_programs=False, block_m=128, gluon=True)] if hopper else []  # the Gluon walk (opt-in)
+    launches += gluon
     if args.smoke:
         cfg = dict(hq=4, hkv=2, d=32, dtype=torch.bfloat16, page=16, scale=32**-0.5, split=128,
                    value_lengths=[1, 17, 150], value_qlens=[1, 5, 150], atol=3e-2,
@@ -602,7 +610,7 @@ def main():
                    chunks=[512, 1000, 37], decode_batches=[1, 7, 64],
                    decode_launches=[dict(split_programs=False), dict(split_programs=True, block_m=64),
                                     dict(split_programs=True, num_stages=2), dict(split_programs=True, num_stages=4),
-                                    dict(split_programs=False, num_stages=2)],
+                                    dict(split_programs=False, num_stages=2)] + gluon,
                    decode_samples=40, wide=40960, speed_ctx=[4096, 32768], speed_batches=[1, 8, 64],
                    speed_prefill=[(1, 4096), (1, 16384), (8, 1024)], fast_ctx=[1024, 8192, 32768],
                    fast_batches=[1, 16, 64], fast_fixed_splits=[256, 512, 1024, 2048, 4096],

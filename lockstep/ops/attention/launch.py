@@ -2,7 +2,9 @@
 and the launch shapes (block sizes, warps, stages, column groups) chosen from the batch's shapes. Every choice
 here changes the speed, never the bits (tests and bench/attention_check.py compare them)."""
 
+import functools
 import math
+import os
 
 import torch
 import triton
@@ -16,6 +18,8 @@ from lockstep.ops.attention.tiling import SPLIT, TILE
 # in-register path runs (a long prefill's partials would take gigabytes). A decode graph at batch 256 under
 # Qwen3's 40,960-token max_model_len needs 340 MB.
 _PART_CAP_BYTES = 1 << 29
+GLUON_ENV = "LOCKSTEP_GLUON"
+GLUON_TRITON = ("3.6.",)  # bench/attention_check.py on the H200
 
 
 def _use_split_programs(decode: bool, max_splits: int, programs: int, part_bytes: int, num_sms: int) -> bool:
@@ -97,6 +101,31 @@ def _merge_heads(num_tokens: int, h_pad: int, num_sms: int) -> int:
     return heads
 
 
+@functools.cache
+def _gluon_device(device_index: int) -> bool:
+    """A Hopper GPU, and a Triton release on which the Gluon kernel was checked against the Triton kernel's bits
+    (``GLUON_TRITON``: each release compiles both anew), whose Gluon has the Hopper ops. Asked once per device."""
+    if torch.cuda.get_device_capability(device_index)[0] != 9 or not triton.__version__.startswith(GLUON_TRITON):
+        return False
+    try:
+        from lockstep.ops.attention import gluon_prefill  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_gluon(q: torch.Tensor, k_cache: torch.Tensor, decode: bool, split_programs: bool, block_m: int) -> bool:
+    """Whether a prefill step's in-register walk runs as ``gluon_prefill`` (the same bits; not faster yet, so only
+    with LOCKSTEP_GLUON=1): on Hopper, 16-bit caches, head_dim 128, BLOCK_M 128."""
+    if decode or split_programs or block_m != 128 or not q.is_cuda or interpreting():
+        return False
+    if q.shape[-1] != 128 or q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
+        return False
+    if os.environ.get(GLUON_ENV, "0") != "1":
+        return False
+    return _gluon_device(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
 def _paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -120,6 +149,7 @@ def _paged_attention_triton(
     skip_empty: bool | None = None,
     merge_heads: int | None = None,
     merge_chunk: int = 4,
+    gluon: bool | None = None,
 ) -> torch.Tensor:
     # The keyword arguments pick launch shapes, never the math: every choice gives the same bits (tests and
     # bench/attention_check.py compare them). Everything is decided from shapes, with no host sync.
@@ -148,6 +178,15 @@ def _paged_attention_triton(
     programs, sms = num_tiles * num_kv_heads, num_sms(q.device)  # (query tile, KV head) pairs; what the choices use
     if split_programs is None:
         split_programs = _use_split_programs(decode, max_splits, programs, part_bytes, sms)
+    if gluon is None:
+        gluon = _use_gluon(q, k_cache, decode, split_programs, block_m)
+    if gluon:
+        from lockstep.ops.attention.gluon_prefill import gluon_prefill
+
+        if split_programs or block_m != 128:
+            raise ValueError("gluon runs the in-register walk at BLOCK_M 128 only")
+        return gluon_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                             scale * math.log2(math.e), split=split, tile=TILE)  # fmt: skip
     if num_stages is None:
         # Decode streams K/V: 3 stages = 2 K/V buffers in flight (72 KB of shared memory at head_dim 128). Registers
         # cap it at 2 programs per SM (201 a thread, ptxas sm_90 and ncu on the H200); 4 stages were no faster.
