@@ -68,7 +68,7 @@ def _tile_ids(block_table, t, seq_len, page_size, TILE: gl.constexpr, blk: gl.co
 
 @gluon.jit
 def _merge(m_run, den_run, acc_run, m, den, acc):
-    # kernel._merge, operation for operation.
+    # kernel._merge, operation for operation (a Gluon kernel cannot call a triton.jit function).
     m_new = gl.maximum(m_run, m)
     base = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.where(m_run == m_new, 1.0, gl.exp2(m_run - base))
