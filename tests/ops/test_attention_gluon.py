@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     sig = {a: "*bf16" if a in ("q_ptr", "k_ptr", "v_ptr", "o_ptr") else "*i32" if a.endswith("_ptr")
            else "fp32" if a == "qk_scale" else "i32" for a in fn.arg_names}
     consts = dict(GROUP=4, BLOCK_M=128, BLOCK_Q=32, D=128, TILE=64, TILES_PER_SPLIT=8, NUM_KV_HEADS=8, STAGES=3,
-                  AHEAD=1, DEFER_DEN=True, num_warps=8)
+                  AHEAD=1, num_warps=8)
     sig.update({k: "constexpr" for k in consts})
     aligned = [a for a in fn.arg_names if a.endswith("_ptr") or a.startswith("stride_") or a == "page_size"]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}

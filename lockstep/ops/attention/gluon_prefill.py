@@ -80,6 +80,22 @@ def _merge(m_run, den_run, acc_run, m, den, acc):
 
 
 @gluon.jit
+def _softmax_tile(s, t, m, den, pos, qk_scale, ones_smem, cols_s, p_d: gl.constexpr, row_d: gl.constexpr,
+                  TILE: gl.constexpr):  # fmt: skip
+    # Tile t's scores -> the running max, P (in the cache's dtype) and the rescale, and the denominator's MMA
+    # issued: kernel._attend_tile's operations in its order. Returns m_new, den (in flight), p, alpha.
+    s = s * qk_scale
+    s = gl.where((t * TILE + cols_s)[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, 1))
+    base = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.where(m == m_new, 1.0, gl.exp2(m - base))
+    p = gl.exp2(s - base[:, None]).to(ones_smem.dtype)
+    den = warpgroup_mma(gl.convert_layout(p, p_d), ones_smem, den * gl.convert_layout(alpha, row_d)[:, None],
+                        is_async=True)  # fmt: skip
+    return m_new, den, p, alpha
+
+
+@gluon.jit
 def _gluon_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     num_seqs, search_steps, page_size, qk_scale,
@@ -87,7 +103,7 @@ def _gluon_prefill_kernel(
     stride_bt,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr,
     TILES_PER_SPLIT: gl.constexpr, NUM_KV_HEADS: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-    DEFER_DEN: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
@@ -157,23 +173,13 @@ def _gluon_prefill_kernel(
 
         # Tile 0: its scores, softmax and denominator; its P @ V waits for the loop's first iteration. Every wait for
         # copies is followed by a fence (the wgmma reads through the async proxy) and a barrier (each thread waits
-        # only for its own copies).
+        # only for its own copies). A tile's denominator MMA is waited for with the next tile's scores.
         cp.wait_group(ahead)
         fence_async_shared()
         _cta_barrier()
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        s = s * qk_scale
-        s = gl.where(cols_s[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, 1))
-        base = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.where(m == m_new, 1.0, gl.exp2(m - base))
-        p = gl.exp2(s - base[:, None]).to(dtype)
-        den = warpgroup_mma(gl.convert_layout(p, p_d), ones_smem, den * gl.convert_layout(alpha, row_d)[:, None],
-                            is_async=True)  # fmt: skip
-        if not DEFER_DEN:
-            den = warpgroup_mma_wait(num_outstanding=0, deps=(den,))
-        m = m_new
+        m, den, p, alpha = _softmax_tile(s, 0, m, den, pos, qk_scale, ones_smem, cols_s, p_d, row_d, TILE)
         p_prev = gl.convert_layout(p, p_o)
         alpha_prev = gl.convert_layout(alpha, row_o)
 
@@ -188,28 +194,15 @@ def _gluon_prefill_kernel(
             _cta_barrier()
             s = warpgroup_mma(q_smem, k_smem.index(t % STAGES).permute((1, 0)), s0, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_prev, v_smem.index((t - 1) % STAGES), acc * alpha_prev[:, None], is_async=True)
-            if DEFER_DEN:  # the last tile's denominator (issued before these two) is done too
-                s, den = warpgroup_mma_wait(num_outstanding=1, deps=(s, den))
-            else:
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            s, den = warpgroup_mma_wait(num_outstanding=1, deps=(s, den))  # and the last tile's denominator
             new_split = t % TILES_PER_SPLIT == 0
             m_old = m
             den_old = den
             if new_split:
                 m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
                 den = gl.zeros([BLOCK_M, 16], gl.float32, layout=mma_d)
-            s = s * qk_scale
-            s = gl.where((t * TILE + cols_s)[None, :] <= pos[:, None], s, float("-inf"))
-            m_new = gl.maximum(m, gl.max(s, 1))
-            base = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.where(m == m_new, 1.0, gl.exp2(m - base))
-            p = gl.exp2(s - base[:, None]).to(dtype)
-            den = warpgroup_mma(gl.convert_layout(p, p_d), ones_smem,
-                                den * gl.convert_layout(alpha, row_d)[:, None], is_async=True)  # fmt: skip
-            if DEFER_DEN:
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            else:
-                acc, den = warpgroup_mma_wait(num_outstanding=0, deps=(acc, den))
+            m_new, den, p, alpha = _softmax_tile(s, t, m, den, pos, qk_scale, ones_smem, cols_s, p_d, row_d, TILE)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if new_split:  # tile t - 1 ended a split: fold it in, start the next from zero
                 m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, gl.convert_layout(m_old, row_o),
                                                  gl.convert_layout(gl.max(den_old, 1), row_o), acc)  # fmt: skip
@@ -234,11 +227,11 @@ def _gluon_prefill_kernel(
 
 
 def gluon_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, *, split, tile,
-                  block_m=128, num_warps=8, stages=3, ahead=1, defer_den=True):  # fmt: skip
+                  block_m=128, num_warps=8, stages=3, ahead=1):  # fmt: skip
     """The in-register walk of a prefill step (``launch._paged_attention_triton`` with ``split_programs=False``) on
-    Hopper; ``qk_scale`` in log2 units. Head dim 128, 16-bit caches. ``stages``, ``ahead`` and ``defer_den`` (the
-    denominator's MMA waited for one tile later) change launch order only: every setting timed on the H200 gave the
-    same bits and was within 3% of the others (3 / 1 / deferred the fastest)."""
+    Hopper; ``qk_scale`` in log2 units. Head dim 128, 16-bit caches. ``stages`` and ``ahead`` change launch order
+    only: every setting timed on the H200 gave the same bits and was within 3% of the others (3 / 1 the fastest,
+    with each denominator's MMA waited for a tile later, as now; waiting for it at once was 2% slower)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
@@ -253,6 +246,6 @@ def gluon_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, D=head_dim, TILE=tile, TILES_PER_SPLIT=split // tile,
-        NUM_KV_HEADS=num_kv_heads, STAGES=stages, AHEAD=ahead, DEFER_DEN=defer_den, num_warps=num_warps,
+        NUM_KV_HEADS=num_kv_heads, STAGES=stages, AHEAD=ahead, num_warps=num_warps,
     )  # fmt: skip
     return out
