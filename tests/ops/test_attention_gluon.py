@@ -36,8 +36,8 @@ SCRIPT = textwrap.dedent(
         raise SystemExit(f"SKIP {e}")
     ptx = kernel.asm["ptx"]
     assert "cubin" in kernel.asm
-    # tile t's scores are waited for while tile t - 1's P @ V stays in flight
-    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    # tile t's scores are waited for while tile t - 1's P @ V and denominator stay in flight
+    assert "wgmma.wait_group.sync.aligned 2;" in ptx
     assert "cp.async" in ptx
     print("COMPILED")
     """

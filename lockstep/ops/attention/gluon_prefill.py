@@ -80,19 +80,15 @@ def _merge(m_run, den_run, acc_run, m, den, acc):
 
 
 @gluon.jit
-def _softmax_tile(s, t, m, den, pos, qk_scale, ones_smem, cols_s, p_d: gl.constexpr, row_d: gl.constexpr,
-                  TILE: gl.constexpr):  # fmt: skip
-    # Tile t's scores -> the running max, P (in the cache's dtype) and the rescale, and the denominator's MMA
-    # issued: kernel._attend_tile's operations in its order. Returns m_new, den (in flight), p, alpha.
+def _p_tile(s, t, m, pos, qk_scale, cols_s, dtype: gl.constexpr, TILE: gl.constexpr):
+    # Tile t's scores -> the running max, P (in the cache's dtype) and the rescale: kernel._attend_tile's
+    # operations in its order.
     s = s * qk_scale
     s = gl.where((t * TILE + cols_s)[None, :] <= pos[:, None], s, float("-inf"))
     m_new = gl.maximum(m, gl.max(s, 1))
     base = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.where(m == m_new, 1.0, gl.exp2(m - base))
-    p = gl.exp2(s - base[:, None]).to(ones_smem.dtype)
-    den = warpgroup_mma(gl.convert_layout(p, p_d), ones_smem, den * gl.convert_layout(alpha, row_d)[:, None],
-                        is_async=True)  # fmt: skip
-    return m_new, den, p, alpha
+    return m_new, gl.exp2(s - base[:, None]).to(dtype), alpha
 
 
 @gluon.jit
@@ -171,17 +167,21 @@ def _gluon_prefill_kernel(
         acc = gl.zeros([BLOCK_M, D], gl.float32, layout=mma_o)
         s0 = gl.zeros([BLOCK_M, TILE], gl.float32, layout=mma_s)
 
-        # Tile 0: its scores, softmax and denominator; its P @ V waits for the loop's first iteration. Every wait for
-        # copies is followed by a fence (the wgmma reads through the async proxy) and a barrier (each thread waits
-        # only for its own copies). A tile's denominator MMA is waited for with the next tile's scores.
+        # Tile 0: its scores and P; its P @ V and denominator go with tile 1's QK. Every wait for copies is followed by
+        # a fence (the wgmma reads through the async proxy) and a barrier (each thread waits only for its own
+        # copies). Every MMA's inputs are computed before the batch it goes with is issued (ptxas serializes MMAs
+        # whose inputs are defined while an MMA of the same batch is in flight, warning C7513), so the rescaled
+        # accumulators, P and the denominator of tile t are made ready at the end of iteration t.
         cp.wait_group(ahead)
         fence_async_shared()
         _cta_barrier()
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        m, den, p, alpha = _softmax_tile(s, 0, m, den, pos, qk_scale, ones_smem, cols_s, p_d, row_d, TILE)
-        p_prev = gl.convert_layout(p, p_o)
-        alpha_prev = gl.convert_layout(alpha, row_o)
+        m, p, alpha = _p_tile(s, 0, m, pos, qk_scale, cols_s, dtype, TILE)
+        p_v = gl.convert_layout(p, p_o)
+        p_den = gl.convert_layout(p, p_d)
+        den = den * gl.convert_layout(alpha, row_d)[:, None]
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
         for t in range(1, last_tile + 1):
             if AHEAD > STAGES - 3:
@@ -193,25 +193,28 @@ def _gluon_prefill_kernel(
             fence_async_shared()
             _cta_barrier()
             s = warpgroup_mma(q_smem, k_smem.index(t % STAGES).permute((1, 0)), s0, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_prev, v_smem.index((t - 1) % STAGES), acc * alpha_prev[:, None], is_async=True)
-            s, den = warpgroup_mma_wait(num_outstanding=1, deps=(s, den))  # and the last tile's denominator
+            acc = warpgroup_mma(p_v, v_smem.index((t - 1) % STAGES), acc, is_async=True)
+            den = warpgroup_mma(p_den, ones_smem, den, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
             new_split = t % TILES_PER_SPLIT == 0
             m_old = m
-            den_old = den
             if new_split:
                 m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-                den = gl.zeros([BLOCK_M, 16], gl.float32, layout=mma_d)
-            m_new, den, p, alpha = _softmax_tile(s, t, m, den, pos, qk_scale, ones_smem, cols_s, p_d, row_d, TILE)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            m_new, p, alpha = _p_tile(s, t, m, pos, qk_scale, cols_s, dtype, TILE)
+            acc, den = warpgroup_mma_wait(num_outstanding=0, deps=(acc, den))
             if new_split:  # tile t - 1 ended a split: fold it in, start the next from zero
                 m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, gl.convert_layout(m_old, row_o),
-                                                 gl.convert_layout(gl.max(den_old, 1), row_o), acc)  # fmt: skip
+                                                 gl.convert_layout(gl.max(den, 1), row_o), acc)  # fmt: skip
                 acc = gl.zeros([BLOCK_M, D], gl.float32, layout=mma_o)
+                den = gl.zeros([BLOCK_M, 16], gl.float32, layout=mma_d)
             m = m_new
-            p_prev = gl.convert_layout(p, p_o)
-            alpha_prev = gl.convert_layout(alpha, row_o)
+            p_v = gl.convert_layout(p, p_o)
+            p_den = gl.convert_layout(p, p_d)
+            den = den * gl.convert_layout(alpha, row_d)[:, None]
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
-        acc = warpgroup_mma(p_prev, v_smem.index(last_tile % STAGES), acc * alpha_prev[:, None], is_async=True)
+        acc = warpgroup_mma(p_v, v_smem.index(last_tile % STAGES), acc, is_async=True)
+        den = warpgroup_mma(p_den, ones_smem, den, is_async=True)
         acc, den = warpgroup_mma_wait(num_outstanding=0, deps=(acc, den))
         cp.wait_group(0)
         m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, gl.convert_layout(m, row_o),
