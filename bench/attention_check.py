@@ -292,7 +292,7 @@ def bench_speed(cfg, device):
         reference = _paged_attention_triton(**args, scale=scale)
         row = []
         variants = [
-            dict(block_m=b, num_stages=st, heads_inner=inner)
+            dict(block_m=b, num_stages=st, heads_inner=inner, gluon=False)
             for b, st, inner in ((64, 2, True), (64, 3, True), (128, 2, True), (128, 3, True), (64, 2, False))
         ]
         if torch.cuda.get_device_capability()[0] == 9:
@@ -593,8 +593,9 @@ def main():
     launches += [dict(split_programs=sp, heads_inner=False) for sp in (False, True)]
     launches += [dict(split_programs=sp, col_groups=g) for sp in (False, True) for g in (2, 8)]
     launches += [dict(split_programs=sp, ids_ahead=True) for sp in (False, True)]
+    launches = [{**la, "gluon": False} for la in launches]  # the Triton kernel, even where the Gluon one would run
     hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
-    gluon = [dict(split_programs=False, block_m=128, gluon=True)] if hopper else []  # the Gluon walk (opt-in)
+    gluon = [dict(split_programs=False, block_m=128, gluon=True)] if hopper else []  # the Gluon walk (Hopper)
     launches += gluon
     if args.smoke:
         cfg = dict(hq=4, hkv=2, d=32, dtype=torch.bfloat16, page=16, scale=32**-0.5, split=128,

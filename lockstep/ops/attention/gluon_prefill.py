@@ -1,16 +1,24 @@
-"""Causal prefill attention on Hopper in Gluon: the invariant kernel's order, with explicit asynchronous MMAs.
+"""Causal prefill attention on Hopper in Gluon, warp-specialized: the invariant kernel's order, FA3's schedule.
 
 ``kernel._paged_attention_kernel``'s in-register walk compiles (Triton 3.6, sm_90) to a loop in which every wgmma
-is waited for before anything else runs, so each warpgroup does QK, the softmax and P @ V one after the other
-(docs/design.md, "Attention"). This kernel computes the same operations on the same values in the same order,
-tile by tile and split by split, but issues tile t's QK and tile t - 1's P @ V together and runs tile t's softmax
-while the P @ V is in flight; K and V arrive by cp.async into a ring of STAGES shared-memory buffers, AHEAD tiles
-ahead. Only launch order and overlap differ, so the bits are the Triton kernel's: on the H200 every output value
-matched in every case tried, one-shot, chunked and mixed prefills to 20k positions (docs/perf.md, session 18).
+is waited for before anything else runs, so each warpgroup does QK, the softmax and P @ V one after the other, and
+the two warpgroups of a program do so in step (docs/design.md, "Attention"). Here each warpgroup is a partition of
+its own (64 of the program's 128 rows) and a one-warp producer brings K and V by TMA into a ring of STAGES buffers,
+handing them over through mbarriers (``ready_k`` / ``ready_v`` filled, ``empty`` released by both consumers). The
+consumers take turns issuing their MMAs (``turn``), so one warpgroup's softmax runs while the other's QK and P @ V
+occupy the tensor cores (FA3's ping-pong), and each issues tile t's QK with tile t - 1's P @ V and denominator and
+runs tile t's softmax while those are in flight.
 
-It is not faster yet (271 against 265 TFLOP/s at 1 x 4096, 312 against 315 at 1 x 16384), so it runs only when
-asked for (``LOCKSTEP_GLUON=1`` or ``gluon=True``): it is the base for the FA3-style kernel (producer warps,
-warpgroups in ping-pong) that item 2 of issue 27 needs.
+The per-row operations are the Triton kernel's, in its order, tile by tile and split by split; only their grouping
+into instructions differs: Q @ K^T over head_dim 128 is two wgmma calls over 64-column halves (the same eight
+k-steps accumulated in the same order) and P @ V two calls of 64 output columns (each column's sum over positions
+unchanged), because a TMA box and the 128-byte swizzle of a wgmma operand hold 64 bf16 columns. On the H200 every
+output value matched the Triton kernel's in every case tried (one-shot, chunked and mixed prefills to 20k positions,
+pages of 8 to 128, bf16 and fp16, NaN in unwritten cache slots; docs/perf.md, session 19).
+
+A page of K/V arrives whole: positions past the sequence in its last page (and whole pages past it, read from
+block 0) are whatever the cache holds there. Their scores are masked to -inf as in the Triton kernel; V rows there
+are set to zero in shared memory before the last tile's P @ V, since P = 0 would not cancel a NaN.
 
 Rows are (token, head of the group) pairs as in the Triton kernel; one program per (query tile, KV head).
 """
@@ -18,13 +26,20 @@ Rows are (token, head of the group) pairs as in the Triton kernel; one program p
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Names that moved between Triton releases: 3.6 (the H200's) has ``thread_barrier`` and
-# ``async_copy_global_to_shared``, 3.9 ``barrier`` and ``async_load``.
+# ``tma.async_copy_global_to_shared``, 3.9 ``barrier`` and ``tma.async_load``.
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-_async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+HALF = gl.constexpr(64)  # rows of a consumer warpgroup, and the columns of a TMA box / swizzled operand (128 bytes)
 
 
 @gluon.jit
@@ -39,31 +54,6 @@ def _find_tile_seq(query_start_loc_ptr, num_seqs, search_steps, tile, BLOCK_Q: g
         lo = gl.where(right, mid, lo)
         hi = gl.where(right, hi, mid)
     return lo
-
-
-@gluon.jit
-def _issue_kv(k_smem, v_smem, slot, k_base, v_base, ids, t, seq_len, page_size, stride_kb, stride_ks, stride_vb,
-              stride_vs, TILE: gl.constexpr, D: gl.constexpr, blk: gl.constexpr):  # fmt: skip
-    # cp.async of tile t's K and V rows (block ids ``ids``, one per position) into ring slot ``slot``; positions
-    # past the sequence arrive as zeros, as the Triton kernel's masked loads give.
-    offs = t * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, blk))
-    dims = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-    ok = (offs < seq_len)[:, None] & (dims < D)[None, :]
-    block = ids.to(gl.int64)
-    slot_pos = (offs % page_size).to(gl.int64)
-    _async_load(
-        k_smem.index(slot), k_base + (block * stride_kb + slot_pos * stride_ks)[:, None] + dims[None, :], mask=ok
-    )
-    _async_load(
-        v_smem.index(slot), v_base + (block * stride_vb + slot_pos * stride_vs)[:, None] + dims[None, :], mask=ok
-    )
-    cp.commit_group()
-
-
-@gluon.jit
-def _tile_ids(block_table, t, seq_len, page_size, TILE: gl.constexpr, blk: gl.constexpr):
-    offs = t * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, blk))
-    return gl.load(block_table + offs // page_size, mask=offs < seq_len, other=0)
 
 
 @gluon.jit
@@ -92,29 +82,179 @@ def _p_tile(s, t, m, pos, qk_scale, cols_s, dtype: gl.constexpr, TILE: gl.conste
 
 
 @gluon.jit
-def _gluon_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, search_steps, page_size, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt,
-    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr,
-    TILES_PER_SPLIT: gl.constexpr, NUM_KV_HEADS: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-    num_warps: gl.constexpr,
-):  # fmt: skip
+def _producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, block_table, seq_len, last_tile, kv_head,
+              page_size, TILE: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    # Tile t's K (then V) as TILE // ROWS pieces of ROWS positions (a page, or a TILE-long run of one) times
+    # D // HALF column halves, into slot t % STAGES once both consumers have released that slot's last tile.
+    for t in range(0, last_tile + 1):
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), (t // STAGES + 1) % 2, pred=t >= STAGES)
+        _load_tile(k_desc, k_smem, ready_k.index(slot), slot, t, block_table, seq_len, kv_head, page_size, TILE, ROWS,
+                   D)  # fmt: skip
+        _load_tile(v_desc, v_smem, ready_v.index(slot), slot, t, block_table, seq_len, kv_head, page_size, TILE, ROWS,
+                   D)  # fmt: skip
+
+
+@gluon.jit
+def _load_tile(desc, smem, ready, slot, t, block_table, seq_len, kv_head, page_size, TILE: gl.constexpr,
+               ROWS: gl.constexpr, D: gl.constexpr):  # fmt: skip
+    halves: gl.constexpr = D // HALF
+    mbarrier.expect(ready, TILE * D * 2)
+    for j in gl.static_range(TILE // ROWS):
+        pos = t * TILE + j * ROWS
+        block = gl.load(block_table + pos // page_size, mask=pos < seq_len, other=0)
+        row = block * page_size + pos % page_size
+        for h in gl.static_range(halves):
+            _tma_load(desc, [row, kv_head * D + h * HALF], ready,
+                      smem.index(slot * halves + h).slice(j * ROWS, ROWS))
+
+
+@gluon.jit
+def _qk(q_mine, k_smem, slot, s0, halves: gl.constexpr):
+    s = warpgroup_mma(q_mine.index(0), k_smem.index(slot * halves).permute((1, 0)), s0, use_acc=False, is_async=True)
+    for h in gl.static_range(1, halves):
+        s = warpgroup_mma(q_mine.index(h), k_smem.index(slot * halves + h).permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v, empty, my_turn, other_turn,
+              row0, tok0, q_end, seq_len, last_tile, kv_head, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+              GROUP: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr, TILES_PER_SPLIT: gl.constexpr,
+              STAGES: gl.constexpr):  # fmt: skip
+    # Rows row0 .. row0 + HALF of the program's tile: gluon_prefill's walk for one warpgroup, its MMAs issued in
+    # turn with the other consumer's.
+    # D == 2 * HALF (gluon_prefill checks)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, TILE, 16])  # fmt: skip
-    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, D, 16])  # fmt: skip
-    mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, 16, 16])  # fmt: skip
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     p_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     p_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
     row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
     row_d: gl.constexpr = gl.SliceLayout(1, mma_d)
 
+    rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, blk))
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, blk))
+    tok = tok0 + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    q_ok = (tok < q_end)[:, None] & (cols < HALF)[None, :]
+    q_rows = q_ptr + tok.to(gl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + cols[None, :]
+    q_mine.index(0).store(gl.load(q_rows, mask=q_ok, other=0.0))
+    q_mine.index(1).store(gl.load(q_rows + HALF, mask=q_ok, other=0.0))
+    fence_async_shared()
+    _cta_barrier()
+
+    tok_s = tok0 + (row0 + gl.arange(0, HALF, layout=row_s)) // GROUP
+    pos = gl.where(tok_s < q_end, seq_len - q_end + tok_s, -1)
+    cols_s = gl.arange(0, TILE, layout=gl.SliceLayout(0, mma_s))
+    m_run = gl.full([HALF], float("-inf"), gl.float32, layout=row_o)
+    den_run = gl.zeros([HALF], gl.float32, layout=row_o)
+    run0 = gl.zeros([HALF, HALF], gl.float32, layout=mma_o)
+    run1 = gl.zeros([HALF, HALF], gl.float32, layout=mma_o)
+    m = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
+    den = gl.zeros([HALF, 16], gl.float32, layout=mma_d)
+    acc0 = gl.zeros([HALF, HALF], gl.float32, layout=mma_o)
+    acc1 = gl.zeros([HALF, HALF], gl.float32, layout=mma_o)
+    s0 = gl.zeros([HALF, TILE], gl.float32, layout=mma_s)
+
+    # Tile 0's scores and P; its P @ V and denominator go with tile 1's QK. Issue k (tile 0, the loop's t, the last
+    # P @ V) waits for the k-th turn: the other consumer has issued its k-th (consumer 0: its k - 1-th) batch.
+    # Every MMA's inputs are computed before the batch it goes with is issued (ptxas serializes MMAs whose inputs
+    # are defined while an MMA of the same batch is in flight, warning C7513), so the rescaled accumulators, P and
+    # the denominator of tile t are made ready at the end of iteration t for iteration t + 1.
+    mbarrier.wait(ready_k.index(0), 0)
+    mbarrier.wait(my_turn, 0)
+    s = _qk(q_mine, k_smem, 0, s0, 2)
+    mbarrier.arrive(other_turn)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    m, p, alpha = _p_tile(s, 0, m, pos, qk_scale, cols_s, dtype, TILE)
+    p_v = gl.convert_layout(p, p_o)
+    p_den = gl.convert_layout(p, p_d)
+    den = den * gl.convert_layout(alpha, row_d)[:, None]
+    alpha_o = gl.convert_layout(alpha, row_o)[:, None]
+    acc0 = acc0 * alpha_o
+    acc1 = acc1 * alpha_o
+
+    for t in range(1, last_tile + 1):
+        slot = t % STAGES
+        prev = (t - 1) % STAGES
+        mbarrier.wait(ready_k.index(slot), (t // STAGES) % 2)
+        mbarrier.wait(ready_v.index(prev), ((t - 1) // STAGES) % 2)
+        mbarrier.wait(my_turn, t % 2)
+        s = _qk(q_mine, k_smem, slot, s0, 2)
+        acc0 = warpgroup_mma(p_v, v_smem.index(prev * 2), acc0, is_async=True)
+        acc1 = warpgroup_mma(p_v, v_smem.index(prev * 2 + 1), acc1, is_async=True)
+        den = warpgroup_mma(p_den, ones_smem, den, is_async=True)
+        mbarrier.arrive(other_turn)
+        s = warpgroup_mma_wait(num_outstanding=3, deps=(s,))
+        new_split = t % TILES_PER_SPLIT == 0
+        m_old = m
+        if new_split:
+            m = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
+        m_new, p, alpha = _p_tile(s, t, m, pos, qk_scale, cols_s, dtype, TILE)
+        acc0, acc1, den = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, den))
+        mbarrier.arrive(empty.index(prev))
+        if new_split:  # tile t - 1 ended a split: fold it in, start the next from zero
+            m_in = gl.convert_layout(m_old, row_o)
+            den_in = gl.convert_layout(gl.max(den, 1), row_o)
+            _, _, run1 = _merge(m_run, den_run, run1, m_in, den_in, acc1)
+            m_run, den_run, run0 = _merge(m_run, den_run, run0, m_in, den_in, acc0)
+            acc0 = gl.zeros([HALF, HALF], gl.float32, layout=mma_o)
+            acc1 = gl.zeros([HALF, HALF], gl.float32, layout=mma_o)
+            den = gl.zeros([HALF, 16], gl.float32, layout=mma_d)
+        m = m_new
+        p_v = gl.convert_layout(p, p_o)
+        p_den = gl.convert_layout(p, p_d)
+        den = den * gl.convert_layout(alpha, row_d)[:, None]
+        alpha_o = gl.convert_layout(alpha, row_o)[:, None]
+        acc0 = acc0 * alpha_o
+        acc1 = acc1 * alpha_o
+
+    last = last_tile % STAGES
+    mbarrier.wait(ready_v.index(last), (last_tile // STAGES) % 2)
+    if (last_tile + 1) * TILE > seq_len:  # the sequence's last page: V past its end to zero (see the docstring)
+        keep = (last_tile * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, blk)) < seq_len)[:, None]
+        for h in gl.static_range(2):
+            v = v_smem.index(last * 2 + h).load(blk)
+            v_smem.index(last * 2 + h).store(gl.where(keep, v, gl.zeros_like(v)))
+        fence_async_shared()
+        _cta_barrier()
+    mbarrier.wait(my_turn, (last_tile + 1) % 2)
+    acc0 = warpgroup_mma(p_v, v_smem.index(last * 2), acc0, is_async=True)
+    acc1 = warpgroup_mma(p_v, v_smem.index(last * 2 + 1), acc1, is_async=True)
+    den = warpgroup_mma(p_den, ones_smem, den, is_async=True)
+    mbarrier.arrive(other_turn)
+    acc0, acc1, den = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, den))
+    m_in = gl.convert_layout(m, row_o)
+    den_in = gl.convert_layout(gl.max(den, 1), row_o)
+    _, _, run1 = _merge(m_run, den_run, run1, m_in, den_in, acc1)
+    m_run, den_run, run0 = _merge(m_run, den_run, run0, m_in, den_in, acc0)
+
+    den_safe = gl.where(den_run == 0.0, 1.0, den_run)[:, None]
+    rows_o = row0 + gl.arange(0, HALF, layout=row_o)
+    cols_o = gl.arange(0, HALF, layout=gl.SliceLayout(0, mma_o))
+    tok_o = tok0 + rows_o // GROUP
+    head_o = kv_head * GROUP + rows_o % GROUP
+    o = o_ptr + tok_o.to(gl.int64)[:, None] * stride_ot + head_o[:, None] * stride_oh + cols_o[None, :]
+    ok = (tok_o < q_end)[:, None] & (cols_o < HALF)[None, :]
+    out0 = run0 / den_safe
+    out1 = run1 / den_safe
+    gl.store(o, gl.where(out0 == 0.0, 0.0, out0).to(dtype), mask=ok)
+    gl.store(o + HALF, gl.where(out1 == 0.0, 0.0, out1).to(dtype), mask=ok)
+
+
+@gluon.jit
+def _gluon_prefill_kernel(
+    q_ptr, k_desc, v_desc, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_seqs, search_steps, page_size, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr, ROWS: gl.constexpr,
+    TILES_PER_SPLIT: gl.constexpr, NUM_KV_HEADS: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):  # fmt: skip
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
     tile = gl.program_id(0) // NUM_KV_HEADS
     kv_head = gl.program_id(0) % NUM_KV_HEADS
     seq = _find_tile_seq(query_start_loc_ptr, num_seqs, search_steps, tile, BLOCK_Q)
@@ -125,130 +265,97 @@ def _gluon_prefill_kernel(
         seq_len = gl.load(seq_lens_ptr + seq)
         last_tile = (seq_len - q_end + gl.minimum(tok0 + BLOCK_Q, q_end) - 1) // TILE
         block_table = block_tables_ptr + seq.to(gl.int64) * stride_bt
-        k_base = k_ptr + kv_head * stride_kh
-        v_base = v_ptr + kv_head * stride_vh
 
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
-        dims = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-        tok = tok0 + rows // GROUP
-        head = kv_head * GROUP + rows % GROUP
-        q_ok = (tok < q_end)[:, None] & (dims < D)[None, :]
-        q = gl.load(q_ptr + tok.to(gl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                    mask=q_ok, other=0.0)  # fmt: skip
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D],
-                                           dtype), q)  # fmt: skip
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, D], dtype)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE, D], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE, D], kv_layout)
-        ones = gl.full([TILE, 16], 1.0, dtype, layout=blk)
+        half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HALF], dtype)
+        q0_smem = gl.allocate_shared_memory(dtype, [2, HALF, HALF], half_layout)
+        q1_smem = gl.allocate_shared_memory(dtype, [2, HALF, HALF], half_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES * 2, TILE, HALF], half_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES * 2, TILE, HALF], half_layout)
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         ones_smem = gl.allocate_shared_memory(dtype, [TILE, 16], gl.NVMMASharedLayout.get_default_for([TILE, 16],
-                                              dtype), ones)  # fmt: skip
-
-        rows_s = gl.arange(0, BLOCK_M, layout=row_s)
-        tok_s = tok0 + rows_s // GROUP
-        pos = gl.where(tok_s < q_end, seq_len - q_end + tok_s, -1)
-        cols_s = gl.arange(0, TILE, layout=gl.SliceLayout(0, mma_s))
-
-        # Tiles 0 .. AHEAD in flight, the next one's ids loaded. A slot is refilled AHEAD + 1 tiles after it was
-        # read: with AHEAD <= STAGES - 3 the barrier after the last iteration's copies already orders that after
-        # every warpgroup's reads of it, otherwise a barrier at the top of the loop does.
-        ahead: gl.constexpr = AHEAD
-        for i in gl.static_range(ahead + 1):
-            ids = _tile_ids(block_table, i, seq_len, page_size, TILE, blk)
-            _issue_kv(k_smem, v_smem, i, k_base, v_base, ids, i, seq_len, page_size, stride_kb, stride_ks,
-                      stride_vb, stride_vs, TILE, D, blk)  # fmt: skip
-        ids_next = _tile_ids(block_table, ahead + 1, seq_len, page_size, TILE, blk)
-
-        m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_o)
-        den_run = gl.zeros([BLOCK_M], gl.float32, layout=row_o)
-        acc_run = gl.zeros([BLOCK_M, D], gl.float32, layout=mma_o)
-        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-        den = gl.zeros([BLOCK_M, 16], gl.float32, layout=mma_d)
-        acc = gl.zeros([BLOCK_M, D], gl.float32, layout=mma_o)
-        s0 = gl.zeros([BLOCK_M, TILE], gl.float32, layout=mma_s)
-
-        # Tile 0: its scores and P; its P @ V and denominator go with tile 1's QK. Every wait for copies is followed by
-        # a fence (the wgmma reads through the async proxy) and a barrier (each thread waits only for its own
-        # copies). Every MMA's inputs are computed before the batch it goes with is issued (ptxas serializes MMAs
-        # whose inputs are defined while an MMA of the same batch is in flight, warning C7513), so the rescaled
-        # accumulators, P and the denominator of tile t are made ready at the end of iteration t.
-        cp.wait_group(ahead)
+                                              dtype), gl.full([TILE, 16], 1.0, dtype, layout=blk))  # fmt: skip
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_k.index(i), count=1)
+            mbarrier.init(ready_v.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        mbarrier.arrive(turn.index(0))  # consumer 0 issues first
         fence_async_shared()
         _cta_barrier()
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        m, p, alpha = _p_tile(s, 0, m, pos, qk_scale, cols_s, dtype, TILE)
-        p_v = gl.convert_layout(p, p_o)
-        p_den = gl.convert_layout(p, p_d)
-        den = den * gl.convert_layout(alpha, row_d)[:, None]
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
-        for t in range(1, last_tile + 1):
-            if AHEAD > STAGES - 3:
-                _cta_barrier()
-            _issue_kv(k_smem, v_smem, (t + ahead) % STAGES, k_base, v_base, ids_next, t + ahead, seq_len, page_size,
-                      stride_kb, stride_ks, stride_vb, stride_vs, TILE, D, blk)  # fmt: skip
-            ids_next = _tile_ids(block_table, t + ahead + 1, seq_len, page_size, TILE, blk)
-            cp.wait_group(ahead)
-            fence_async_shared()
-            _cta_barrier()
-            s = warpgroup_mma(q_smem, k_smem.index(t % STAGES).permute((1, 0)), s0, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_v, v_smem.index((t - 1) % STAGES), acc, is_async=True)
-            den = warpgroup_mma(p_den, ones_smem, den, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
-            new_split = t % TILES_PER_SPLIT == 0
-            m_old = m
-            if new_split:
-                m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-            m_new, p, alpha = _p_tile(s, t, m, pos, qk_scale, cols_s, dtype, TILE)
-            acc, den = warpgroup_mma_wait(num_outstanding=0, deps=(acc, den))
-            if new_split:  # tile t - 1 ended a split: fold it in, start the next from zero
-                m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, gl.convert_layout(m_old, row_o),
-                                                 gl.convert_layout(gl.max(den, 1), row_o), acc)  # fmt: skip
-                acc = gl.zeros([BLOCK_M, D], gl.float32, layout=mma_o)
-                den = gl.zeros([BLOCK_M, 16], gl.float32, layout=mma_d)
-            m = m_new
-            p_v = gl.convert_layout(p, p_o)
-            p_den = gl.convert_layout(p, p_d)
-            den = den * gl.convert_layout(alpha, row_d)[:, None]
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-
-        acc = warpgroup_mma(p_v, v_smem.index(last_tile % STAGES), acc, is_async=True)
-        den = warpgroup_mma(p_den, ones_smem, den, is_async=True)
-        acc, den = warpgroup_mma_wait(num_outstanding=0, deps=(acc, den))
-        cp.wait_group(0)
-        m_run, den_run, acc_run = _merge(m_run, den_run, acc_run, gl.convert_layout(m, row_o),
-                                         gl.convert_layout(gl.max(den, 1), row_o), acc)  # fmt: skip
-        out = acc_run / gl.where(den_run == 0.0, 1.0, den_run)[:, None]
-        out = gl.where(out == 0.0, 0.0, out)
-        rows_o = gl.arange(0, BLOCK_M, layout=row_o)
-        cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
-        tok_o = tok0 + rows_o // GROUP
-        head_o = kv_head * GROUP + rows_o % GROUP
-        o = o_ptr + tok_o.to(gl.int64)[:, None] * stride_ot + head_o[:, None] * stride_oh + cols_o[None, :]
-        gl.store(o, out.to(dtype), mask=(tok_o < q_end)[:, None] & (cols_o < D)[None, :])
+        gl.warp_specialize(
+            [
+                (_consumer, (q_ptr, o_ptr, q0_smem, k_smem, v_smem, ones_smem, ready_k, ready_v, empty,
+                             turn.index(0), turn.index(1), 0, tok0, q_end, seq_len, last_tile, kv_head, qk_scale,
+                             stride_qt, stride_qh, stride_ot, stride_oh, GROUP, D, TILE, TILES_PER_SPLIT, STAGES)),
+                (_consumer, (q_ptr, o_ptr, q1_smem, k_smem, v_smem, ones_smem, ready_k, ready_v, empty,
+                             turn.index(1), turn.index(0), HALF, tok0, q_end, seq_len, last_tile, kv_head, qk_scale,
+                             stride_qt, stride_qh, stride_ot, stride_oh, GROUP, D, TILE, TILES_PER_SPLIT, STAGES)),
+                (_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, block_table, seq_len,
+                             last_tile, kv_head, page_size, TILE, ROWS, D, STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
-def gluon_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, *, split, tile,
-                  block_m=128, num_warps=8, stages=3, ahead=1):  # fmt: skip
-    """The in-register walk of a prefill step (``launch._paged_attention_triton`` with ``split_programs=False``) on
-    Hopper; ``qk_scale`` in log2 units. Head dim 128, 16-bit caches. ``stages`` and ``ahead`` change launch order
-    only: every setting timed on the H200 gave the same bits and was within 3% of the others (3 / 1 the fastest,
-    with each denominator's MMA waited for a tile later, as now; waiting for it at once was 2% slower)."""
+def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tile: int) -> str | None:
+    """Why ``gluon_prefill`` cannot run these tensors, or None: head_dim 128, 16-bit caches, a GQA group dividing
+    128 rows, pages of at least 8 positions that divide TILE or that TILE divides, and caches a TMA descriptor can
+    address as (block, slot) rows."""
+    num_q_heads, head_dim = q.shape[1:]
+    _, page, num_kv_heads, dim = k_cache.shape
+    if head_dim != 2 * HALF.value or k_cache.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
+        return "gluon_prefill runs head_dim 128 over a 16-bit cache of the queries' dtype"
+    if (2 * HALF.value) % (num_q_heads // num_kv_heads):
+        return f"gluon_prefill needs a GQA group dividing {2 * HALF.value}"
+    if page < 8 or (tile % page and page % tile):
+        return f"gluon_prefill needs a page of >= 8 positions dividing {tile} or divisible by it"
+    for cache in (k_cache, v_cache):
+        if cache.stride(3) != 1 or cache.stride(2) != dim or cache.stride(0) != page * cache.stride(1):
+            return "gluon_prefill needs caches whose (block, slot) rows are evenly strided, heads inside a row"
+        if cache.data_ptr() % 16 or cache.stride(1) * cache.element_size() % 16:
+            return "gluon_prefill needs 16-byte aligned cache rows"
+    return None
+
+
+def _cache_desc(cache: torch.Tensor, rows: int) -> TensorDescriptor:
+    # The cache [blocks, page, kv heads, head_dim] as rows of (block, slot) by (kv head, dim) columns.
+    num_blocks, page, heads, dim = cache.shape
+    layout = gl.NVMMASharedLayout.get_default_for([rows, HALF.value], gl.bfloat16 if cache.dtype == torch.bfloat16
+                                                  else gl.float16)  # fmt: skip
+    return TensorDescriptor(cache, [num_blocks * page, heads * dim], [cache.stride(1), 1], [rows, HALF.value], layout)
+
+
+def gluon_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, *, split, tile, stages=3,
+                  consumer_regs=240, producer_regs=32):  # fmt: skip
+    """The in-register walk of a prefill step (``launch._paged_attention_triton`` with ``split_programs=False``,
+    BLOCK_M 128) on Hopper; ``qk_scale`` in log2 units; what it runs is in ``unsupported``. ``stages`` (K/V buffers
+    in the ring) and the register split change speed only: on the H200 3 stages beat 2 by 15-30% and 4 by 0-5%,
+    and 232 / 40 registers ran as 240 / 32 (docs/perf.md, session 19)."""
+    reason = unsupported(q, k_cache, v_cache, tile)
+    if reason:
+        raise ValueError(reason)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
+    rows = min(page_size, tile)
     num_seqs = block_tables.shape[0]
     group = num_q_heads // num_kv_heads
-    block_q = block_m // group
+    block_q = 2 * HALF.value // group
     out = torch.empty_like(q)
     num_tiles = num_tokens // block_q + num_seqs
     _gluon_prefill_kernel[(num_tiles * num_kv_heads,)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        q, _cache_desc(k_cache, rows), _cache_desc(v_cache, rows), out, block_tables, seq_lens, query_start_loc,
         num_seqs, max(1, num_seqs.bit_length()), page_size, qk_scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, D=head_dim, TILE=tile, TILES_PER_SPLIT=split // tile,
-        NUM_KV_HEADS=num_kv_heads, STAGES=stages, AHEAD=ahead, num_warps=num_warps,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, D=head_dim, TILE=tile, ROWS=rows, TILES_PER_SPLIT=split // tile,
+        NUM_KV_HEADS=num_kv_heads, STAGES=stages, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        num_warps=4,
     )  # fmt: skip
     return out
