@@ -19,8 +19,8 @@ here), a register cap of 168 (``maxnreg``: three programs per SM instead of two)
 (``ids_ahead``) and split programs with nothing to do leaving early or not (``skip_empty``). Decode is also timed
 by page size, 16 to 128 positions (the engine's ``block_size``; a K/V tile gathers 4 pages at 16), with the cache
 stored heads-outer (HND), and with blocks placed as the engine's allocator places them, with the same bits required
-everywhere. ``--only wide|pages|fastmode|merge`` runs one table (merge: the merge kernel's shapes and the split grid,
-with the default launch's kernels timed apart by torch.profiler).
+everywhere. ``--only wide|pages|fastmode|merge|gluon`` runs one table (merge: the merge kernel's shapes and the split
+grid, with the default launch's kernels timed apart by torch.profiler; gluon: the Gluon prefill walk's bits only).
 
 ``--only fastmode`` times the fast (``default``) kernel set's decode attention against the invariant launch at batch
 1/16/64 x context 1k/8k/32k: as a CUDA graph step sees it (a 40,960-position table, no host lengths) and as an eager
@@ -142,6 +142,34 @@ def check_values(cfg, device, gen):
             ref = reference(queries[name][s:e], kvs[i][0][:e], kvs[i][1][:e], s, scale)
             worst = max(worst, (out.float() - ref).abs().max().item())
         report(f"max |err| {launch}", worst < cfg["atol"], f"{worst:.2e} (lengths {lengths}, q_lens {q_lens})")
+
+
+def check_gluon(cfg, device, gen):
+    """Hopper: the Gluon prefill walk (the default there) against the Triton kernel, bit for bit, on prefill steps:
+    one-shot, chunked and mixed, up to 20k positions, pages of 8 to 128 positions, fp16, NaN in unwritten slots."""
+    print("Gluon prefill walk against the Triton kernel (bits)")
+    hq, hkv, d, scale = cfg["hq"], cfg["hkv"], cfg["d"], cfg["scale"]
+    cases = [
+        ("one-shot 4096", [(0, 4096)], {}), ("one-shot 5000", [(0, 5000)], {}),
+        ("last 1000 of 5000", [(4000, 5000)], {}), ("last 37 of 5000", [(4963, 5000)], {}),
+        ("37 after 1000", [(1000, 1037)], {}),
+        ("four sequences", [(0, 300), (4000, 5000), (0, 17), (1948, 2048)], {}), ("64", [(0, 64)], {}),
+        ("65", [(0, 65)], {}), ("513", [(0, 513)], {}), ("200 of 511", [(311, 511)], {}),
+        ("last 129 of 20000", [(19871, 20000)], {}), ("page 8", [(0, 1000)], dict(page=8)),
+        ("page 32", [(0, 3000)], dict(page=32)), ("page 64", [(0, 3000)], dict(page=64)),
+        ("page 128, two", [(0, 700), (2401, 3001)], dict(page=128)), ("fp16", [(0, 2000)], dict(dtype=torch.float16)),
+    ]  # fmt: skip
+    for name, spans, kw in cases:
+        page, dtype = kw.get("page", cfg["page"]), kw.get("dtype", cfg["dtype"])
+        cache = Cache(sum(-(-e // page) for _, e in spans) + 4, page, hkv, d, dtype, device, seed=3)
+        queries = {}
+        for i, (_, e) in enumerate(spans):
+            cache.write(f"s{i}", [kv_values(e, hkv, d, gen=gen, device=device, dtype=dtype) for _ in range(2)], 0, e)
+            queries[f"s{i}"] = torch.randn(e, hq, d, generator=gen).to(device, dtype)
+        items = [(f"s{i}", b, e) for i, (b, e) in enumerate(spans)]
+        gluon = torch.cat(cache.attend(items, queries, scale, block_m=128, split_programs=False, gluon=True))
+        triton_ = torch.cat(cache.attend(items, queries, scale, block_m=128, split_programs=False, gluon=False))
+        report(name, same_bits(gluon, triton_), f"{n_diff(gluon, triton_)} differ")
 
 
 def check_invariance(cfg, device, gen):
@@ -572,9 +600,10 @@ def main():
     parser.add_argument("--speed-only", action="store_true", help="skip the value and invariance checks")
     parser.add_argument(
         "--only",
-        choices=["wide", "pages", "fastmode", "merge"],
+        choices=["wide", "pages", "fastmode", "merge", "gluon"],
         help="only this decode speed table (wide: a max_model_len-wide block table; pages: by page size and layout; "
-        "fastmode: the default kernel set's decode against the invariant launch)",
+        "fastmode: the default kernel set's decode against the invariant launch), or gluon: only the Gluon prefill "
+        "walk's bits against the Triton kernel's (Hopper)",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -621,11 +650,14 @@ def main():
           f"TILE {TILE}, split {cfg['split']}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     if args.only:
-        tables = {"wide": bench_wide, "pages": bench_pages, "fastmode": bench_fastmode, "merge": bench_merge}
+        tables = {"wide": bench_wide, "pages": bench_pages, "fastmode": bench_fastmode, "merge": bench_merge,
+                  "gluon": lambda cfg, device: check_gluon(cfg, device, gen)}  # fmt: skip
         tables[args.only](cfg, device)
     elif not args.speed_only:
         check_values(cfg, device, gen)
         check_invariance(cfg, device, gen)
+        if hopper and KV_DTYPE is None:
+            check_gluon(cfg, device, gen)
     if device == "cuda" and not args.smoke and not args.no_speed and not args.only:
         bench_speed(cfg, device)
     print(f"\n{'ALL CHECKS PASSED' if not FAILURES else f'{len(FAILURES)} FAILED: ' + '; '.join(FAILURES)}")

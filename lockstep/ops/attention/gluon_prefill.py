@@ -105,8 +105,7 @@ def _load_tile(desc, smem, ready, slot, t, block_table, seq_len, kv_head, page_s
         block = gl.load(block_table + pos // page_size, mask=pos < seq_len, other=0)
         row = block * page_size + pos % page_size
         for h in gl.static_range(halves):
-            _tma_load(desc, [row, kv_head * D + h * HALF], ready,
-                      smem.index(slot * halves + h).slice(j * ROWS, ROWS))
+            _tma_load(desc, [row, kv_head * D + h * HALF], ready, smem.index(slot * halves + h).slice(j * ROWS, ROWS))
 
 
 @gluon.jit
