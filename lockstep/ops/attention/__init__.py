@@ -23,8 +23,8 @@ The CPU runs the same tile/split structure with batched matmuls of one fixed per
 
 The package, in the order a step uses it: ``tiling`` (TILE, SPLIT: the reduction order every path follows),
 ``kv_cache`` (``write_kv`` and the FP8 cache's rounding), ``kernel`` (the Triton kernels), ``gluon_prefill`` (the
-prefill walk in Gluon on Hopper, warp-specialized, the same bits; the default there), ``launch`` (how a CUDA batch is cut into programs: launch
-shapes only, never the math), ``cpu`` (the CPU plan and path); this file holds
+prefill walk in Gluon on Hopper, warp-specialized, the same bits; the default there), ``launch`` (how a CUDA batch
+is cut into programs: launch shapes only, never the math), ``cpu`` (the CPU plan and path); this file holds
 ``paged_attention``, the one entry point that checks its arguments and picks the device's path.
 """
 
