@@ -4,10 +4,11 @@
 is waited for before anything else runs, so each warpgroup does QK, the softmax and P @ V one after the other, and
 the two warpgroups of a program do so in step (docs/design.md, "Attention"). Here each warpgroup is a partition of
 its own (64 of the program's 128 rows) and a one-warp producer brings K and V by TMA into a ring of STAGES buffers,
-handing them over through mbarriers (``ready_k`` / ``ready_v`` filled, ``empty`` released by both consumers). The
-consumers take turns issuing their MMAs (``turn``), so one warpgroup's softmax runs while the other's QK and P @ V
-occupy the tensor cores (FA3's ping-pong), and each issues tile t's QK with tile t - 1's P @ V and denominator and
-runs tile t's softmax while those are in flight.
+handing them over through mbarriers (``ready_k`` / ``ready_v`` filled, ``empty`` released by both consumers). Apart
+from those, the consumers run on their own, so one warpgroup's softmax runs while the other's QK and P @ V occupy
+the tensor cores; FA3 makes them take turns issuing (ping-pong), which timed no faster here (docs/perf.md, session
+19). Each issues tile t's QK with tile t - 1's P @ V and denominator and runs tile t's softmax while those are in
+flight.
 
 The per-row operations are the Triton kernel's, in its order, tile by tile and split by split; only their grouping
 into instructions differs: Q @ K^T over head_dim 128 is two wgmma calls over 64-column halves (the same eight
@@ -117,12 +118,11 @@ def _qk(q_mine, k_smem, slot, s0, halves: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v, empty, my_turn, other_turn,
-              row0, tok0, q_end, seq_len, last_tile, kv_head, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v, empty, row0, tok0, q_end, seq_len,
+              last_tile, kv_head, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
               GROUP: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr, TILES_PER_SPLIT: gl.constexpr,
               STAGES: gl.constexpr):  # fmt: skip
-    # Rows row0 .. row0 + HALF of the program's tile: gluon_prefill's walk for one warpgroup, its MMAs issued in
-    # turn with the other consumer's.
+    # Rows row0 .. row0 + HALF of the program's tile: gluon_prefill's walk for one warpgroup.
     # D == 2 * HALF (gluon_prefill checks)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -159,15 +159,12 @@ def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v,
     acc1 = gl.zeros([HALF, HALF], gl.float32, layout=mma_o)
     s0 = gl.zeros([HALF, TILE], gl.float32, layout=mma_s)
 
-    # Tile 0's scores and P; its P @ V and denominator go with tile 1's QK. Issue k (tile 0, the loop's t, the last
-    # P @ V) waits for the k-th turn: the other consumer has issued its k-th (consumer 0: its k - 1-th) batch.
-    # Every MMA's inputs are computed before the batch it goes with is issued (ptxas serializes MMAs whose inputs
-    # are defined while an MMA of the same batch is in flight, warning C7513), so the rescaled accumulators, P and
-    # the denominator of tile t are made ready at the end of iteration t for iteration t + 1.
+    # Tile 0's scores and P; its P @ V and denominator go with tile 1's QK. Every MMA's inputs are computed before
+    # the batch it goes with is issued (ptxas serializes MMAs whose inputs are defined while an MMA of the same batch
+    # is in flight, warning C7513), so the rescaled accumulators, P and the denominator of tile t are made ready at
+    # the end of iteration t for iteration t + 1.
     mbarrier.wait(ready_k.index(0), 0)
-    mbarrier.wait(my_turn, 0)
     s = _qk(q_mine, k_smem, 0, s0, 2)
-    mbarrier.arrive(other_turn)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     m, p, alpha = _p_tile(s, 0, m, pos, qk_scale, cols_s, dtype, TILE)
     p_v = gl.convert_layout(p, p_o)
@@ -182,12 +179,10 @@ def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v,
         prev = (t - 1) % STAGES
         mbarrier.wait(ready_k.index(slot), (t // STAGES) % 2)
         mbarrier.wait(ready_v.index(prev), ((t - 1) // STAGES) % 2)
-        mbarrier.wait(my_turn, t % 2)
         s = _qk(q_mine, k_smem, slot, s0, 2)
         acc0 = warpgroup_mma(p_v, v_smem.index(prev * 2), acc0, is_async=True)
         acc1 = warpgroup_mma(p_v, v_smem.index(prev * 2 + 1), acc1, is_async=True)
         den = warpgroup_mma(p_den, ones_smem, den, is_async=True)
-        mbarrier.arrive(other_turn)
         s = warpgroup_mma_wait(num_outstanding=3, deps=(s,))
         new_split = t % TILES_PER_SPLIT == 0
         m_old = m
@@ -221,11 +216,9 @@ def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v,
             v_smem.index(last * 2 + h).store(gl.where(keep, v, gl.zeros_like(v)))
         fence_async_shared()
         _cta_barrier()
-    mbarrier.wait(my_turn, (last_tile + 1) % 2)
     acc0 = warpgroup_mma(p_v, v_smem.index(last * 2), acc0, is_async=True)
     acc1 = warpgroup_mma(p_v, v_smem.index(last * 2 + 1), acc1, is_async=True)
     den = warpgroup_mma(p_den, ones_smem, den, is_async=True)
-    mbarrier.arrive(other_turn)
     acc0, acc1, den = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, den))
     m_in = gl.convert_layout(m, row_o)
     den_in = gl.convert_layout(gl.max(den, 1), row_o)
@@ -277,25 +270,21 @@ def _gluon_prefill_kernel(
         ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_k.index(i), count=1)
             mbarrier.init(ready_v.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
-        mbarrier.arrive(turn.index(0))  # consumer 0 issues first
         fence_async_shared()
         _cta_barrier()
 
         gl.warp_specialize(
             [
-                (_consumer, (q_ptr, o_ptr, q0_smem, k_smem, v_smem, ones_smem, ready_k, ready_v, empty,
-                             turn.index(0), turn.index(1), 0, tok0, q_end, seq_len, last_tile, kv_head, qk_scale,
-                             stride_qt, stride_qh, stride_ot, stride_oh, GROUP, D, TILE, TILES_PER_SPLIT, STAGES)),
-                (_consumer, (q_ptr, o_ptr, q1_smem, k_smem, v_smem, ones_smem, ready_k, ready_v, empty,
-                             turn.index(1), turn.index(0), HALF, tok0, q_end, seq_len, last_tile, kv_head, qk_scale,
-                             stride_qt, stride_qh, stride_ot, stride_oh, GROUP, D, TILE, TILES_PER_SPLIT, STAGES)),
+                (_consumer, (q_ptr, o_ptr, q0_smem, k_smem, v_smem, ones_smem, ready_k, ready_v, empty, 0, tok0,
+                             q_end, seq_len, last_tile, kv_head, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                             GROUP, D, TILE, TILES_PER_SPLIT, STAGES)),
+                (_consumer, (q_ptr, o_ptr, q1_smem, k_smem, v_smem, ones_smem, ready_k, ready_v, empty, HALF, tok0,
+                             q_end, seq_len, last_tile, kv_head, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                             GROUP, D, TILE, TILES_PER_SPLIT, STAGES)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, block_table, seq_len,
                              last_tile, kv_head, page_size, TILE, ROWS, D, STAGES)),
             ],
