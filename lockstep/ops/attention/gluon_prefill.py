@@ -118,6 +118,15 @@ def _qk(q_mine, k_smem, slot, s0, halves: gl.constexpr):
 
 
 @gluon.jit
+def _mma_inputs(p, alpha, acc0, acc1, den, p_o: gl.constexpr, p_d: gl.constexpr):
+    # Tile t's P in the two MMAs' operand layouts and the accumulators rescaled for its P @ V and denominator,
+    # computed before that batch is issued (see _consumer).
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, acc0.type.layout))[:, None]
+    alpha_d = gl.convert_layout(alpha, gl.SliceLayout(1, den.type.layout))[:, None]
+    return gl.convert_layout(p, p_o), gl.convert_layout(p, p_d), acc0 * alpha_o, acc1 * alpha_o, den * alpha_d
+
+
+@gluon.jit
 def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v, empty, row0, tok0, q_end, seq_len,
               last_tile, kv_head, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
               GROUP: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr, TILES_PER_SPLIT: gl.constexpr,
@@ -133,7 +142,6 @@ def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v,
     p_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
     row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
-    row_d: gl.constexpr = gl.SliceLayout(1, mma_d)
 
     rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, blk))
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, blk))
@@ -167,12 +175,7 @@ def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v,
     s = _qk(q_mine, k_smem, 0, s0, 2)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     m, p, alpha = _p_tile(s, 0, m, pos, qk_scale, cols_s, dtype, TILE)
-    p_v = gl.convert_layout(p, p_o)
-    p_den = gl.convert_layout(p, p_d)
-    den = den * gl.convert_layout(alpha, row_d)[:, None]
-    alpha_o = gl.convert_layout(alpha, row_o)[:, None]
-    acc0 = acc0 * alpha_o
-    acc1 = acc1 * alpha_o
+    p_v, p_den, acc0, acc1, den = _mma_inputs(p, alpha, acc0, acc1, den, p_o, p_d)
 
     for t in range(1, last_tile + 1):
         slot = t % STAGES
@@ -200,12 +203,7 @@ def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v,
             acc1 = gl.zeros([HALF, HALF], gl.float32, layout=mma_o)
             den = gl.zeros([HALF, 16], gl.float32, layout=mma_d)
         m = m_new
-        p_v = gl.convert_layout(p, p_o)
-        p_den = gl.convert_layout(p, p_d)
-        den = den * gl.convert_layout(alpha, row_d)[:, None]
-        alpha_o = gl.convert_layout(alpha, row_o)[:, None]
-        acc0 = acc0 * alpha_o
-        acc1 = acc1 * alpha_o
+        p_v, p_den, acc0, acc1, den = _mma_inputs(p, alpha, acc0, acc1, den, p_o, p_d)
 
     last = last_tile % STAGES
     mbarrier.wait(ready_v.index(last), (last_tile // STAGES) % 2)
