@@ -325,8 +325,8 @@ def gluon_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
                   consumer_regs=240, producer_regs=32):  # fmt: skip
     """The in-register walk of a prefill step (``launch._paged_attention_triton`` with ``split_programs=False``,
     BLOCK_M 128) on Hopper; ``qk_scale`` in log2 units; what it runs is in ``unsupported``. ``stages`` (K/V buffers
-    in the ring) and the register split change speed only: on the H200 3 stages beat 2 by 15-30% and 4 by 0-5%,
-    and 232 / 40 registers ran as 240 / 32 (docs/perf.md, session 19)."""
+    in the ring) and the register split change speed only: on the H200 3 stages beat 2 by 13-29% and 4 by 1-5%, and
+    232 / 40 or 224 / 48 registers were up to 4% slower than 240 / 32 (docs/perf.md, session 19)."""
     reason = unsupported(q, k_cache, v_cache, tile)
     if reason:
         raise ValueError(reason)
