@@ -5,9 +5,9 @@ an order fixed by the reduction length alone. ``default`` (what ``batch_invarian
 non-deterministic engine would be: cuBLAS, torch's norms on the CPU and fused ones on CUDA, and on CUDA a paged
 attention whose KV split follows the batch; CUDA graphs capture it like the invariant set. It is the negative
 control that shows the batch changing the bits, and the speed baseline. ``torch`` runs torch's own ops only (SDPA
-over K/V gathered from the cache; for MoE, a loop over the experts), differentiable: the usual RL trainer. ``torch-linear`` mixes (torch's matmul, norm and
-activation, lockstep's attention) to price invariance outside attention. Layers call ``self.kernels.<op>``; nothing
-in the forward pass branches on the set.
+over K/V gathered from the cache; for MoE, a loop over the experts), differentiable: the usual RL trainer.
+``torch-linear`` mixes (torch's matmul, norm and activation, lockstep's attention) to price invariance outside
+attention. Layers call ``self.kernels.<op>``; nothing in the forward pass branches on the set.
 
 Register another set with ``register_kernels``; ``EngineConfig.kernels`` and ``LLM(kernels=...)`` take its name.
 """
