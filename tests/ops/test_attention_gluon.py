@@ -127,3 +127,11 @@ def test_gluon_route_refuses_launches_it_cannot_run() -> None:
             torch.tensor([0, 4], dtype=torch.int32), 0.1)  # fmt: skip
     with pytest.raises(ValueError, match="BLOCK_M 128"):
         launch._paged_attention_triton(*args, gluon=True, block_m=64)
+
+
+def test_wait_probe_builds_its_variant() -> None:
+    # bench/gluon_wait_probe.py patches gluon_prefill's source at one line; if the kernel moves on, it must say so
+    script = "import sys; sys.path.insert(0, 'bench'); import gluon_wait_probe as g; print(g.variant().__name__)"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "gluon_prefill" in done.stdout, done.stderr[-2000:]
