@@ -131,7 +131,10 @@ def test_gluon_route_refuses_launches_it_cannot_run() -> None:
 
 def test_wait_probe_builds_its_variant() -> None:
     # bench/gluon_wait_probe.py patches gluon_prefill's source at one line; if the kernel moves on, it must say so
-    script = "import sys; sys.path.insert(0, 'bench'); import gluon_wait_probe as g; print(g.variant().__name__)"
+    script = (
+        "import sys; sys.path.insert(0, 'bench'); import gluon_wait_probe as g; "
+        "print([g.variant(v).__name__ for v in g.VARIANTS])"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "gluon_prefill" in done.stdout, done.stderr[-2000:]
