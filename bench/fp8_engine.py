@@ -38,7 +38,8 @@ from lockstep.outputs import OutputKind  # noqa: E402
 
 CONFIGS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
 # Opt-in (--configs): a Qwen3-FP8-style checkpoint (128 x 128 block weights, activations per 128 columns, whose
-# quantization the matmul can fuse, where its table says so) instead of online FP8 (per-channel weights, per-token activations).
+# quantization the matmul can fuse, where its table says so) instead of online FP8 (per-channel weights, per-token
+# activations).
 BLOCK_CONFIGS = {"fp8-block": {}, "fp8-block+kv": {"kv_cache_dtype": "fp8"}}
 GOALS = {"decode_ms": 2.5, "s256": 22.0, "tok_s_1000": 14_000.0}
 CHECK_TOKENS = 32

@@ -41,8 +41,8 @@ SCRIPT = textwrap.dedent(
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
            **{p: "i32" for p in ("K", "stride_xm", "stride_qm", "stride_sm")}}
     for per_token in (True, False):
-        ptx = compile_(fp8._quantize_kernel, sig, {"GROUP": 128, "GROUPS": 32 if per_token else 8, "PER_TOKEN": per_token,
-                                                   "USE_PDL": per_token})
+        flags = {"GROUP": 128, "GROUPS": 32 if per_token else 8, "PER_TOKEN": per_token, "USE_PDL": per_token}
+        ptx = compile_(fp8._quantize_kernel, sig, flags)
     quantize_divisions = divisions(ptx)  # the per-group kernel's, which the fused matmul must share
     assert quantize_divisions, ptx[-2000:]
     sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
