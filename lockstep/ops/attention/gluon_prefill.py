@@ -127,6 +127,25 @@ def _mma_inputs(p, alpha, acc0, acc1, den, p_o: gl.constexpr, p_d: gl.constexpr)
 
 
 @gluon.jit
+def _pv(p_v, p_den, v_smem, slot, ones_smem, acc0, acc1, den):
+    # A tile's P @ V (two 64-column halves) and denominator issued, in flight.
+    acc0 = warpgroup_mma(p_v, v_smem.index(slot * 2), acc0, is_async=True)
+    acc1 = warpgroup_mma(p_v, v_smem.index(slot * 2 + 1), acc1, is_async=True)
+    return acc0, acc1, warpgroup_mma(p_den, ones_smem, den, is_async=True)
+
+
+@gluon.jit
+def _fold(m_run, den_run, run0, run1, m, den, acc0, acc1):
+    # A finished split (its max m, denominator den, accumulator halves) merged into the running state.
+    row_o: gl.constexpr = gl.SliceLayout(1, acc0.type.layout)
+    m_in = gl.convert_layout(m, row_o)
+    den_in = gl.convert_layout(gl.max(den, 1), row_o)
+    _, _, run1 = _merge(m_run, den_run, run1, m_in, den_in, acc1)
+    m_run, den_run, run0 = _merge(m_run, den_run, run0, m_in, den_in, acc0)
+    return m_run, den_run, run0, run1
+
+
+@gluon.jit
 def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v, empty, row0, tok0, q_end, seq_len,
               last_tile, kv_head, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
               GROUP: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr, TILES_PER_SPLIT: gl.constexpr,
@@ -183,9 +202,7 @@ def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v,
         mbarrier.wait(ready_k.index(slot), (t // STAGES) % 2)
         mbarrier.wait(ready_v.index(prev), ((t - 1) // STAGES) % 2)
         s = _qk(q_mine, k_smem, slot, s0, 2)
-        acc0 = warpgroup_mma(p_v, v_smem.index(prev * 2), acc0, is_async=True)
-        acc1 = warpgroup_mma(p_v, v_smem.index(prev * 2 + 1), acc1, is_async=True)
-        den = warpgroup_mma(p_den, ones_smem, den, is_async=True)
+        acc0, acc1, den = _pv(p_v, p_den, v_smem, prev, ones_smem, acc0, acc1, den)
         s = warpgroup_mma_wait(num_outstanding=3, deps=(s,))
         new_split = t % TILES_PER_SPLIT == 0
         m_old = m
@@ -195,10 +212,7 @@ def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v,
         acc0, acc1, den = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, den))
         mbarrier.arrive(empty.index(prev))
         if new_split:  # tile t - 1 ended a split: fold it in, start the next from zero
-            m_in = gl.convert_layout(m_old, row_o)
-            den_in = gl.convert_layout(gl.max(den, 1), row_o)
-            _, _, run1 = _merge(m_run, den_run, run1, m_in, den_in, acc1)
-            m_run, den_run, run0 = _merge(m_run, den_run, run0, m_in, den_in, acc0)
+            m_run, den_run, run0, run1 = _fold(m_run, den_run, run0, run1, m_old, den, acc0, acc1)
             acc0 = gl.zeros([HALF, HALF], gl.float32, layout=mma_o)
             acc1 = gl.zeros([HALF, HALF], gl.float32, layout=mma_o)
             den = gl.zeros([HALF, 16], gl.float32, layout=mma_d)
@@ -214,14 +228,9 @@ def _consumer(q_ptr, o_ptr, q_mine, k_smem, v_smem, ones_smem, ready_k, ready_v,
             v_smem.index(last * 2 + h).store(gl.where(keep, v, gl.zeros_like(v)))
         fence_async_shared()
         _cta_barrier()
-    acc0 = warpgroup_mma(p_v, v_smem.index(last * 2), acc0, is_async=True)
-    acc1 = warpgroup_mma(p_v, v_smem.index(last * 2 + 1), acc1, is_async=True)
-    den = warpgroup_mma(p_den, ones_smem, den, is_async=True)
+    acc0, acc1, den = _pv(p_v, p_den, v_smem, last, ones_smem, acc0, acc1, den)
     acc0, acc1, den = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, den))
-    m_in = gl.convert_layout(m, row_o)
-    den_in = gl.convert_layout(gl.max(den, 1), row_o)
-    _, _, run1 = _merge(m_run, den_run, run1, m_in, den_in, acc1)
-    m_run, den_run, run0 = _merge(m_run, den_run, run0, m_in, den_in, acc0)
+    m_run, den_run, run0, run1 = _fold(m_run, den_run, run0, run1, m, den, acc0, acc1)
 
     den_safe = gl.where(den_run == 0.0, 1.0, den_run)[:, None]
     rows_o = row0 + gl.arange(0, HALF, layout=row_o)
